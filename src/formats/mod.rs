@@ -1,0 +1,8 @@
+//! File formats: weights and configuration readers. No compute happens here beyond dtype decoding.
+
+pub mod config;
+pub mod npy;
+pub mod safetensors;
+pub mod tensor;
+
+pub use tensor::Tensor;

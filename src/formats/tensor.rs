@@ -1,0 +1,74 @@
+//! A named f32 tensor whose storage is either a view into a memory-mapped weight file (zero-copy,
+//! pages read on first touch) or an owned buffer decoded from another dtype.
+
+use std::sync::Arc;
+
+use memmap2::Mmap;
+
+use crate::error::{Error, Result};
+
+enum Storage {
+    /// `len` f32 values at byte `offset` of the map; the offset is 4-byte aligned (checked).
+    Mapped { map: Arc<Mmap>, offset: usize, len: usize },
+    Owned(Vec<f32>),
+}
+
+pub struct Tensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    storage: Storage,
+}
+
+impl Tensor {
+    pub fn owned(name: impl Into<String>, shape: Vec<usize>, data: Vec<f32>) -> Tensor {
+        debug_assert_eq!(shape.iter().product::<usize>(), data.len());
+        Tensor { name: name.into(), shape, storage: Storage::Owned(data) }
+    }
+
+    /// A zero-copy view; the caller guarantees `offset + 4·len` lies inside the map.
+    pub(crate) fn mapped(name: String, shape: Vec<usize>, map: Arc<Mmap>, offset: usize) -> Tensor {
+        let len = shape.iter().product();
+        debug_assert!(offset % 4 == 0 && offset + 4 * len <= map.len());
+        Tensor { name, shape, storage: Storage::Mapped { map, offset, len } }
+    }
+
+    pub fn data(&self) -> &[f32] {
+        match &self.storage {
+            Storage::Owned(v) => v,
+            Storage::Mapped { map, offset, len } => {
+                // SAFETY: alignment and bounds were checked when the view was made; the map is
+                // read-only and lives as long as `self`.
+                unsafe { std::slice::from_raw_parts(map.as_ptr().add(*offset) as *const f32, *len) }
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.storage, Storage::Mapped { .. })
+    }
+
+    /// Checks the shape against what the model's config implies; the error names the tensor.
+    pub fn expect_shape(self, shape: &[usize]) -> Result<Tensor> {
+        if self.shape != shape {
+            return Err(Error::tensor(
+                &self.name,
+                format!("has shape {:?}, the config implies {:?}", self.shape, shape),
+            ));
+        }
+        Ok(self)
+    }
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor({}, {:?}, {})", self.name, self.shape, if self.is_mapped() { "mapped" } else { "owned" })
+    }
+}

@@ -1,0 +1,4 @@
+//! Models written once over the op set: weight-name mapping, config validation, forward passes.
+
+pub mod egemma;
+pub mod sentence;

@@ -1,0 +1,80 @@
+//! Model resolution: a local directory, or a hub id (`org/name`) found in the local Hugging Face
+//! cache. The cache layout is `models--{org}--{name}/snapshots/{revision}/`, with
+//! `refs/main` naming the revision; the cache root follows HF_HUB_CACHE, HF_HOME and
+//! XDG_CACHE_HOME as the Hugging Face tools do.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+/// Where the Hugging Face cache may be, in the order the Hugging Face tools look.
+pub fn hub_cache_roots() -> Vec<PathBuf> {
+    let mut roots = Vec::new();
+    if let Some(p) = std::env::var_os("HF_HUB_CACHE") {
+        roots.push(PathBuf::from(p));
+    }
+    if let Some(p) = std::env::var_os("HF_HOME") {
+        roots.push(PathBuf::from(p).join("hub"));
+    }
+    if let Some(p) = std::env::var_os("XDG_CACHE_HOME") {
+        roots.push(PathBuf::from(p).join("huggingface").join("hub"));
+    }
+    if let Some(home) = std::env::var_os("HOME") {
+        roots.push(PathBuf::from(home).join(".cache").join("huggingface").join("hub"));
+    }
+    roots.dedup();
+    roots
+}
+
+fn snapshot_in(root: &Path, id: &str) -> Option<PathBuf> {
+    let repo = root.join(format!("models--{}", id.replace('/', "--")));
+    let snapshots = repo.join("snapshots");
+    if let Ok(rev) = std::fs::read_to_string(repo.join("refs").join("main")) {
+        let dir = snapshots.join(rev.trim());
+        if dir.join("config.json").is_file() {
+            return Some(dir);
+        }
+    }
+    // No usable refs/main: the most recently written complete snapshot.
+    let mut best: Option<(std::time::SystemTime, PathBuf)> = None;
+    for entry in std::fs::read_dir(&snapshots).ok()?.flatten() {
+        let dir = entry.path();
+        if !dir.join("config.json").is_file() {
+            continue;
+        }
+        let t = entry.metadata().and_then(|m| m.modified()).unwrap_or(std::time::UNIX_EPOCH);
+        if best.as_ref().is_none_or(|(bt, _)| t > *bt) {
+            best = Some((t, dir));
+        }
+    }
+    best.map(|(_, d)| d)
+}
+
+/// Resolves `spec` to a model directory. A path that exists wins; otherwise `org/name` is looked
+/// up in the hub cache. An offline miss names every place that was searched.
+pub fn resolve_model(spec: &str) -> Result<PathBuf> {
+    let path = Path::new(spec);
+    if path.exists() {
+        if path.is_dir() {
+            return Ok(path.to_path_buf());
+        }
+        return Err(Error::format(path, "expected a model directory"));
+    }
+    let looks_like_id = spec.split('/').count() == 2 && !spec.starts_with('.') && !spec.contains("..");
+    if !looks_like_id {
+        return Err(Error::NotFound(format!("`{spec}` is neither a directory nor a hub id (org/name)")));
+    }
+    let roots = hub_cache_roots();
+    for root in &roots {
+        if let Some(dir) = snapshot_in(root, spec) {
+            return Ok(dir);
+        }
+    }
+    let looked: Vec<String> =
+        roots.iter().map(|r| r.join(format!("models--{}", spec.replace('/', "--"))).display().to_string()).collect();
+    Err(Error::NotFound(format!(
+        "`{spec}` is not a local directory and is not in the Hugging Face cache (looked in: {}); \
+         download it with `huggingface-cli download {spec}` or pass a model directory",
+        looked.join(", ")
+    )))
+}
