@@ -15,7 +15,7 @@ pub enum Error {
     Tensor { name: String, msg: String },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
-    #[error("input: {0}")]
+    #[error("{0}")]
     Input(String),
     #[error("model not found: {0}")]
     NotFound(String),

@@ -1,1 +1,361 @@
-fn main(){}
+//! `tern`: the command-line front end.
+
+use std::io::{BufWriter, IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use tern::error::{Error, Result};
+use tern::formats::npy;
+use tern::runtime::embed::{EmbedOptions, Embedder, Embeddings, LoadOptions};
+use tern::runtime::resolve::resolve_model;
+
+#[derive(Parser)]
+#[command(name = "tern", version, about = "Embeddings (EmbeddingGemma) and Qwen3.5 generation, on CPU and NVIDIA GPUs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Turn texts into embedding vectors.
+    Embed(EmbedArgs),
+    /// Measure throughput and latency.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Describe a model directory: architecture, sizes, prompts, limits.
+    Inspect {
+        /// Model directory or hub id (org/name) in the local Hugging Face cache.
+        #[arg(long)]
+        model: String,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Device {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Format {
+    Jsonl,
+    Npy,
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// Model directory or hub id (org/name) in the local Hugging Face cache.
+    #[arg(long)]
+    model: String,
+    /// Where to run: auto picks a GPU when one can be used, else the CPU.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: Device,
+    /// Worker threads (default: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Lower the model's token limit.
+    #[arg(long)]
+    max_tokens: Option<usize>,
+}
+
+#[derive(Args)]
+struct EmbedArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prepend the prompt of this name from config_sentence_transformers.json (query, document, STS, …).
+    #[arg(long, conflicts_with = "prompt")]
+    prompt_name: Option<String>,
+    /// Prepend this literal prompt.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Matryoshka: keep the first N dimensions, then re-normalise.
+    #[arg(long)]
+    dimensions: Option<usize>,
+    /// Return the pipeline's output without L2 normalisation.
+    #[arg(long)]
+    no_normalize: bool,
+    /// Token budget of one packed batch.
+    #[arg(long, default_value_t = 8192)]
+    batch_tokens: usize,
+    /// Refuse over-long inputs instead of truncating them.
+    #[arg(long)]
+    no_truncate: bool,
+    /// Read inputs from FILE, one text per line (`-` for standard input).
+    #[arg(long, conflicts_with = "texts")]
+    input: Option<PathBuf>,
+    /// Output format: jsonl (one {"index", "embedding"} object per line) or npy (float32 [n, dim]).
+    #[arg(long, value_enum, default_value = "jsonl")]
+    format: Format,
+    /// Write to FILE instead of standard output.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// Texts to embed.
+    texts: Vec<String>,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Embedding throughput (batches of documents) and single-query latency.
+    Embed(BenchEmbedArgs),
+}
+
+#[derive(Args)]
+struct BenchEmbedArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Documents per batch.
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// Approximate tokens per document.
+    #[arg(long, default_value_t = 128)]
+    doc_tokens: usize,
+    /// Timed repetitions of each measurement (after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
+    /// Documents to use, one per line (default: generated text).
+    #[arg(long)]
+    input: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Embed(args) => run_embed(args),
+        Command::Bench(BenchCommand::Embed(args)) => run_bench_embed(args),
+        Command::Inspect { model } => run_inspect(&model),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load_embedder(args: &ModelArgs) -> Result<Embedder> {
+    if args.device == Device::Cuda {
+        return Err(Error::Input(
+            "--device cuda: this build runs embeddings on the CPU only; use --device cpu or auto".into(),
+        ));
+    }
+    let dir = resolve_model(&args.model)?;
+    Embedder::load(&dir, &LoadOptions { threads: args.threads, max_tokens: args.max_tokens })
+}
+
+/// One text per line; a final newline ends the last line rather than adding an empty input.
+/// Invalid UTF-8 is an error naming the line.
+fn read_lines(path: &Path) -> Result<Vec<String>> {
+    let mut bytes = Vec::new();
+    if path == Path::new("-") {
+        std::io::stdin().read_to_end(&mut bytes).map_err(|e| Error::io("<stdin>", e))?;
+    } else {
+        bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    }
+    let name = if path == Path::new("-") { "<stdin>".into() } else { path.display().to_string() };
+    let mut body = &bytes[..];
+    if body.last() == Some(&b'\n') {
+        body = &body[..body.len() - 1];
+    }
+    if body.is_empty() {
+        return Ok(Vec::new());
+    }
+    body.split(|&b| b == b'\n')
+        .enumerate()
+        .map(|(i, line)| {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            String::from_utf8(line.to_vec())
+                .map_err(|e| Error::Input(format!("{name}: line {} is not valid UTF-8 ({e})", i + 1)))
+        })
+        .collect()
+}
+
+fn run_embed(args: EmbedArgs) -> Result<()> {
+    let texts = match &args.input {
+        Some(path) => read_lines(path)?,
+        None => args.texts.clone(),
+    };
+    if texts.is_empty() {
+        return Err(Error::Input("no inputs: give texts as arguments or --input FILE (one per line)".into()));
+    }
+    if args.format == Format::Npy && args.output.is_none() && std::io::stdout().is_terminal() {
+        return Err(Error::Input("--format npy writes binary: give --output FILE or redirect standard output".into()));
+    }
+    let model = load_embedder(&args.model)?;
+    let opts = EmbedOptions {
+        prompt_name: args.prompt_name.clone(),
+        prompt: args.prompt.clone(),
+        dimensions: args.dimensions,
+        normalize: !args.no_normalize,
+        truncate: !args.no_truncate,
+        batch_tokens: args.batch_tokens,
+    };
+    let refs: Vec<&str> = texts.iter().map(|s| s.as_str()).collect();
+    let bar = (std::io::stderr().is_terminal() && texts.len() > 64).then(|| {
+        let bar = indicatif::ProgressBar::new(texts.len() as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} texts, {per_sec}, eta {eta}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        bar
+    });
+    let out = model.embed_with_progress(&refs, &opts, |done| {
+        if let Some(b) = &bar {
+            b.set_position(done as u64);
+        }
+    })?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    for (i, n) in &out.truncated {
+        eprintln!(
+            "warning: input {i} has {n} tokens; truncated to the model's limit of {}",
+            model.tokenizer.max_tokens()
+        );
+    }
+    let sink: Box<dyn Write> = match &args.output {
+        Some(p) => Box::new(std::fs::File::create(p).map_err(|e| Error::io(p, e))?),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    let name = args.output.as_ref().map_or("<stdout>".into(), |p| p.display().to_string());
+    write_embeddings(BufWriter::new(sink), &out, args.format).map_err(|e| Error::io(name, e))
+}
+
+fn write_embeddings(mut w: impl Write, out: &Embeddings, format: Format) -> std::io::Result<()> {
+    match format {
+        Format::Npy => npy::write_f32(&mut w, &[out.len(), out.dim], &out.data)?,
+        Format::Jsonl => {
+            for i in 0..out.len() {
+                // f32 values print in their shortest round-trip form.
+                let row = serde_json::to_string(out.row(i)).map_err(std::io::Error::other)?;
+                writeln!(w, "{{\"index\": {i}, \"embedding\": {row}}}")?;
+            }
+        }
+    }
+    w.flush()
+}
+
+fn run_inspect(spec: &str) -> Result<()> {
+    let dir = resolve_model(spec)?;
+    let model = Embedder::load(&dir, &LoadOptions::default())?;
+    let p = &model.pipeline;
+    let c = &p.encoder.cfg;
+    let info = serde_json::json!({
+        "path": dir.display().to_string(),
+        "architecture": format!("{:?}", c.variant),
+        "layers": c.layers.len(),
+        "full_attention_layers": c.layers.iter().filter(|l| l.kind == tern::models::egemma::LayerKind::Full).count(),
+        "hidden_size": c.hidden,
+        "query_heads": c.q_heads,
+        "sliding_window_radius": c.window_max_distance(),
+        "vocab_size": c.vocab_size,
+        "dense_modules": p.dense.len(),
+        "normalize": p.normalize,
+        "dim": model.dim(),
+        "max_tokens": model.tokenizer.max_tokens(),
+        "prompts": p.prompts,
+        "weight_bytes": p.encoder.weight_bytes(),
+    });
+    println!("{}", serde_json::to_string_pretty(&info).unwrap_or_default());
+    Ok(())
+}
+
+/// Resident and peak resident memory of this process, in bytes (Linux; 0 elsewhere).
+fn memory_usage() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// Deterministic English-like documents of about `tokens` tokens each.
+fn generated_documents(n: usize, tokens: usize) -> Vec<String> {
+    const WORDS: &[&str] = &[
+        "the", "tern", "is", "a", "seabird", "that", "migrates", "between", "polar", "regions", "every", "year",
+        "covering", "more", "distance", "than", "any", "other", "animal", "researchers", "track", "flights",
+        "with", "small", "geolocators", "data", "shows", "routes", "over", "oceans", "and", "coasts", "feeding",
+        "on", "fish", "near", "surface", "colonies", "nest", "in", "summer", "light",
+    ];
+    let mut state = 0x9e3779b97f4a7c15u64;
+    (0..n)
+        .map(|_| {
+            let mut words = Vec::new();
+            // Roughly 1.2 tokens per word for this vocabulary.
+            for _ in 0..(tokens * 5 / 6).max(1) {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                words.push(WORDS[(state >> 33) as usize % WORDS.len()]);
+            }
+            words.join(" ")
+        })
+        .collect()
+}
+
+fn run_bench_embed(args: BenchEmbedArgs) -> Result<()> {
+    let t0 = Instant::now();
+    let model = load_embedder(&args.model)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let (rss_loaded, _) = memory_usage();
+    let docs = match &args.input {
+        Some(p) => read_lines(p)?,
+        None => generated_documents(args.batch, args.doc_tokens),
+    };
+    if docs.is_empty() {
+        return Err(Error::Input("no documents to benchmark with".into()));
+    }
+    let docs: Vec<&str> = docs.iter().cycle().take(args.batch.max(1)).map(|s| s.as_str()).collect();
+    let opts = EmbedOptions { batch_tokens: usize::MAX, ..EmbedOptions::default() };
+    let time = |texts: &[&str]| -> Result<(f64, usize)> {
+        let t = Instant::now();
+        let out = model.embed(texts, &opts)?;
+        Ok((t.elapsed().as_secs_f64(), out.tokens))
+    };
+    time(&docs)?;
+    let mut batch_times = Vec::new();
+    let mut tokens = 0;
+    for _ in 0..args.iters.max(1) {
+        let (s, n) = time(&docs)?;
+        batch_times.push(s);
+        tokens = n;
+    }
+    let query = ["what do terns eat?"];
+    time(&query)?;
+    let mut query_times = Vec::new();
+    for _ in 0..(args.iters.max(1) * 10) {
+        query_times.push(time(&query)?.0);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let batch_s = median(&mut batch_times);
+    let query_s = median(&mut query_times);
+    let (rss, peak) = memory_usage();
+    let weights_file: u64 = std::fs::metadata(model.pipeline.dir.join("model.safetensors")).map_or(0, |m| m.len());
+    let report = serde_json::json!({
+        "model": model.pipeline.dir.display().to_string(),
+        "threads": model.threads(),
+        "load_s": load_s,
+        "batch": docs.len(),
+        "batch_tokens": tokens,
+        "batch_s": batch_s,
+        "tokens_per_s": tokens as f64 / batch_s,
+        "query_latency_ms": query_s * 1e3,
+        "rss_after_load_bytes": rss_loaded,
+        "rss_bytes": rss,
+        "peak_rss_bytes": peak,
+        "weights_file_bytes": weights_file,
+        "peak_rss_over_weights": if weights_file > 0 { peak as f64 / weights_file as f64 } else { 0.0 },
+    });
+    println!("{report}");
+    Ok(())
+}

@@ -60,7 +60,10 @@ pub fn resolve_model(spec: &str) -> Result<PathBuf> {
         }
         return Err(Error::format(path, "expected a model directory"));
     }
-    let looks_like_id = spec.split('/').count() == 2 && !spec.starts_with('.') && !spec.contains("..");
+    let parts: Vec<&str> = spec.split('/').collect();
+    let looks_like_id = parts.len() == 2
+        && parts.iter().all(|p| !p.is_empty() && !p.starts_with('.'))
+        && !spec.contains(char::is_whitespace);
     if !looks_like_id {
         return Err(Error::NotFound(format!("`{spec}` is neither a directory nor a hub id (org/name)")));
     }
