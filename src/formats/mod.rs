@@ -1,6 +1,7 @@
 //! File formats: weights and configuration readers. No compute happens here beyond dtype decoding.
 
 pub mod config;
+pub mod gguf;
 pub mod npy;
 pub mod safetensors;
 pub mod tensor;

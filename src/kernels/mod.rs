@@ -4,6 +4,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod gated_delta;
 pub mod matmul;
 pub mod norm;
 pub mod pool;

@@ -79,6 +79,12 @@ impl Embeddings {
     }
 }
 
+/// One loaded model serves many threads (the server shares it between requests).
+const _: () = {
+    const fn assert_sync<T: Send + Sync>() {}
+    assert_sync::<Embedder>();
+};
+
 pub struct Embedder {
     pub pipeline: SentencePipeline,
     pub tokenizer: Tokenizer,

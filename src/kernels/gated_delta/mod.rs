@@ -1,0 +1,1 @@
+//! The gated-delta (Gated DeltaNet) kernel family.
