@@ -5,14 +5,18 @@ use rayon::prelude::*;
 use super::check_len;
 use crate::error::Result;
 
-/// GELU with the tanh approximation, in the reference's f32 operation order:
-/// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+/// GELU with the tanh approximation, `0.5·x·(1 + tanh(z))`, z = √(2/π)·(x + 0.044715·x³),
+/// evaluated as `x / (1 + exp(−2z))` (the same function: 1 + tanh z = 2 / (1 + e^(−2z))).
+/// One f32 exp is several times cheaper than libm's tanhf, which dominated the MLP's
+/// elementwise cost, and the form has no cancellation: for z → −∞ the exp overflows to +∞
+/// and the quotient goes to −0, for z → +∞ it tends to x. Agreement with the tanh form is a
+/// few f32 ulps: under 2e-6 relative on [−20, 20] (tested below).
 #[inline]
 pub fn gelu_tanh(x: f32) -> f32 {
     const BETA: f32 = 0.797_884_6; // √(2/π)
     const KAPPA: f32 = 0.044715;
-    let inner = BETA * (x + KAPPA * (x * x * x));
-    0.5 * x * (1.0 + inner.tanh())
+    let z = BETA * (x + KAPPA * (x * x * x));
+    x / (1.0 + (-2.0 * z).exp())
 }
 
 /// G ← gelu_tanh(G)·U.
@@ -35,5 +39,20 @@ mod tests {
         for (x, want) in [(0.0f32, 0.0f32), (1.0, 0.841_192), (-1.0, -0.158_808), (3.0, 2.996_363)] {
             assert!((super::gelu_tanh(x) - want).abs() < 2e-6, "{x}");
         }
+    }
+
+    #[test]
+    fn exp_form_agrees_with_tanh_form() {
+        let mut worst = 0.0f64;
+        for i in -200_000..=200_000 {
+            let x = i as f32 * 1e-4;
+            let z = 0.797_884_560_802_865_4f64 * (x as f64 + 0.044715 * (x as f64).powi(3));
+            let want = 0.5 * x as f64 * (1.0 + z.tanh());
+            let err = (super::gelu_tanh(x) as f64 - want).abs() / want.abs().max(1e-3);
+            worst = worst.max(err);
+        }
+        assert!(worst < 2e-6, "worst relative error {worst:e}");
+        assert_eq!(super::gelu_tanh(-100.0), 0.0);
+        assert_eq!(super::gelu_tanh(100.0), 100.0);
     }
 }
