@@ -167,9 +167,29 @@ fn cli_errors_exit_non_zero_with_a_message() {
     let (code, err, _) = tern(&["embed", "--model", "/nonexistent/model/dir"], None);
     assert_ne!(code, 0);
     assert_mentions(&err, &["error:"]);
-    let (code, err, _) = tern(&["embed", "--model", "nobody/no-such-model", "x"], None);
-    assert_ne!(code, 0);
-    assert_mentions(&err, &["nobody/no-such-model", "looked in"]);
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn hub_id_missing_from_the_cache() {
+    let cache = std::env::temp_dir().join(format!("tern-hub-{}", std::process::id()));
+    let run = |offline: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tern"))
+            .args(["embed", "--model", "nobody/no-such-model", "x"])
+            .env("HF_HUB_CACHE", &cache)
+            .env("HF_HUB_OFFLINE", offline)
+            // A closed loopback port: the download attempt fails at once, on any machine.
+            .env("HF_ENDPOINT", "http://127.0.0.1:9")
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, err) = run("1");
+    assert_ne!(code, Some(0));
+    assert_mentions(&err, &["nobody/no-such-model", "looked in", "models--nobody--no-such-model", "HF_HUB_OFFLINE"]);
+    let (code, err) = run("");
+    assert_ne!(code, Some(0));
+    assert_mentions(&err, &["looked in", "downloading it failed", "config.json"]);
     assert!(!err.contains("panicked"), "{err}");
 }
 
@@ -200,4 +220,22 @@ fn cli_outputs_in_input_order() {
     assert!(header.contains("'shape': (2, 16)") && header.contains("<f4"), "{header}");
     assert_eq!((10 + header_len) % 64, 0);
     assert_eq!(bytes.len() - 10 - header_len, 2 * 16 * 4);
+}
+
+#[test]
+fn hub_id_found_in_the_cache() {
+    let cache = std::env::temp_dir().join(format!("tern-hubhit-{}", std::process::id()));
+    let repo = cache.join("models--someorg--tiny-embedder");
+    copy_dir(&fixtures().join("egemma300m-tiny-f32").join("model"), &repo.join("snapshots").join("0123abcd"));
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs").join("main"), "0123abcd").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tern"))
+        .args(["embed", "--model", "someorg/tiny-embedder", "hello"])
+        .env("HF_HUB_CACHE", &cache)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(line["embedding"].as_array().unwrap().len(), 64);
 }
