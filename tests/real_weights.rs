@@ -25,7 +25,7 @@ fn model_dir() -> PathBuf {
 
 #[test]
 fn embeddinggemma_300m_matches_sentence_transformers() {
-    let fixture = fixtures().join("real-300m");
+    let fixture = fixtures().join("egemma300m-real");
     let texts: Vec<String> = std::fs::read_to_string(fixture.join("texts.jsonl"))
         .unwrap()
         .lines()
@@ -59,5 +59,5 @@ fn embeddinggemma_300m_matches_sentence_transformers() {
         }
     }
     eprintln!("{checked} embeddings; worst cosine {:.8}, worst max |Δ| {:.3e}", worst.0, worst.1);
-    assert!(checked >= 300, "only {checked} embeddings checked");
+    assert!(checked >= 350, "only {checked} embeddings checked");
 }
