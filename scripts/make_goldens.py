@@ -212,9 +212,48 @@ def build(name, make_model, dtype):
     print(f"{name}: dim {out_width}, {sum(len(c['items']) for c in cases)} embeddings")
 
 
+def build_composite(name="egemma2-tiny-composite"):
+    """The `embedding_gemma2` composite layout (text weights under `language_model.`) that a
+    full EmbeddingGemma 2 release uses. sentence-transformers cannot load it without the image
+    and audio processors, so the reference here is transformers itself: the composite model's
+    last hidden state, mean-pooled over each text's tokens and L2-normalised, which is what the
+    sentence-transformers pipeline (Transformer, mean Pooling, Normalize) computes."""
+    from transformers import EmbeddingGemma2Config, EmbeddingGemma2Model
+
+    src = os.path.join(OUT, "egemma2-tiny-f32", "model")
+    out_dir = os.path.join(OUT, name)
+    model_dir = os.path.join(out_dir, "model")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.copytree(src, model_dir)
+    text = transformers.AutoModel.from_pretrained(src, dtype=torch.float32).eval()
+    text_cfg = text.config.to_dict()
+    for k in ("architectures", "transformers_version", "dtype"):
+        text_cfg.pop(k, None)
+    cfg = EmbeddingGemma2Config(text_config=text_cfg)
+    model = EmbeddingGemma2Model(cfg).eval()
+    model.language_model.load_state_dict(text.state_dict())
+    model.save_pretrained(model_dir)
+    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    tok.enable_truncation(MAX_SEQ_LENGTH)
+    items = []
+    with torch.no_grad():
+        for t in TEXTS:
+            ids = tok.encode(t).ids
+            h = model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).last_hidden_state[0]
+            e = torch.nn.functional.normalize(h.mean(0), dim=0)
+            items.append({"text": t, "token_ids": ids, "embedding": [float(x) for x in e]})
+    with open(os.path.join(out_dir, "expected.json"), "w") as f:
+        json.dump({"model": name, "dtype": "float32", "dim": len(items[0]["embedding"]),
+                   "max_seq_length": MAX_SEQ_LENGTH, "prompts": PROMPTS,
+                   "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
+                   "cases": [{"kind": "alone", "prompt_name": None, "dims": None, "items": items}]}, f)
+    print(f"{name}: {len(items)} embeddings")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(2)
     for dtype in (torch.float32, torch.bfloat16):
         tag = "f32" if dtype == torch.float32 else "bf16"
         build(f"egemma2-tiny-{tag}", egemma2_model, dtype)
         build(f"egemma300m-tiny-{tag}", egemma300m_model, dtype)
+    build_composite()
