@@ -6,7 +6,7 @@
 Documents: 32 texts of ~128 tokens, built deterministically from the license texts on the machine
 (the same file is handed to both engines). Query: one short query. Reports tokens/s for the batch,
 the median single-query latency, and the ratios. Needs the environment of golden-env.sh and a
-release build of tern (target/release/tern).
+release build of tern (target/release/tern, or $TERN_BIN).
 """
 import argparse
 import json
@@ -59,7 +59,7 @@ st_query = best_of(lambda: st.encode([query], normalize_embeddings=True), args.i
 with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
     f.write("\n".join(docs) + "\n")
     docs_path = f.name
-tern = os.path.join(os.path.dirname(__file__), "..", "target", "release", "tern")
+tern = os.environ.get("TERN_BIN") or os.path.join(os.path.dirname(__file__), "..", "target", "release", "tern")
 out = subprocess.run([tern, "bench", "embed", "--model", args.model, "--threads", str(args.threads),
                       "--batch", str(args.batch), "--iters", str(args.iters), "--input", docs_path],
                      check=True, capture_output=True, text=True).stdout
@@ -68,6 +68,8 @@ t = json.loads(out.strip().splitlines()[-1])
 assert t["batch_tokens"] == n_tokens, (t["batch_tokens"], n_tokens)
 
 report = {
+    "machine": {"cpu": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?"),
+                "cores": os.cpu_count()},
     "threads": args.threads, "batch": args.batch, "batch_tokens": n_tokens,
     "st_tokens_per_s": n_tokens / st_batch, "tern_tokens_per_s": t["tokens_per_s"],
     "batch_ratio": t["tokens_per_s"] / (n_tokens / st_batch),
