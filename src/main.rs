@@ -278,6 +278,23 @@ fn memory_usage() -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
+/// FLOP/s of the CPU matrix product on a [4096 × 768] · [768 × 1152] projection.
+fn model_gemm_rate(threads: usize) -> f64 {
+    let (m, n, k) = (4096, 1152, 768);
+    let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
+    let w: Vec<f32> = (0..n * k).map(|i| (i % 13) as f32 * 0.01).collect();
+    let mut y = vec![0.0f32; m * n];
+    let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(threads).build() else { return f64::NAN };
+    let mut run = || pool.install(|| tern::kernels::matmul::linear_into(&x, m, &w, n, k, &mut y)).is_ok();
+    run();
+    let t = Instant::now();
+    let reps = 5;
+    for _ in 0..reps {
+        run();
+    }
+    2.0 * (m * n * k) as f64 * reps as f64 / t.elapsed().as_secs_f64()
+}
+
 /// Deterministic English-like documents of about `tokens` tokens each.
 fn generated_documents(n: usize, tokens: usize) -> Vec<String> {
     const WORDS: &[&str] = &[
@@ -339,6 +356,15 @@ fn run_bench_embed(args: BenchEmbedArgs) -> Result<()> {
     };
     let batch_s = median(&mut batch_times);
     let query_s = median(&mut query_times);
+    // The compute roofline of this machine for this work: the f32 matrix-product rate of the
+    // same kernel, measured now on a projection-sized product.
+    let gemm_rate = model_gemm_rate(model.threads());
+    let enc = &model.pipeline.encoder;
+    let (doc_ids, _) = model.tokenize(&docs, &opts)?;
+    let flops: f64 = doc_ids
+        .iter()
+        .map(|s| 2.0 * enc.matmul_params_per_token() as f64 * s.len() as f64 + enc.attention_flops(s.len()))
+        .sum();
     let (rss, peak) = memory_usage();
     let weights_file: u64 = std::fs::metadata(model.pipeline.dir.join("model.safetensors")).map_or(0, |m| m.len());
     let report = serde_json::json!({
@@ -350,6 +376,9 @@ fn run_bench_embed(args: BenchEmbedArgs) -> Result<()> {
         "batch_s": batch_s,
         "tokens_per_s": tokens as f64 / batch_s,
         "query_latency_ms": query_s * 1e3,
+        "batch_gflops_per_s": flops / batch_s / 1e9,
+        "gemm_gflops_per_s": gemm_rate / 1e9,
+        "roofline_fraction": flops / batch_s / gemm_rate,
         "rss_after_load_bytes": rss_loaded,
         "rss_bytes": rss,
         "peak_rss_bytes": peak,

@@ -350,11 +350,34 @@ impl Encoder {
 
     /// Bytes of weights held (mapped or owned).
     pub fn weight_bytes(&self) -> usize {
-        let mut n = self.embed.len();
+        (self.embed.len() + self.matmul_params_per_token()) * 4
+    }
+
+    /// Weights every token multiplies through (all projections; the embedding table is a
+    /// lookup): 2× this is the matmul FLOPs per token.
+    pub fn matmul_params_per_token(&self) -> usize {
+        let mut n = self.ple_projection.as_ref().map_or(0, |(p, _)| p.len());
         for l in &self.layers {
             n += [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|t| t.len()).sum::<usize>();
+            n += l.ple.as_ref().map_or(0, |b| b.gate.len() + b.proj.len());
         }
-        n * 4
+        n
+    }
+
+    /// FLOPs of the attention products (QKᵀ and PV) for one sequence of `len` tokens.
+    pub fn attention_flops(&self, len: usize) -> f64 {
+        let radius = self.cfg.window_max_distance();
+        self.layers
+            .iter()
+            .map(|l| {
+                // Keys visible to each query, summed over the queries.
+                let visible: usize = match l.cfg.kind {
+                    LayerKind::Full => len * len,
+                    LayerKind::Sliding => (0..len).map(|i| (i + radius + 1).min(len) - i.saturating_sub(radius)).sum(),
+                };
+                4.0 * (self.cfg.q_heads * l.cfg.head_dim) as f64 * visible as f64
+            })
+            .sum()
     }
 
     /// Runs the packed sequences `ids` (laid out by `segments`) and returns the mean-pooled
