@@ -34,3 +34,21 @@ pub fn floats(v: &serde_json::Value) -> Vec<f32> {
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().expect("array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
 }
+
+/// Reads a little-endian float32 `.npy` file (C order): (shape, data).
+pub fn read_npy_f32(path: &std::path::Path) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(&bytes[..6], b"\x93NUMPY", "{}: not an npy file", path.display());
+    let (header_len, start) = if bytes[6] == 1 {
+        (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10)
+    } else {
+        (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12)
+    };
+    let header = std::str::from_utf8(&bytes[start..start + header_len]).unwrap();
+    assert!(header.contains("'<f4'") && header.contains("'fortran_order': False"), "{header}");
+    let shape_str = header.split("'shape': (").nth(1).unwrap().split(')').next().unwrap();
+    let shape: Vec<usize> = shape_str.split(',').filter(|s| !s.trim().is_empty()).map(|s| s.trim().parse().unwrap()).collect();
+    let data: Vec<f32> = bytes[start + header_len..].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    assert_eq!(data.len(), shape.iter().product::<usize>());
+    (shape, data)
+}

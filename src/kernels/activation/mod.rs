@@ -31,6 +31,18 @@ pub fn gelu_tanh_mul(g: &mut [f32], u: &[f32]) -> Result<()> {
     Ok(())
 }
 
+/// G ← silu(G)·U, with silu(x) = x·sigmoid(x) = x / (1 + e^(−x)).
+pub fn silu_mul(g: &mut [f32], u: &[f32]) -> Result<()> {
+    check_len("silu_mul operand", u.len(), g.len())?;
+    const CHUNK: usize = 4096;
+    g.par_chunks_mut(CHUNK).zip(u.par_chunks(CHUNK)).for_each(|(g, u)| {
+        for (gv, &uv) in g.iter_mut().zip(u) {
+            *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+        }
+    });
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

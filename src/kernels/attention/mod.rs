@@ -80,25 +80,80 @@ pub fn attention(
                 Some(w) => (qi.saturating_sub(w).max(lo) - lo, (qi + w + 1).min(hi) - lo),
                 None => (0, nk),
             };
-            let mut mx = f32::NEG_INFINITY;
-            for s in &mut row[vis_lo..vis_hi] {
-                *s *= scale;
-                mx = mx.max(*s);
-            }
-            let mut sum = 0.0f32;
-            for s in &mut row[vis_lo..vis_hi] {
-                *s = (*s - mx).exp();
-                sum += *s;
-            }
-            let inv = 1.0 / sum;
-            row[..vis_lo].fill(0.0);
-            row[vis_hi..].fill(0.0);
-            row[vis_lo..vis_hi].iter_mut().for_each(|s| *s *= inv);
+            softmax_visible(row, vis_lo, vis_hi, scale);
         }
         // SAFETY: this task alone writes rows q0..q1, columns h·hd..(h+1)·hd of `out`.
         unsafe {
             let op = out_ptr.ptr().add((seg.start + q0) * ldq + h * hd);
             gemm_f32(nq, hd, nk, op, ldq as isize, 1, scores.as_ptr(), nk as isize, 1, vp, ldk as isize, 1, false);
+        }
+    });
+    Ok(())
+}
+
+/// Scales the visible scores `row[lo..hi]` and turns them into a max-subtracted softmax;
+/// every other entry becomes 0.
+fn softmax_visible(row: &mut [f32], lo: usize, hi: usize, scale: f32) {
+    let mut mx = f32::NEG_INFINITY;
+    for s in &mut row[lo..hi] {
+        *s *= scale;
+        mx = mx.max(*s);
+    }
+    let mut sum = 0.0f32;
+    for s in &mut row[lo..hi] {
+        *s = (*s - mx).exp();
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    row[..lo].fill(0.0);
+    row[hi..].fill(0.0);
+    row[lo..hi].iter_mut().for_each(|s| *s *= inv);
+}
+
+/// Causal attention of `n` new queries of one sequence against its key/value cache:
+/// query i sits at position `past + i` and sees cache rows `0 ..= past + i`.
+/// q: [n][q_heads·hd]; k, v: [past + n][kv_heads·hd] (the cache, new rows appended);
+/// out: [n][q_heads·hd]. `shape.max_distance` must be None.
+pub fn causal_attention(
+    q: &[f32],
+    n: usize,
+    past: usize,
+    k: &[f32],
+    v: &[f32],
+    shape: &AttentionShape,
+    out: &mut [f32],
+) -> Result<()> {
+    let AttentionShape { q_heads, kv_heads, hd, scale, max_distance } = *shape;
+    if kv_heads == 0 || q_heads % kv_heads != 0 || max_distance.is_some() {
+        return Err(Error::Shape(format!("causal_attention: {q_heads} query heads over {kv_heads} kv heads, window {max_distance:?}")));
+    }
+    let (ldq, ldk, keys) = (q_heads * hd, kv_heads * hd, past + n);
+    check_len("causal_attention q", q.len(), n * ldq)?;
+    check_len("causal_attention k", k.len(), keys * ldk)?;
+    check_len("causal_attention v", v.len(), keys * ldk)?;
+    check_len("causal_attention out", out.len(), n * ldq)?;
+    let group = q_heads / kv_heads;
+    let tasks: Vec<(usize, usize)> =
+        (0..q_heads).flat_map(|h| (0..n).step_by(QUERY_BLOCK).map(move |q0| (h, q0))).collect();
+    let out_ptr = SharedMut(out.as_mut_ptr());
+    tasks.into_par_iter().for_each_init(Vec::new, |scores: &mut Vec<f32>, (h, q0)| {
+        let q1 = (q0 + QUERY_BLOCK).min(n);
+        let (nq, nk) = (q1 - q0, past + q1);
+        let g = h / group;
+        scores.clear();
+        scores.resize(nq * nk, 0.0);
+        // SAFETY: rows q0..q1 of q and 0..past+q1 of k, v lie inside the checked buffers.
+        unsafe {
+            gemm_f32(nq, nk, hd, scores.as_mut_ptr(), nk as isize, 1, q[q0 * ldq + h * hd..].as_ptr(), ldq as isize, 1,
+                k[g * hd..].as_ptr(), 1, ldk as isize, false);
+        }
+        for (i, row) in scores.chunks_mut(nk).enumerate() {
+            softmax_visible(row, 0, past + q0 + i + 1, scale);
+        }
+        // SAFETY: this task alone writes rows q0..q1, columns h·hd..(h+1)·hd of `out`.
+        unsafe {
+            gemm_f32(nq, hd, nk, out_ptr.ptr().add(q0 * ldq + h * hd), ldq as isize, 1, scores.as_ptr(), nk as isize, 1,
+                v[g * hd..].as_ptr(), ldk as isize, 1, false);
         }
     });
     Ok(())
@@ -152,6 +207,32 @@ mod tests {
     fn lcg(seed: &mut u64) -> f32 {
         *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    #[test]
+    fn causal_attention_with_a_cache_matches_the_reference() {
+        let mut seed = 11;
+        let (qh, kvh, hd) = (4, 2, 16);
+        for (past, n) in [(0usize, 1usize), (0, 70), (5, 1), (63, 66)] {
+            let keys = past + n;
+            let q: Vec<f32> = (0..n * qh * hd).map(|_| lcg(&mut seed)).collect();
+            let k: Vec<f32> = (0..keys * kvh * hd).map(|_| lcg(&mut seed)).collect();
+            let v: Vec<f32> = (0..keys * kvh * hd).map(|_| lcg(&mut seed)).collect();
+            let shape = AttentionShape { q_heads: qh, kv_heads: kvh, hd, scale: 0.25, max_distance: None };
+            let mut out = vec![f32::NAN; n * qh * hd];
+            causal_attention(&q, n, past, &k, &v, &shape, &mut out).unwrap();
+            for i in 0..n {
+                // Query i alone against its visible prefix, through the bidirectional oracle.
+                let vis = past + i + 1;
+                let mut qq = vec![0.0f32; vis * qh * hd];
+                qq[(vis - 1) * qh * hd..].copy_from_slice(&q[i * qh * hd..(i + 1) * qh * hd]);
+                let want = attention_reference(&qq, &k[..vis * kvh * hd], &v[..vis * kvh * hd], &pack([vis]), &shape);
+                let got = &out[i * qh * hd..(i + 1) * qh * hd];
+                let w = &want[(vis - 1) * qh * hd..];
+                let err = got.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                assert!(err < 1e-5, "past {past} n {n} row {i}: {err}");
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,421 @@
+//! Qwen3.5 hybrid LLMs (`qwen3_5_text`, dense), from Hugging Face safetensors: Gated DeltaNet
+//! linear-attention layers interleaved with gated full attention (a layer is full attention iff
+//! `(i + 1) % full_attention_interval == 0`), written once over the op set.
+//!
+//! Traps this file encodes (each checked by the golden test against transformers):
+//! - HF norms are `(1 + w)` (added at load), except the GDN gated norm, which multiplies by `w`;
+//! - `q_proj` holds `[query | gate]` interleaved per head; attention output × sigmoid(gate);
+//! - RoPE rotates only the first `head_dim · partial_rotary_factor` channels (NeoX halves);
+//!   the MRoPE sections collapse to plain RoPE for text (all three position ids are equal);
+//! - GDN q, k are L2-normalised (eps 1e-6) and q is scaled by 1/√d_k; β = sigmoid(b);
+//!   g = −exp(A_log)·softplus(a + dt_bias); value head h reads key head h / (nv/nk).
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+use crate::formats::config::JsonFile;
+use crate::formats::safetensors::SafetensorsWeights;
+use crate::formats::Tensor;
+use crate::kernels::activation::silu_mul;
+use crate::kernels::attention::{causal_attention, AttentionShape};
+use crate::kernels::gated_delta::{
+    beta_gate, conv1d_silu_scan, decay_gate, delta_rule_chunked, delta_rule_scan, gated_rms_norm_inplace,
+    normalize_qk, DeltaRuleHeads, DeltaRuleInputs, KeyHeadMap,
+};
+use crate::kernels::matmul::linear;
+use crate::kernels::norm::rms_norm;
+use crate::kernels::rope::{head_prep, HeadPrep, RopeTable};
+use crate::kernels::pack;
+
+#[derive(Clone, Debug)]
+pub struct Qwen35Config {
+    pub vocab_size: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub n_layers: usize,
+    pub full_attention_interval: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+    pub rope_theta: f64,
+    pub eps: f32,
+    pub lin_k_heads: usize,
+    pub lin_v_heads: usize,
+    pub lin_k_dim: usize,
+    pub lin_v_dim: usize,
+    pub conv_kernel: usize,
+    pub max_positions: usize,
+    pub tie_embeddings: bool,
+    pub eos_ids: Vec<u32>,
+    /// Weight-name prefix (`model.` for the causal LM, `model.language_model.` in the wrappers).
+    pub prefix: String,
+}
+
+impl Qwen35Config {
+    pub fn is_full_attention(&self, layer: usize) -> bool {
+        (layer + 1) % self.full_attention_interval == 0
+    }
+
+    pub fn from_dir(dir: &Path) -> Result<Qwen35Config> {
+        let top = JsonFile::read(&dir.join("config.json"))?;
+        let model_type = top.str("model_type")?.to_string();
+        let cfg = match model_type.as_str() {
+            "qwen3_5_text" => top,
+            "qwen3_5" => top.sub("text_config").ok_or_else(|| Error::format(&top.path, "missing `text_config`"))?,
+            "qwen3_5_moe_text" | "qwen3_5_moe" => {
+                return Err(Error::unsupported(&top.path, "model_type `qwen3_5_moe*`: the MoE block is not implemented yet"))
+            }
+            other => return Err(Error::unsupported(&top.path, format!("model_type `{other}` (Qwen3.5: qwen3_5_text)"))),
+        };
+        let act = cfg.opt_str("hidden_act")?.unwrap_or("silu");
+        if act != "silu" {
+            return Err(Error::unsupported(&cfg.path, format!("hidden_act `{act}` (silu is supported)")));
+        }
+        cfg.require_absent_or("attention_bias", &Value::Bool(false), "projections have no bias")?;
+        let hidden = cfg.usize("hidden_size")?;
+        let q_heads = cfg.usize("num_attention_heads")?;
+        let head_dim = cfg.opt_usize("head_dim")?.unwrap_or(hidden / q_heads.max(1));
+        let rope = cfg.sub("rope_parameters");
+        let (theta, partial) = match &rope {
+            Some(r) => {
+                let kind = r.opt_str("rope_type")?.unwrap_or("default");
+                if kind != "default" {
+                    return Err(Error::unsupported(&cfg.path, format!("rope_type `{kind}`")));
+                }
+                (r.f64("rope_theta")?, r.opt_f64("partial_rotary_factor")?.unwrap_or(1.0))
+            }
+            None => (cfg.opt_f64("rope_theta")?.unwrap_or(1e7), cfg.opt_f64("partial_rotary_factor")?.unwrap_or(1.0)),
+        };
+        let rotary_dim = (head_dim as f64 * partial) as usize;
+        let n_layers = cfg.usize("num_hidden_layers")?;
+        let interval = cfg.opt_usize("full_attention_interval")?.unwrap_or(4).max(1);
+        if let Some(types) = cfg.opt_str_list("layer_types")? {
+            for (i, t) in types.iter().enumerate() {
+                let want = if (i + 1) % interval == 0 { "full_attention" } else { "linear_attention" };
+                if t != want {
+                    return Err(Error::unsupported(&cfg.path, format!("layer {i} is `{t}`, the interval rule gives `{want}`")));
+                }
+            }
+        }
+        let eos_ids = match cfg.get("eos_token_id") {
+            Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+            Some(Value::Array(a)) => a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect(),
+            _ => vec![],
+        };
+        let c = Qwen35Config {
+            vocab_size: cfg.usize("vocab_size")?,
+            hidden,
+            intermediate: cfg.usize("intermediate_size")?,
+            n_layers,
+            full_attention_interval: interval,
+            q_heads,
+            kv_heads: cfg.usize("num_key_value_heads")?,
+            head_dim,
+            rotary_dim,
+            rope_theta: theta,
+            eps: cfg.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
+            lin_k_heads: cfg.usize("linear_num_key_heads")?,
+            lin_v_heads: cfg.usize("linear_num_value_heads")?,
+            lin_k_dim: cfg.usize("linear_key_head_dim")?,
+            lin_v_dim: cfg.usize("linear_value_head_dim")?,
+            conv_kernel: cfg.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+            max_positions: cfg.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            tie_embeddings: cfg.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            eos_ids,
+            prefix: if model_type == "qwen3_5" { "model.language_model.".into() } else { "model.".into() },
+        };
+        if c.kv_heads == 0 || c.q_heads % c.kv_heads != 0 || c.lin_k_heads == 0 || c.lin_v_heads % c.lin_k_heads != 0 {
+            return Err(Error::unsupported(&cfg.path, "head counts must divide: q over kv heads, value over key heads"));
+        }
+        if rotary_dim % 2 != 0 || rotary_dim > head_dim {
+            return Err(Error::unsupported(&cfg.path, format!("rotary dimension {rotary_dim} of a {head_dim}-channel head")));
+        }
+        Ok(c)
+    }
+}
+
+struct LinearAttention {
+    in_qkv: Tensor,
+    in_z: Tensor,
+    in_b: Tensor,
+    in_a: Tensor,
+    conv: Vec<f32>,
+    dt_bias: Vec<f32>,
+    /// −exp(A_log), computed once.
+    a: Vec<f32>,
+    norm: Vec<f32>,
+    out: Tensor,
+}
+
+struct FullAttention {
+    q_gate: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+}
+
+enum Mixer {
+    Linear(LinearAttention),
+    Full(FullAttention),
+}
+
+struct Layer {
+    mixer: Mixer,
+    input_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+}
+
+/// Per-sequence state: conv and recurrent state of each linear layer, KV cache of each full one.
+pub struct Qwen35State {
+    conv: Vec<Vec<f32>>,
+    recurrent: Vec<Vec<f32>>,
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    /// Tokens processed so far.
+    pub position: usize,
+}
+
+pub struct Qwen35 {
+    pub cfg: Qwen35Config,
+    embed: Tensor,
+    lm_head: Option<Tensor>,
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+    rope: RopeTable,
+}
+
+impl Qwen35 {
+    pub fn load(dir: &Path) -> Result<Qwen35> {
+        let cfg = Qwen35Config::from_dir(dir)?;
+        let w = SafetensorsWeights::open_dir(dir)?;
+        let p = cfg.prefix.clone();
+        let h = cfg.hidden;
+        let mat = |name: &str, r: usize, c: usize| w.get(&format!("{p}{name}"), &[r, c]);
+        let plus_one = |name: &str, d: usize| -> Result<Vec<f32>> {
+            Ok(w.get(&format!("{p}{name}"), &[d])?.data().iter().map(|&x| 1.0 + x).collect())
+        };
+        let vec = |name: &str, d: usize| -> Result<Vec<f32>> { Ok(w.get(&format!("{p}{name}"), &[d])?.data().to_vec()) };
+        let (kd, vd) = (cfg.lin_k_heads * cfg.lin_k_dim, cfg.lin_v_heads * cfg.lin_v_dim);
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let l = format!("layers.{i}.");
+            let mixer = if cfg.is_full_attention(i) {
+                let hd = cfg.head_dim;
+                Mixer::Full(FullAttention {
+                    q_gate: mat(&format!("{l}self_attn.q_proj.weight"), cfg.q_heads * hd * 2, h)?,
+                    k: mat(&format!("{l}self_attn.k_proj.weight"), cfg.kv_heads * hd, h)?,
+                    v: mat(&format!("{l}self_attn.v_proj.weight"), cfg.kv_heads * hd, h)?,
+                    o: mat(&format!("{l}self_attn.o_proj.weight"), h, cfg.q_heads * hd)?,
+                    q_norm: plus_one(&format!("{l}self_attn.q_norm.weight"), hd)?,
+                    k_norm: plus_one(&format!("{l}self_attn.k_norm.weight"), hd)?,
+                })
+            } else {
+                let conv_dim = 2 * kd + vd;
+                let conv = w
+                    .get(&format!("{p}{l}linear_attn.conv1d.weight"), &[conv_dim, 1, cfg.conv_kernel])?
+                    .data()
+                    .to_vec();
+                Mixer::Linear(LinearAttention {
+                    in_qkv: mat(&format!("{l}linear_attn.in_proj_qkv.weight"), conv_dim, h)?,
+                    in_z: mat(&format!("{l}linear_attn.in_proj_z.weight"), vd, h)?,
+                    in_b: mat(&format!("{l}linear_attn.in_proj_b.weight"), cfg.lin_v_heads, h)?,
+                    in_a: mat(&format!("{l}linear_attn.in_proj_a.weight"), cfg.lin_v_heads, h)?,
+                    conv,
+                    dt_bias: vec(&format!("{l}linear_attn.dt_bias"), cfg.lin_v_heads)?,
+                    a: vec(&format!("{l}linear_attn.A_log"), cfg.lin_v_heads)?.iter().map(|&x| -x.exp()).collect(),
+                    norm: vec(&format!("{l}linear_attn.norm.weight"), cfg.lin_v_dim)?,
+                    out: mat(&format!("{l}linear_attn.out_proj.weight"), h, vd)?,
+                })
+            };
+            layers.push(Layer {
+                mixer,
+                input_norm: plus_one(&format!("{l}input_layernorm.weight"), h)?,
+                post_norm: plus_one(&format!("{l}post_attention_layernorm.weight"), h)?,
+                gate: mat(&format!("{l}mlp.gate_proj.weight"), cfg.intermediate, h)?,
+                up: mat(&format!("{l}mlp.up_proj.weight"), cfg.intermediate, h)?,
+                down: mat(&format!("{l}mlp.down_proj.weight"), h, cfg.intermediate)?,
+            });
+        }
+        let embed = mat("embed_tokens.weight", cfg.vocab_size, h)?;
+        let lm_head = if cfg.tie_embeddings && !w.contains("lm_head.weight") {
+            None
+        } else {
+            Some(w.get("lm_head.weight", &[cfg.vocab_size, h])?)
+        };
+        Ok(Qwen35 {
+            rope: RopeTable::new(cfg.rope_theta, cfg.rotary_dim, cfg.max_positions),
+            final_norm: plus_one("norm.weight", h)?,
+            embed,
+            lm_head,
+            layers,
+            cfg,
+        })
+    }
+
+    pub fn new_state(&self) -> Qwen35State {
+        let c = &self.cfg;
+        let conv_dim = 2 * c.lin_k_heads * c.lin_k_dim + c.lin_v_heads * c.lin_v_dim;
+        let linear = (0..c.n_layers).filter(|&i| !c.is_full_attention(i)).count();
+        Qwen35State {
+            conv: vec![vec![0.0; conv_dim * (c.conv_kernel - 1)]; linear],
+            recurrent: vec![vec![0.0; c.lin_v_heads * c.lin_v_dim * c.lin_k_dim]; linear],
+            keys: vec![Vec::new(); c.n_layers - linear],
+            values: vec![Vec::new(); c.n_layers - linear],
+            position: 0,
+        }
+    }
+
+    /// Runs `ids` after what `state` has seen and returns the logits of the last token.
+    pub fn forward(&self, ids: &[u32], state: &mut Qwen35State) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        let (n, h) = (ids.len(), c.hidden);
+        if n == 0 {
+            return Err(Error::Input("no tokens to run".into()));
+        }
+        if state.position + n > c.max_positions {
+            return Err(Error::Input(format!(
+                "{} tokens exceed the model's context of {}",
+                state.position + n,
+                c.max_positions
+            )));
+        }
+        let table = self.embed.data();
+        let mut x = Vec::with_capacity(n * h);
+        for &id in ids {
+            if id as usize >= c.vocab_size {
+                return Err(Error::Input(format!("token id {id} is outside the vocabulary of {}", c.vocab_size)));
+            }
+            x.extend_from_slice(&table[id as usize * h..(id as usize + 1) * h]);
+        }
+        let positions: Vec<u32> = (state.position..state.position + n).map(|p| p as u32).collect();
+        let mut a = vec![0.0f32; n * h];
+        let (mut lin_i, mut full_i) = (0, 0);
+        for layer in &self.layers {
+            rms_norm(&x, h, Some(&layer.input_norm), 1.0, c.eps, &mut a)?;
+            let mixed = match &layer.mixer {
+                Mixer::Linear(m) => {
+                    let out = self.linear_attention(m, &a, n, &mut state.conv[lin_i], &mut state.recurrent[lin_i])?;
+                    lin_i += 1;
+                    out
+                }
+                Mixer::Full(m) => {
+                    let out = self.full_attention(m, &a, &positions, &mut state.keys[full_i], &mut state.values[full_i], state.position)?;
+                    full_i += 1;
+                    out
+                }
+            };
+            x.iter_mut().zip(&mixed).for_each(|(xv, &m)| *xv += m);
+            rms_norm(&x, h, Some(&layer.post_norm), 1.0, c.eps, &mut a)?;
+            let mut g = linear(&a, n, layer.gate.data(), c.intermediate, h)?;
+            let u = linear(&a, n, layer.up.data(), c.intermediate, h)?;
+            silu_mul(&mut g, &u)?;
+            let m = linear(&g, n, layer.down.data(), h, c.intermediate)?;
+            x.iter_mut().zip(&m).for_each(|(xv, &mv)| *xv += mv);
+        }
+        state.position += n;
+        let last = &x[(n - 1) * h..];
+        let mut normed = vec![0.0f32; h];
+        rms_norm(last, h, Some(&self.final_norm), 1.0, c.eps, &mut normed)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        linear(&normed, 1, head.data(), c.vocab_size, h)
+    }
+
+    fn linear_attention(
+        &self,
+        m: &LinearAttention,
+        a: &[f32],
+        n: usize,
+        conv_state: &mut [f32],
+        rec_state: &mut [f32],
+    ) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        let h = c.hidden;
+        let (kd, vd, nv) = (c.lin_k_heads * c.lin_k_dim, c.lin_v_heads * c.lin_v_dim, c.lin_v_heads);
+        let conv_dim = 2 * kd + vd;
+        let mixed = linear(a, n, m.in_qkv.data(), conv_dim, h)?;
+        let mut z = linear(a, n, m.in_z.data(), vd, h)?;
+        let b = linear(a, n, m.in_b.data(), nv, h)?;
+        let alpha = linear(a, n, m.in_a.data(), nv, h)?;
+        let segs = pack([n]);
+        let mut conv_out = vec![0.0f32; n * conv_dim];
+        conv1d_silu_scan(&mixed, &segs, &m.conv, c.conv_kernel, &mut [conv_state], &mut conv_out)?;
+        let (mut q, mut k, mut v) = (Vec::with_capacity(n * kd), Vec::with_capacity(n * kd), Vec::with_capacity(n * vd));
+        for row in conv_out.chunks(conv_dim) {
+            q.extend_from_slice(&row[..kd]);
+            k.extend_from_slice(&row[kd..2 * kd]);
+            v.extend_from_slice(&row[2 * kd..]);
+        }
+        normalize_qk(&mut q, &mut k, c.lin_k_dim)?;
+        let mut g = vec![0.0f32; n * nv];
+        decay_gate(&alpha, &m.dt_bias, &m.a, &mut g)?;
+        let mut beta = vec![0.0f32; n * nv];
+        beta_gate(&b, &mut beta)?;
+        let heads = DeltaRuleHeads {
+            n_k_heads: c.lin_k_heads,
+            n_v_heads: nv,
+            d_k: c.lin_k_dim,
+            d_v: c.lin_v_dim,
+            key_head: KeyHeadMap::Grouped,
+        };
+        let inputs = DeltaRuleInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
+        let mut core = vec![0.0f32; n * vd];
+        // Prefill takes the chunked form (the reference's prefill path); short runs and decode
+        // take the scan, which the chunked form equals to f32 rounding.
+        if n >= crate::kernels::gated_delta::DELTA_RULE_CHUNK {
+            delta_rule_chunked(&heads, inputs, &segs, &mut [rec_state], &mut core)?;
+        } else {
+            delta_rule_scan(&heads, inputs, &segs, &mut [rec_state], &mut core)?;
+        }
+        gated_rms_norm_inplace(&mut core, &z, &m.norm, c.eps)?;
+        z.clear();
+        linear(&core, n, m.out.data(), h, vd)
+    }
+
+    fn full_attention(
+        &self,
+        m: &FullAttention,
+        a: &[f32],
+        positions: &[u32],
+        keys: &mut Vec<f32>,
+        values: &mut Vec<f32>,
+        past: usize,
+    ) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        let (n, h, hd) = (positions.len(), c.hidden, c.head_dim);
+        let qg = linear(a, n, m.q_gate.data(), c.q_heads * hd * 2, h)?;
+        // q_proj rows are [query | gate] per head.
+        let (mut q, mut gate) = (Vec::with_capacity(n * c.q_heads * hd), Vec::with_capacity(n * c.q_heads * hd));
+        for head in qg.chunks(2 * hd) {
+            q.extend_from_slice(&head[..hd]);
+            gate.extend_from_slice(&head[hd..]);
+        }
+        let mut k = linear(a, n, m.k.data(), c.kv_heads * hd, h)?;
+        let v = linear(a, n, m.v.data(), c.kv_heads * hd, h)?;
+        let prep = HeadPrep { heads: c.q_heads, hd, norm: Some(Some(&m.q_norm)), eps: c.eps, rope: Some(&self.rope) };
+        head_prep(&mut q, n, positions, &prep)?;
+        head_prep(&mut k, n, positions, &HeadPrep { heads: c.kv_heads, norm: Some(Some(&m.k_norm)), ..prep })?;
+        keys.extend_from_slice(&k);
+        values.extend_from_slice(&v);
+        let shape = AttentionShape {
+            q_heads: c.q_heads,
+            kv_heads: c.kv_heads,
+            hd,
+            scale: (hd as f32).powf(-0.5),
+            max_distance: None,
+        };
+        let mut att = vec![0.0f32; n * c.q_heads * hd];
+        causal_attention(&q, n, past, keys, values, &shape, &mut att)?;
+        for (o, &gv) in att.iter_mut().zip(&gate) {
+            *o *= 1.0 / (1.0 + (-gv).exp());
+        }
+        linear(&att, n, m.o.data(), h, c.q_heads * hd)
+    }
+}
