@@ -1,4 +1,5 @@
-//! Qwen3.5 hybrid LLMs (`qwen3_5_text`, dense), from Hugging Face safetensors: Gated DeltaNet
+//! Qwen3.5 hybrid LLMs (`qwen3_5_text` / GGUF `qwen35`, dense), from Hugging Face safetensors or
+//! llama.cpp GGUF files: Gated DeltaNet
 //! linear-attention layers interleaved with gated full attention (a layer is full attention iff
 //! `(i + 1) % full_attention_interval == 0`), written once over the op set.
 //!
@@ -9,6 +10,10 @@
 //!   the MRoPE sections collapse to plain RoPE for text (all three position ids are equal);
 //! - GDN q, k are L2-normalised (eps 1e-6) and q is scaled by 1/√d_k; β = sigmoid(b);
 //!   g = −exp(A_log)·softplus(a + dt_bias); value head h reads key head h / (nv/nk).
+//! - GGUF (llama.cpp's converter): norms have the +1 baked in, except `ssm_norm`; `ssm_a` already
+//!   holds −exp(A_log); value heads are stored in tiled order, so value head h reads key head
+//!   h % nk — every value-head-indexed tensor is permuted alike, so using the tiled map on the
+//!   stored order gives the HF result without undoing the permutation.
 
 use std::path::Path;
 
@@ -16,6 +21,7 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::formats::config::JsonFile;
+use crate::formats::gguf::GgufFile;
 use crate::formats::safetensors::SafetensorsWeights;
 use crate::formats::Tensor;
 use crate::kernels::activation::silu_mul;
@@ -50,6 +56,8 @@ pub struct Qwen35Config {
     pub max_positions: usize,
     pub tie_embeddings: bool,
     pub eos_ids: Vec<u32>,
+    /// Which key head a value head reads: grouped in HF checkpoints, tiled in GGUF files.
+    pub key_head: KeyHeadMap,
     /// Weight-name prefix (`model.` for the causal LM, `model.language_model.` in the wrappers).
     pub prefix: String,
 }
@@ -125,15 +133,134 @@ impl Qwen35Config {
             max_positions: cfg.opt_usize("max_position_embeddings")?.unwrap_or(4096),
             tie_embeddings: cfg.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             eos_ids,
+            key_head: KeyHeadMap::Grouped,
             prefix: if model_type == "qwen3_5" { "model.language_model.".into() } else { "model.".into() },
         };
-        if c.kv_heads == 0 || c.q_heads % c.kv_heads != 0 || c.lin_k_heads == 0 || c.lin_v_heads % c.lin_k_heads != 0 {
-            return Err(Error::unsupported(&cfg.path, "head counts must divide: q over kv heads, value over key heads"));
-        }
-        if rotary_dim % 2 != 0 || rotary_dim > head_dim {
-            return Err(Error::unsupported(&cfg.path, format!("rotary dimension {rotary_dim} of a {head_dim}-channel head")));
-        }
+        c.validate(&cfg.path)?;
         Ok(c)
+    }
+
+    fn validate(&self, path: &Path) -> Result<()> {
+        if self.kv_heads == 0 || self.q_heads % self.kv_heads != 0 || self.lin_k_heads == 0 || self.lin_v_heads % self.lin_k_heads != 0 {
+            return Err(Error::unsupported(path, "head counts must divide: q over kv heads, value over key heads"));
+        }
+        if self.rotary_dim % 2 != 0 || self.rotary_dim > self.head_dim {
+            return Err(Error::unsupported(
+                path,
+                format!("rotary dimension {} of a {}-channel head", self.rotary_dim, self.head_dim),
+            ));
+        }
+        if self.conv_kernel < 2 {
+            return Err(Error::unsupported(path, format!("conv kernel width {}", self.conv_kernel)));
+        }
+        Ok(())
+    }
+
+    /// The config from a GGUF file's metadata (architecture `qwen35`); a missing key is named.
+    pub fn from_gguf(f: &GgufFile) -> Result<Qwen35Config> {
+        let arch = f.architecture()?.to_string();
+        if arch != "qwen35" {
+            return Err(Error::unsupported(
+                f.path(),
+                format!("GGUF architecture `{arch}` (supported: qwen35; qwen35moe is not implemented yet)"),
+            ));
+        }
+        let key = |k: &str| format!("{arch}.{k}");
+        let head_dim = f.get_usize(&key("attention.key_length"))?;
+        let lin_v_heads = f.get_usize(&key("ssm.time_step_rank"))?;
+        let inner = f.get_usize(&key("ssm.inner_size"))?;
+        let vocab = f.tensor_info("token_embd.weight").map(|t| t.shape()[0]).ok_or_else(|| Error::tensor("token_embd.weight", "missing from the GGUF"))?;
+        let c = Qwen35Config {
+            vocab_size: vocab,
+            hidden: f.get_usize(&key("embedding_length"))?,
+            intermediate: f.get_usize(&key("feed_forward_length"))?,
+            // block_count includes an MTP block when the file has one: its tensors sit after the
+            // main layers and carry their own keys, and the main pass stops before it.
+            n_layers: f.get_usize(&key("block_count"))? - f.opt_usize(&key("nextn_predict_layers"))?.unwrap_or(0),
+            full_attention_interval: f.get_usize(&key("full_attention_interval"))?,
+            q_heads: f.get_usize(&key("attention.head_count"))?,
+            kv_heads: f.get_usize(&key("attention.head_count_kv"))?,
+            head_dim,
+            rotary_dim: f.opt_usize(&key("rope.dimension_count"))?.unwrap_or(head_dim),
+            rope_theta: f.get_f32(&key("rope.freq_base"))? as f64,
+            eps: f.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
+            lin_k_heads: f.get_usize(&key("ssm.group_count"))?,
+            lin_v_heads,
+            lin_k_dim: f.get_usize(&key("ssm.state_size"))?,
+            lin_v_dim: inner / lin_v_heads.max(1),
+            conv_kernel: f.get_usize(&key("ssm.conv_kernel"))?,
+            max_positions: f.get_usize(&key("context_length"))?,
+            tie_embeddings: !f.contains("output.weight"),
+            eos_ids: f.opt_usize("tokenizer.ggml.eos_token_id")?.map(|v| vec![v as u32]).unwrap_or_default(),
+            key_head: KeyHeadMap::Tiled,
+            prefix: String::new(),
+        };
+        c.validate(f.path())?;
+        Ok(c)
+    }
+}
+
+/// Where the weights come from; names are asked for in the Hugging Face spelling (without the
+/// model prefix) and mapped to llama.cpp's for GGUF files.
+enum Source {
+    Hf(SafetensorsWeights),
+    Gguf(GgufFile),
+}
+
+fn gguf_name(hf: &str) -> Option<String> {
+    let fixed = match hf {
+        "embed_tokens.weight" => Some("token_embd.weight"),
+        "norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.to_string());
+    }
+    let rest = hf.strip_prefix("layers.")?;
+    let (layer, name) = rest.split_once('.')?;
+    let g = match name {
+        "input_layernorm.weight" => "attn_norm.weight",
+        "post_attention_layernorm.weight" => "post_attention_norm.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        "linear_attn.in_proj_qkv.weight" => "attn_qkv.weight",
+        "linear_attn.in_proj_z.weight" => "attn_gate.weight",
+        "linear_attn.in_proj_b.weight" => "ssm_beta.weight",
+        "linear_attn.in_proj_a.weight" => "ssm_alpha.weight",
+        "linear_attn.conv1d.weight" => "ssm_conv1d.weight",
+        "linear_attn.dt_bias" => "ssm_dt.bias",
+        "linear_attn.A_log" => "ssm_a",
+        "linear_attn.norm.weight" => "ssm_norm.weight",
+        "linear_attn.out_proj.weight" => "ssm_out.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" => "attn_k_norm.weight",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}"))
+}
+
+impl Source {
+    fn get(&self, prefix: &str, hf: &str, shape: &[usize]) -> Result<Tensor> {
+        match self {
+            Source::Hf(w) => w.get(&format!("{prefix}{hf}"), shape),
+            Source::Gguf(f) => {
+                let name = gguf_name(hf).ok_or_else(|| Error::tensor(hf, "has no GGUF counterpart"))?;
+                f.load_shaped(&name, shape)
+            }
+        }
+    }
+
+    fn has_lm_head(&self) -> bool {
+        match self {
+            Source::Hf(w) => w.contains("lm_head.weight"),
+            Source::Gguf(f) => f.contains("output.weight"),
+        }
     }
 }
 
@@ -193,16 +320,24 @@ pub struct Qwen35 {
 }
 
 impl Qwen35 {
-    pub fn load(dir: &Path) -> Result<Qwen35> {
-        let cfg = Qwen35Config::from_dir(dir)?;
-        let w = SafetensorsWeights::open_dir(dir)?;
+    /// Loads a Hugging Face checkpoint directory or a `.gguf` file.
+    pub fn load(path: &Path) -> Result<Qwen35> {
+        let (cfg, w) = if path.is_file() {
+            let f = GgufFile::open(path)?;
+            (Qwen35Config::from_gguf(&f)?, Source::Gguf(f))
+        } else {
+            (Qwen35Config::from_dir(path)?, Source::Hf(SafetensorsWeights::open_dir(path)?))
+        };
+        let gguf = matches!(w, Source::Gguf(_));
         let p = cfg.prefix.clone();
         let h = cfg.hidden;
-        let mat = |name: &str, r: usize, c: usize| w.get(&format!("{p}{name}"), &[r, c]);
+        let mat = |name: &str, r: usize, c: usize| w.get(&p, name, &[r, c]);
+        // (1 + w) norms: HF stores w, GGUF stores 1 + w already.
         let plus_one = |name: &str, d: usize| -> Result<Vec<f32>> {
-            Ok(w.get(&format!("{p}{name}"), &[d])?.data().iter().map(|&x| 1.0 + x).collect())
+            let t = w.get(&p, name, &[d])?;
+            Ok(if gguf { t.data().to_vec() } else { t.data().iter().map(|&x| 1.0 + x).collect() })
         };
-        let vec = |name: &str, d: usize| -> Result<Vec<f32>> { Ok(w.get(&format!("{p}{name}"), &[d])?.data().to_vec()) };
+        let vec = |name: &str, d: usize| -> Result<Vec<f32>> { Ok(w.get(&p, name, &[d])?.data().to_vec()) };
         let (kd, vd) = (cfg.lin_k_heads * cfg.lin_k_dim, cfg.lin_v_heads * cfg.lin_v_dim);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
@@ -219,10 +354,10 @@ impl Qwen35 {
                 })
             } else {
                 let conv_dim = 2 * kd + vd;
-                let conv = w
-                    .get(&format!("{p}{l}linear_attn.conv1d.weight"), &[conv_dim, 1, cfg.conv_kernel])?
-                    .data()
-                    .to_vec();
+                // [channels][1][K] in HF, [channels][K] in GGUF: the same values in the same order.
+                let conv_shape: &[usize] = if gguf { &[conv_dim, cfg.conv_kernel] } else { &[conv_dim, 1, cfg.conv_kernel] };
+                let conv = w.get(&p, &format!("{l}linear_attn.conv1d.weight"), conv_shape)?.data().to_vec();
+                let a_log = vec(&format!("{l}linear_attn.A_log"), cfg.lin_v_heads)?;
                 Mixer::Linear(LinearAttention {
                     in_qkv: mat(&format!("{l}linear_attn.in_proj_qkv.weight"), conv_dim, h)?,
                     in_z: mat(&format!("{l}linear_attn.in_proj_z.weight"), vd, h)?,
@@ -230,7 +365,8 @@ impl Qwen35 {
                     in_a: mat(&format!("{l}linear_attn.in_proj_a.weight"), cfg.lin_v_heads, h)?,
                     conv,
                     dt_bias: vec(&format!("{l}linear_attn.dt_bias"), cfg.lin_v_heads)?,
-                    a: vec(&format!("{l}linear_attn.A_log"), cfg.lin_v_heads)?.iter().map(|&x| -x.exp()).collect(),
+                    // GGUF's ssm_a is −exp(A_log) already.
+                    a: if gguf { a_log } else { a_log.iter().map(|&x| -x.exp()).collect() },
                     norm: vec(&format!("{l}linear_attn.norm.weight"), cfg.lin_v_dim)?,
                     out: mat(&format!("{l}linear_attn.out_proj.weight"), h, vd)?,
                 })
@@ -245,10 +381,11 @@ impl Qwen35 {
             });
         }
         let embed = mat("embed_tokens.weight", cfg.vocab_size, h)?;
-        let lm_head = if cfg.tie_embeddings && !w.contains("lm_head.weight") {
+        let lm_head = if cfg.tie_embeddings && !w.has_lm_head() {
             None
         } else {
-            Some(w.get("lm_head.weight", &[cfg.vocab_size, h])?)
+            // The head sits outside the model prefix in HF checkpoints.
+            Some(w.get("", "lm_head.weight", &[cfg.vocab_size, h])?)
         };
         Ok(Qwen35 {
             rope: RopeTable::new(cfg.rope_theta, cfg.rotary_dim, cfg.max_positions),
@@ -341,7 +478,7 @@ impl Qwen35 {
         let (kd, vd, nv) = (c.lin_k_heads * c.lin_k_dim, c.lin_v_heads * c.lin_v_dim, c.lin_v_heads);
         let conv_dim = 2 * kd + vd;
         let mixed = linear(a, n, m.in_qkv.data(), conv_dim, h)?;
-        let mut z = linear(a, n, m.in_z.data(), vd, h)?;
+        let z = linear(a, n, m.in_z.data(), vd, h)?;
         let b = linear(a, n, m.in_b.data(), nv, h)?;
         let alpha = linear(a, n, m.in_a.data(), nv, h)?;
         let segs = pack([n]);
@@ -363,7 +500,7 @@ impl Qwen35 {
             n_v_heads: nv,
             d_k: c.lin_k_dim,
             d_v: c.lin_v_dim,
-            key_head: KeyHeadMap::Grouped,
+            key_head: c.key_head,
         };
         let inputs = DeltaRuleInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
         let mut core = vec![0.0f32; n * vd];
@@ -375,7 +512,6 @@ impl Qwen35 {
             delta_rule_scan(&heads, inputs, &segs, &mut [rec_state], &mut core)?;
         }
         gated_rms_norm_inplace(&mut core, &z, &m.norm, c.eps)?;
-        z.clear();
         linear(&core, n, m.out.data(), h, vd)
     }
 
