@@ -80,13 +80,16 @@ fn dense_from_gguf_q8_0() {
 }
 
 #[test]
-fn unsupported_models_are_named() {
+fn moe_from_safetensors_and_gguf() {
+    check_model("moe", None);
+    check_model("moe", Some("f32"));
+    check_model("moe", Some("bf16"));
+    check_model("moe", Some("q8_0"));
+}
+
+#[test]
+fn bad_files_are_named() {
     let root = fixtures().join("qwen35");
-    // The MoE block is not implemented yet: both of its files are refused by name.
-    let err = Qwen35::load(&root.join("moe")).err().expect("moe must be refused").to_string();
-    assert!(err.contains("qwen3_5_moe"), "{err}");
-    let err = Qwen35::load(&root.join("moe/gguf/moe-f32.gguf")).err().expect("moe must be refused").to_string();
-    assert!(err.contains("qwen35moe"), "{err}");
     // A truncated GGUF is an error naming the file.
     let bytes = std::fs::read(root.join("dense-untied/gguf/dense-untied-f32.gguf")).unwrap();
     let cut = std::env::temp_dir().join(format!("tern-cut-{}.gguf", std::process::id()));

@@ -1,4 +1,5 @@
-//! Qwen3.5 hybrid LLMs (`qwen3_5_text` / GGUF `qwen35`, dense), from Hugging Face safetensors or
+//! Qwen3.5 hybrid LLMs (`qwen3_5_text` / GGUF `qwen35`, dense; `qwen3_5_moe_text` / `qwen35moe`,
+//! mixture of experts with a sigmoid-gated shared expert), from Hugging Face safetensors or
 //! llama.cpp GGUF files: Gated DeltaNet
 //! linear-attention layers interleaved with gated full attention (a layer is full attention iff
 //! `(i + 1) % full_attention_interval == 0`), written once over the op set.
@@ -40,6 +41,8 @@ pub struct Qwen35Config {
     pub vocab_size: usize,
     pub hidden: usize,
     pub intermediate: usize,
+    /// Mixture of experts (`qwen3_5_moe_text` / `qwen35moe`); None for the dense models.
+    pub moe: Option<MoeConfig>,
     pub n_layers: usize,
     pub full_attention_interval: usize,
     pub q_heads: usize,
@@ -62,6 +65,14 @@ pub struct Qwen35Config {
     pub prefix: String,
 }
 
+#[derive(Clone, Debug)]
+pub struct MoeConfig {
+    pub experts: usize,
+    pub top_k: usize,
+    pub expert_intermediate: usize,
+    pub shared_intermediate: usize,
+}
+
 impl Qwen35Config {
     pub fn is_full_attention(&self, layer: usize) -> bool {
         (layer + 1) % self.full_attention_interval == 0
@@ -71,12 +82,26 @@ impl Qwen35Config {
         let top = JsonFile::read(&dir.join("config.json"))?;
         let model_type = top.str("model_type")?.to_string();
         let cfg = match model_type.as_str() {
-            "qwen3_5_text" => top,
-            "qwen3_5" => top.sub("text_config").ok_or_else(|| Error::format(&top.path, "missing `text_config`"))?,
-            "qwen3_5_moe_text" | "qwen3_5_moe" => {
-                return Err(Error::unsupported(&top.path, "model_type `qwen3_5_moe*`: the MoE block is not implemented yet"))
+            "qwen3_5_text" | "qwen3_5_moe_text" => top,
+            "qwen3_5" | "qwen3_5_moe" => {
+                top.sub("text_config").ok_or_else(|| Error::format(&top.path, "missing `text_config`"))?
             }
-            other => return Err(Error::unsupported(&top.path, format!("model_type `{other}` (Qwen3.5: qwen3_5_text)"))),
+            other => {
+                return Err(Error::unsupported(
+                    &top.path,
+                    format!("model_type `{other}` (Qwen3.5: qwen3_5_text, qwen3_5_moe_text and their wrappers)"),
+                ))
+            }
+        };
+        let moe = if model_type.starts_with("qwen3_5_moe") {
+            Some(MoeConfig {
+                experts: cfg.usize("num_experts")?,
+                top_k: cfg.usize("num_experts_per_tok")?,
+                expert_intermediate: cfg.usize("moe_intermediate_size")?,
+                shared_intermediate: cfg.usize("shared_expert_intermediate_size")?,
+            })
+        } else {
+            None
         };
         let act = cfg.opt_str("hidden_act")?.unwrap_or("silu");
         if act != "silu" {
@@ -116,7 +141,8 @@ impl Qwen35Config {
         let c = Qwen35Config {
             vocab_size: cfg.usize("vocab_size")?,
             hidden,
-            intermediate: cfg.usize("intermediate_size")?,
+            intermediate: if moe.is_some() { cfg.opt_usize("intermediate_size")?.unwrap_or(0) } else { cfg.usize("intermediate_size")? },
+            moe,
             n_layers,
             full_attention_interval: interval,
             q_heads,
@@ -134,7 +160,7 @@ impl Qwen35Config {
             tie_embeddings: cfg.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             eos_ids,
             key_head: KeyHeadMap::Grouped,
-            prefix: if model_type == "qwen3_5" { "model.language_model.".into() } else { "model.".into() },
+            prefix: if model_type == "qwen3_5" || model_type == "qwen3_5_moe" { "model.language_model.".into() } else { "model.".into() },
         };
         c.validate(&cfg.path)?;
         Ok(c)
@@ -150,6 +176,11 @@ impl Qwen35Config {
                 format!("rotary dimension {} of a {}-channel head", self.rotary_dim, self.head_dim),
             ));
         }
+        if let Some(m) = &self.moe {
+            if m.top_k == 0 || m.top_k > m.experts {
+                return Err(Error::unsupported(path, format!("top-{} routing over {} experts", m.top_k, m.experts)));
+            }
+        }
         if self.conv_kernel < 2 {
             return Err(Error::unsupported(path, format!("conv kernel width {}", self.conv_kernel)));
         }
@@ -159,13 +190,20 @@ impl Qwen35Config {
     /// The config from a GGUF file's metadata (architecture `qwen35`); a missing key is named.
     pub fn from_gguf(f: &GgufFile) -> Result<Qwen35Config> {
         let arch = f.architecture()?.to_string();
-        if arch != "qwen35" {
-            return Err(Error::unsupported(
-                f.path(),
-                format!("GGUF architecture `{arch}` (supported: qwen35; qwen35moe is not implemented yet)"),
-            ));
+        if arch != "qwen35" && arch != "qwen35moe" {
+            return Err(Error::unsupported(f.path(), format!("GGUF architecture `{arch}` (supported: qwen35, qwen35moe)")));
         }
         let key = |k: &str| format!("{arch}.{k}");
+        let moe = if arch == "qwen35moe" {
+            Some(MoeConfig {
+                experts: f.get_usize(&key("expert_count"))?,
+                top_k: f.get_usize(&key("expert_used_count"))?,
+                expert_intermediate: f.get_usize(&key("expert_feed_forward_length"))?,
+                shared_intermediate: f.get_usize(&key("expert_shared_feed_forward_length"))?,
+            })
+        } else {
+            None
+        };
         let head_dim = f.get_usize(&key("attention.key_length"))?;
         let lin_v_heads = f.get_usize(&key("ssm.time_step_rank"))?;
         let inner = f.get_usize(&key("ssm.inner_size"))?;
@@ -173,7 +211,8 @@ impl Qwen35Config {
         let c = Qwen35Config {
             vocab_size: vocab,
             hidden: f.get_usize(&key("embedding_length"))?,
-            intermediate: f.get_usize(&key("feed_forward_length"))?,
+            intermediate: if moe.is_some() { f.opt_usize(&key("feed_forward_length"))?.unwrap_or(0) } else { f.get_usize(&key("feed_forward_length"))? },
+            moe,
             // block_count includes an MTP block when the file has one: its tensors sit after the
             // main layers and carry their own keys, and the main pass stops before it.
             n_layers: f.get_usize(&key("block_count"))? - f.opt_usize(&key("nextn_predict_layers"))?.unwrap_or(0),
@@ -225,6 +264,11 @@ fn gguf_name(hf: &str) -> Option<String> {
         "mlp.gate_proj.weight" => "ffn_gate.weight",
         "mlp.up_proj.weight" => "ffn_up.weight",
         "mlp.down_proj.weight" => "ffn_down.weight",
+        "mlp.gate.weight" => "ffn_gate_inp.weight",
+        "mlp.shared_expert.gate_proj.weight" => "ffn_gate_shexp.weight",
+        "mlp.shared_expert.up_proj.weight" => "ffn_up_shexp.weight",
+        "mlp.shared_expert.down_proj.weight" => "ffn_down_shexp.weight",
+        "mlp.shared_expert_gate.weight" => "ffn_gate_inp_shexp.weight",
         "linear_attn.in_proj_qkv.weight" => "attn_qkv.weight",
         "linear_attn.in_proj_z.weight" => "attn_gate.weight",
         "linear_attn.in_proj_b.weight" => "ssm_beta.weight",
@@ -252,6 +296,37 @@ impl Source {
             Source::Gguf(f) => {
                 let name = gguf_name(hf).ok_or_else(|| Error::tensor(hf, "has no GGUF counterpart"))?;
                 f.load_shaped(&name, shape)
+            }
+        }
+    }
+
+    /// The experts of layer `layer`: one tensor per expert in HF checkpoints saved by
+    /// transformers, stacked [experts][rows][cols] in GGUF (`ffn_{gate,up,down}_exps`).
+    fn experts(&self, prefix: &str, layer: usize, ne: usize, ei: usize, h: usize) -> Result<Vec<Mlp>> {
+        match self {
+            Source::Hf(w) => (0..ne)
+                .map(|e| {
+                    let name = |m: &str| format!("{prefix}layers.{layer}.mlp.experts.{e}.{m}.weight");
+                    Ok(Mlp {
+                        gate: w.get(&name("gate_proj"), &[ei, h])?,
+                        up: w.get(&name("up_proj"), &[ei, h])?,
+                        down: w.get(&name("down_proj"), &[h, ei])?,
+                        width: ei,
+                    })
+                })
+                .collect(),
+            Source::Gguf(f) => {
+                let stacked = |m: &str, rows: usize, cols: usize| -> Result<Vec<Tensor>> {
+                    let name = format!("blk.{layer}.{m}");
+                    let t = f.load_shaped(&name, &[ne, rows, cols])?;
+                    Ok(t.data()
+                        .chunks(rows * cols)
+                        .enumerate()
+                        .map(|(e, d)| Tensor::owned(format!("{name}[{e}]"), vec![rows, cols], d.to_vec()))
+                        .collect())
+                };
+                let (g, u, d) = (stacked("ffn_gate_exps.weight", ei, h)?, stacked("ffn_up_exps.weight", ei, h)?, stacked("ffn_down_exps.weight", h, ei)?);
+                Ok(g.into_iter().zip(u).zip(d).map(|((gate, up), down)| Mlp { gate, up, down, width: ei }).collect())
             }
         }
     }
@@ -295,9 +370,76 @@ struct Layer {
     mixer: Mixer,
     input_norm: Vec<f32>,
     post_norm: Vec<f32>,
+    ffn: Ffn,
+}
+
+/// A gated SiLU MLP: down(silu(gate·x) · up·x).
+struct Mlp {
     gate: Tensor,
     up: Tensor,
     down: Tensor,
+    width: usize,
+}
+
+impl Mlp {
+    fn forward(&self, x: &[f32], n: usize, h: usize) -> Result<Vec<f32>> {
+        let mut g = linear(x, n, self.gate.data(), self.width, h)?;
+        let u = linear(x, n, self.up.data(), self.width, h)?;
+        silu_mul(&mut g, &u)?;
+        linear(&g, n, self.down.data(), h, self.width)
+    }
+}
+
+enum Ffn {
+    Dense(Mlp),
+    /// Router [experts][hidden] (softmax in f32 → top-k → renormalise), the experts, and the
+    /// shared expert with its sigmoid gate [1][hidden].
+    Moe { router: Tensor, experts: Vec<Mlp>, top_k: usize, shared: Mlp, shared_gate: Tensor },
+}
+
+impl Ffn {
+    fn forward(&self, x: &[f32], n: usize, h: usize) -> Result<Vec<f32>> {
+        let (router, experts, top_k, shared, shared_gate) = match self {
+            Ffn::Dense(m) => return m.forward(x, n, h),
+            Ffn::Moe { router, experts, top_k, shared, shared_gate } => (router, experts, *top_k, shared, shared_gate),
+        };
+        let ne = experts.len();
+        let logits = linear(x, n, router.data(), ne, h)?;
+        // Per expert: the tokens routed to it and their renormalised weights.
+        let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); ne];
+        for (t, row) in logits.chunks(ne).enumerate() {
+            let mx = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = row.iter().map(|&v| (v - mx).exp()).collect();
+            let total: f32 = e.iter().sum();
+            let probs: Vec<f32> = e.iter().map(|&v| v / total).collect();
+            let mut order: Vec<usize> = (0..ne).collect();
+            // Highest probability first; ties keep the lower expert index, as torch.topk does.
+            order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+            let top = &order[..top_k];
+            let sum: f32 = top.iter().map(|&i| probs[i]).sum();
+            for &i in top {
+                routed[i].push((t, probs[i] / sum));
+            }
+        }
+        let mut out = vec![0.0f32; n * h];
+        for (expert, tokens) in experts.iter().zip(&routed) {
+            if tokens.is_empty() {
+                continue;
+            }
+            let gathered: Vec<f32> = tokens.iter().flat_map(|&(t, _)| x[t * h..(t + 1) * h].iter().copied()).collect();
+            let y = expert.forward(&gathered, tokens.len(), h)?;
+            for (row, &(t, w)) in y.chunks(h).zip(tokens) {
+                out[t * h..(t + 1) * h].iter_mut().zip(row).for_each(|(o, &v)| *o += v * w);
+            }
+        }
+        let s = shared.forward(x, n, h)?;
+        let gate = linear(x, n, shared_gate.data(), 1, h)?;
+        for t in 0..n {
+            let g = 1.0 / (1.0 + (-gate[t]).exp());
+            out[t * h..(t + 1) * h].iter_mut().zip(&s[t * h..(t + 1) * h]).for_each(|(o, &v)| *o += g * v);
+        }
+        Ok(out)
+    }
 }
 
 /// Per-sequence state: conv and recurrent state of each linear layer, KV cache of each full one.
@@ -375,9 +517,29 @@ impl Qwen35 {
                 mixer,
                 input_norm: plus_one(&format!("{l}input_layernorm.weight"), h)?,
                 post_norm: plus_one(&format!("{l}post_attention_layernorm.weight"), h)?,
-                gate: mat(&format!("{l}mlp.gate_proj.weight"), cfg.intermediate, h)?,
-                up: mat(&format!("{l}mlp.up_proj.weight"), cfg.intermediate, h)?,
-                down: mat(&format!("{l}mlp.down_proj.weight"), h, cfg.intermediate)?,
+                ffn: match &cfg.moe {
+                    None => Ffn::Dense(Mlp {
+                        gate: mat(&format!("{l}mlp.gate_proj.weight"), cfg.intermediate, h)?,
+                        up: mat(&format!("{l}mlp.up_proj.weight"), cfg.intermediate, h)?,
+                        down: mat(&format!("{l}mlp.down_proj.weight"), h, cfg.intermediate)?,
+                        width: cfg.intermediate,
+                    }),
+                    Some(moe) => {
+                        let (ne, ei, si) = (moe.experts, moe.expert_intermediate, moe.shared_intermediate);
+                        Ffn::Moe {
+                            router: mat(&format!("{l}mlp.gate.weight"), ne, h)?,
+                            experts: w.experts(&p, i, ne, ei, h)?,
+                            top_k: moe.top_k,
+                            shared: Mlp {
+                                gate: mat(&format!("{l}mlp.shared_expert.gate_proj.weight"), si, h)?,
+                                up: mat(&format!("{l}mlp.shared_expert.up_proj.weight"), si, h)?,
+                                down: mat(&format!("{l}mlp.shared_expert.down_proj.weight"), h, si)?,
+                                width: si,
+                            },
+                            shared_gate: mat(&format!("{l}mlp.shared_expert_gate.weight"), 1, h)?,
+                        }
+                    }
+                },
             });
         }
         let embed = mat("embed_tokens.weight", cfg.vocab_size, h)?;
@@ -451,10 +613,7 @@ impl Qwen35 {
             };
             x.iter_mut().zip(&mixed).for_each(|(xv, &m)| *xv += m);
             rms_norm(&x, h, Some(&layer.post_norm), 1.0, c.eps, &mut a)?;
-            let mut g = linear(&a, n, layer.gate.data(), c.intermediate, h)?;
-            let u = linear(&a, n, layer.up.data(), c.intermediate, h)?;
-            silu_mul(&mut g, &u)?;
-            let m = linear(&g, n, layer.down.data(), h, c.intermediate)?;
+            let m = layer.ffn.forward(&a, n, h)?;
             x.iter_mut().zip(&m).for_each(|(xv, &mv)| *xv += mv);
         }
         state.position += n;
