@@ -19,28 +19,32 @@ pub fn gelu_tanh(x: f32) -> f32 {
     x / (1.0 + (-2.0 * z).exp())
 }
 
-/// G ← gelu_tanh(G)·U.
-pub fn gelu_tanh_mul(g: &mut [f32], u: &[f32]) -> Result<()> {
-    check_len("gelu_tanh_mul operand", u.len(), g.len())?;
+/// G ← act(G)·U elementwise, in parallel chunks: the one loop behind every gated activation.
+fn gated(what: &str, g: &mut [f32], u: &[f32], act: impl Fn(f32) -> f32 + Sync) -> Result<()> {
+    check_len(what, u.len(), g.len())?;
     const CHUNK: usize = 4096;
     g.par_chunks_mut(CHUNK).zip(u.par_chunks(CHUNK)).for_each(|(g, u)| {
         for (gv, &uv) in g.iter_mut().zip(u) {
-            *gv = gelu_tanh(*gv) * uv;
+            *gv = act(*gv) * uv;
         }
     });
     Ok(())
 }
 
-/// G ← silu(G)·U, with silu(x) = x·sigmoid(x) = x / (1 + e^(−x)).
+/// G ← gelu_tanh(G)·U.
+pub fn gelu_tanh_mul(g: &mut [f32], u: &[f32]) -> Result<()> {
+    gated("gelu_tanh_mul operand", g, u, gelu_tanh)
+}
+
+/// silu(x) = x·sigmoid(x), evaluated as x / (1 + e^(−x)).
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// G ← silu(G)·U.
 pub fn silu_mul(g: &mut [f32], u: &[f32]) -> Result<()> {
-    check_len("silu_mul operand", u.len(), g.len())?;
-    const CHUNK: usize = 4096;
-    g.par_chunks_mut(CHUNK).zip(u.par_chunks(CHUNK)).for_each(|(g, u)| {
-        for (gv, &uv) in g.iter_mut().zip(u) {
-            *gv = *gv / (1.0 + (-*gv).exp()) * uv;
-        }
-    });
-    Ok(())
+    gated("silu_mul operand", g, u, silu)
 }
 
 #[cfg(test)]
