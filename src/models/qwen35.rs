@@ -29,7 +29,7 @@ use crate::kernels::activation::silu_mul;
 use crate::kernels::attention::{causal_attention, AttentionShape};
 use crate::kernels::gated_delta::{
     beta_gate, conv1d_silu_scan, decay_gate, delta_rule_chunked, delta_rule_scan, gated_rms_norm_inplace,
-    normalize_qk, DeltaRuleHeads, DeltaRuleInputs, KeyHeadMap,
+    normalize_qk, sigmoid, DeltaRuleHeads, DeltaRuleInputs, KeyHeadMap,
 };
 use crate::kernels::matmul::linear;
 use crate::kernels::norm::rms_norm;
@@ -435,7 +435,7 @@ impl Ffn {
         let s = shared.forward(x, n, h)?;
         let gate = linear(x, n, shared_gate.data(), 1, h)?;
         for t in 0..n {
-            let g = 1.0 / (1.0 + (-gate[t]).exp());
+            let g = sigmoid(gate[t]);
             out[t * h..(t + 1) * h].iter_mut().zip(&s[t * h..(t + 1) * h]).for_each(|(o, &v)| *o += g * v);
         }
         Ok(out)
@@ -709,7 +709,7 @@ impl Qwen35 {
         let mut att = vec![0.0f32; n * c.q_heads * hd];
         causal_attention(&q, n, past, keys, values, &shape, &mut att)?;
         for (o, &gv) in att.iter_mut().zip(&gate) {
-            *o *= 1.0 / (1.0 + (-gv).exp());
+            *o *= sigmoid(gv);
         }
         linear(&att, n, m.o.data(), h, c.q_heads * hd)
     }

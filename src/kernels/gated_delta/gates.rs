@@ -55,7 +55,7 @@ pub fn softplus(v: f32) -> f32 {
 
 /// `1 / (1 + e^−b)`; for b → −∞ the divisor overflows to +∞ and the result is 0.
 #[inline]
-fn sigmoid(b: f32) -> f32 {
+pub fn sigmoid(b: f32) -> f32 {
     1.0 / (1.0 + (-b).exp())
 }
 

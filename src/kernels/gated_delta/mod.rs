@@ -38,7 +38,7 @@ pub mod recurrence;
 
 pub use chunked::{delta_rule_chunked, DELTA_RULE_CHUNK};
 pub use conv::{conv1d_silu_scan, conv1d_silu_step};
-pub use gates::{beta_gate, decay_gate, softplus};
+pub use gates::{beta_gate, decay_gate, sigmoid, softplus};
 pub use norm::{gated_rms_norm, gated_rms_norm_inplace, l2_normalize, normalize_qk, L2_NORM_EPS};
 pub use recurrence::{delta_rule_scan, delta_rule_step};
 
