@@ -280,19 +280,8 @@ fn memory_usage() -> (u64, u64) {
 
 /// FLOP/s of the CPU matrix product on a [4096 × 768] · [768 × 1152] projection.
 fn model_gemm_rate(threads: usize) -> f64 {
-    let (m, n, k) = (4096, 1152, 768);
-    let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
-    let w: Vec<f32> = (0..n * k).map(|i| (i % 13) as f32 * 0.01).collect();
-    let mut y = vec![0.0f32; m * n];
     let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(threads).build() else { return f64::NAN };
-    let mut run = || pool.install(|| tern::kernels::matmul::linear_into(&x, m, &w, n, k, &mut y)).is_ok();
-    run();
-    let t = Instant::now();
-    let reps = 5;
-    for _ in 0..reps {
-        run();
-    }
-    2.0 * (m * n * k) as f64 * reps as f64 / t.elapsed().as_secs_f64()
+    pool.install(|| tern::kernels::matmul::measure_rate(4096, 1152, 768, 5)).unwrap_or(f64::NAN)
 }
 
 /// Deterministic English-like documents of about `tokens` tokens each.

@@ -40,6 +40,20 @@ pub fn linear_into(
     Ok(())
 }
 
+/// FLOP/s of [`linear_into`] for an [m × k] · [k × n] product on the current rayon pool: one
+/// warm-up, then the mean of `reps` timed runs. The compute roofline benchmarks are read against.
+pub fn measure_rate(m: usize, n: usize, k: usize, reps: usize) -> Result<f64> {
+    let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
+    let w: Vec<f32> = (0..n * k).map(|i| (i % 13) as f32 * 0.01).collect();
+    let mut y = vec![0.0f32; m * n];
+    linear_into(&x, m, &w, n, k, &mut y)?;
+    let t = std::time::Instant::now();
+    for _ in 0..reps.max(1) {
+        linear_into(&x, m, &w, n, k, &mut y)?;
+    }
+    Ok(2.0 * (m * n * k) as f64 * reps.max(1) as f64 / t.elapsed().as_secs_f64())
+}
+
 /// `dst[m][n] = Σ_k lhs[m][k] · rhs[k][n]`, every operand addressed by (row stride, column
 /// stride). `parallel` runs the product on the current rayon pool; kernels that already run one
 /// task per thread pass false.
