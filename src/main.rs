@@ -9,7 +9,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use tern::error::{Error, Result};
 use tern::formats::npy;
 use tern::runtime::embed::{EmbedOptions, Embedder, Embeddings, LoadOptions};
-use tern::runtime::resolve::resolve_model;
+use tern::runtime::generate::{ChatSession, GenerateOptions, Llm};
+use tern::runtime::resolve::{resolve_model, resolve_model_or_file};
+use tern::runtime::sampler::SamplingOptions;
 
 #[derive(Parser)]
 #[command(name = "tern", version, about = "Embeddings (EmbeddingGemma) and Qwen3.5 generation, on CPU and NVIDIA GPUs")]
@@ -25,6 +27,10 @@ enum Command {
     /// Measure throughput and latency.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Generate text with a Qwen3.5 model (HF directory or GGUF file).
+    Generate(GenerateArgs),
+    /// Talk with a Qwen3.5 model through its chat template, one line per turn.
+    Chat(ChatArgs),
     /// Describe a model directory: architecture, sizes, prompts, limits.
     Inspect {
         /// Model directory or hub id (org/name) in the local Hugging Face cache.
@@ -97,6 +103,81 @@ struct EmbedArgs {
     texts: Vec<String>,
 }
 
+#[derive(Args)]
+struct LlmArgs {
+    /// Model: a Hugging Face directory, a .gguf file, or a hub id in the local cache.
+    #[arg(long)]
+    model: String,
+    /// Where to run: auto picks a GPU when one can be used, else the CPU.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: Device,
+    /// Worker threads (default: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+}
+
+#[derive(Args)]
+struct SamplingArgs {
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// 0 is greedy (default: the model's generation_config.json, else 0.8).
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Keep the K most likely tokens; 0 keeps all (default: the model's, else 40).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Nucleus sampling threshold (default: the model's, else 0.95).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Drop tokens below P times the best one's probability (default: the model's, else 0.05).
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Penalise tokens already in the sequence (1 is off).
+    #[arg(long)]
+    repeat_penalty: Option<f32>,
+    /// Seed for sampling (default: from the clock).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// End the generation before this text (repeatable).
+    #[arg(long = "stop")]
+    stop: Vec<String>,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: LlmArgs,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// The prompt as text (no template applied unless --chat-template).
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    prompt: Option<String>,
+    /// The prompt as token ids, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<String>>,
+    /// Wrap --prompt as one user message in the model's chat template.
+    #[arg(long, requires = "prompt")]
+    chat_template: bool,
+    /// Print one JSON object: prompt_ids, generated_ids, text, finish_reason, timings.
+    #[arg(long)]
+    json: bool,
+    /// Write the logits that chose each generated token, float32 [n_generated, vocab].
+    #[arg(long)]
+    logits_out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ChatArgs {
+    #[command(flatten)]
+    model: LlmArgs,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// A system message to begin the conversation with.
+    #[arg(long)]
+    system: Option<String>,
+}
+
 #[derive(Subcommand)]
 enum BenchCommand {
     /// Embedding throughput (batches of documents) and single-query latency.
@@ -126,6 +207,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Embed(args) => run_embed(args),
         Command::Bench(BenchCommand::Embed(args)) => run_bench_embed(args),
+        Command::Generate(args) => run_generate(args),
+        Command::Chat(args) => run_chat(args),
         Command::Inspect { model } => run_inspect(&model),
     };
     match result {
@@ -237,6 +320,143 @@ fn write_embeddings(mut w: impl Write, out: &Embeddings, format: Format) -> std:
         }
     }
     w.flush()
+}
+
+fn load_llm(args: &LlmArgs) -> Result<Llm> {
+    if args.device == Device::Cuda {
+        return Err(Error::Input(
+            "--device cuda: this build runs Qwen3.5 on the CPU only; use --device cpu or auto".into(),
+        ));
+    }
+    let path = resolve_model_or_file(&args.model)?;
+    Llm::load(&path, args.threads)
+}
+
+/// The sampling flags over the model's defaults; --seed absent means a new seed each run.
+fn sampling_options(llm: &Llm, a: &SamplingArgs) -> GenerateOptions {
+    let d = &llm.default_sampling;
+    let clock_seed = || {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.as_nanos() as u64)
+    };
+    let sampling = SamplingOptions {
+        temperature: a.temperature.unwrap_or(d.temperature),
+        top_k: a.top_k.unwrap_or(d.top_k),
+        top_p: a.top_p.unwrap_or(d.top_p),
+        min_p: a.min_p.unwrap_or(d.min_p),
+        repeat_penalty: a.repeat_penalty.unwrap_or(d.repeat_penalty),
+        seed: a.seed.unwrap_or_else(clock_seed),
+        ..d.clone()
+    };
+    GenerateOptions { max_tokens: a.max_tokens, sampling, stop: a.stop.clone(), keep_logits: false }
+}
+
+fn parse_ids(items: &[String]) -> Result<Vec<u32>> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            s.trim().parse::<u32>().map_err(|_| Error::Input(format!("--prompt-ids: item {i} `{s}` is not a token id")))
+        })
+        .collect()
+}
+
+/// Writes streamed text to standard output as it comes; a closed pipe cancels the generation.
+fn stdout_sink() -> impl FnMut(&str) -> bool {
+    let mut out = std::io::stdout();
+    move |text: &str| out.write_all(text.as_bytes()).and_then(|_| out.flush()).is_ok()
+}
+
+fn run_generate(args: GenerateArgs) -> Result<()> {
+    let llm = load_llm(&args.model)?;
+    let mut opts = sampling_options(&llm, &args.sampling);
+    opts.keep_logits = args.logits_out.is_some();
+    let ids = match (&args.prompt, &args.prompt_ids) {
+        (_, Some(ids)) => parse_ids(ids)?,
+        (Some(text), None) if args.chat_template => {
+            let mut chat = ChatSession::new(&llm)?;
+            chat.turn_ids(text)?
+        }
+        (Some(text), None) => llm.tokenize(text)?,
+        (None, None) => return Err(Error::Input("give --prompt TEXT or --prompt-ids 1,2,3".into())),
+    };
+    let mut session = llm.new_session();
+    let g = if args.json {
+        llm.generate(&mut session, &ids, &opts, &mut |_| true)?
+    } else {
+        let g = llm.generate(&mut session, &ids, &opts, &mut stdout_sink())?;
+        println!();
+        g
+    };
+    if let Some(path) = &args.logits_out {
+        let rows = g.generated_ids.len();
+        let mut w = BufWriter::new(std::fs::File::create(path).map_err(|e| Error::io(path, e))?);
+        npy::write_f32(&mut w, &[rows, llm.vocab_size()], &g.logits)
+            .and_then(|_| w.flush())
+            .map_err(|e| Error::io(path, e))?;
+    }
+    if args.json {
+        let out = serde_json::json!({
+            "prompt_ids": g.prompt_ids,
+            "generated_ids": g.generated_ids,
+            "text": g.text,
+            "finish_reason": g.finish_reason.as_str(),
+            "timings": g.timings.to_json(),
+        });
+        println!("{out}");
+    } else {
+        let t = g.timings.to_json();
+        eprintln!(
+            "[{} prompt tokens at {:.1} tok/s, {} generated at {:.1} tok/s, {}]",
+            g.timings.prompt_tokens,
+            t["prefill_tokens_per_s"].as_f64().unwrap_or(0.0),
+            g.timings.generated_tokens,
+            t["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
+            g.finish_reason.as_str()
+        );
+    }
+    Ok(())
+}
+
+fn run_chat(args: ChatArgs) -> Result<()> {
+    let llm = load_llm(&args.model)?;
+    let opts = sampling_options(&llm, &args.sampling);
+    let mut chat = ChatSession::new(&llm)?;
+    if let Some(s) = &args.system {
+        chat.push_system(s);
+    }
+    let interactive = std::io::stdin().is_terminal();
+    if interactive {
+        eprintln!("chatting with {} (one line per turn; /reset starts over, /exit or end of input quits)", llm.path.display());
+    }
+    let mut line = String::new();
+    loop {
+        if interactive {
+            eprint!("> ");
+        }
+        line.clear();
+        if std::io::stdin().read_line(&mut line).map_err(|e| Error::io("<stdin>", e))? == 0 {
+            break;
+        }
+        let text = line.trim_end_matches(['\n', '\r']);
+        match text.trim() {
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                chat = ChatSession::new(&llm)?;
+                if let Some(s) = &args.system {
+                    chat.push_system(s);
+                }
+                continue;
+            }
+            "" => continue,
+            _ => {}
+        }
+        let g = chat.send(text, &opts, &mut stdout_sink())?;
+        println!();
+        if interactive {
+            eprintln!("[{} new prompt tokens, {} generated, {}]", g.timings.prompt_tokens, g.timings.generated_tokens, g.finish_reason.as_str());
+        }
+    }
+    Ok(())
 }
 
 fn run_inspect(spec: &str) -> Result<()> {

@@ -55,11 +55,17 @@ fn snapshot_in(root: &Path, id: &str) -> Option<PathBuf> {
 /// up in the hub cache. An offline miss names every place that was searched.
 pub fn resolve_model(spec: &str) -> Result<PathBuf> {
     let path = Path::new(spec);
-    if path.exists() {
-        if path.is_dir() {
-            return Ok(path.to_path_buf());
-        }
+    if path.exists() && !path.is_dir() {
         return Err(Error::format(path, "expected a model directory"));
+    }
+    resolve_model_or_file(spec)
+}
+
+/// Like [`resolve_model`], but a path to a file (a `.gguf`) is taken as it is.
+pub fn resolve_model_or_file(spec: &str) -> Result<PathBuf> {
+    let path = Path::new(spec);
+    if path.exists() {
+        return Ok(path.to_path_buf());
     }
     let parts: Vec<&str> = spec.split('/').collect();
     let looks_like_id = parts.len() == 2
