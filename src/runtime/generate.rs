@@ -214,66 +214,129 @@ impl Llm {
         opts: &GenerateOptions,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation> {
+        let mut g = self.start(session, ids, opts)?;
+        loop {
+            let step = g.step(session)?;
+            if !step.text.is_empty() && !on_text(&step.text) {
+                return Ok(g.cancel());
+            }
+            if step.finished {
+                return Ok(g.finish());
+            }
+        }
+    }
+
+    /// Runs `ids` after what `session` has seen (the prefill) and returns the generation, to be
+    /// advanced one token at a time with [`Generator::step`], so that a scheduler can interleave
+    /// several sequences and drop one at any step.
+    pub fn start(&self, session: &mut Session, ids: &[u32], opts: &GenerateOptions) -> Result<Generator<'_>> {
         self.check_prompt(session, ids)?;
-        let mut sampler = Sampler::new(opts.sampling.clone())?;
+        let sampler = Sampler::new(opts.sampling.clone())?;
         let mut feed: Vec<u32> = session.pending.take().into_iter().collect();
         feed.extend_from_slice(ids);
         session.ids.extend_from_slice(ids);
-        let mut timings = Timings { prompt_tokens: feed.len(), ..Default::default() };
-        let mut out = Generation {
-            prompt_ids: ids.to_vec(),
-            generated_ids: Vec::new(),
-            text: String::new(),
-            finish_reason: FinishReason::Length,
-            timings: Timings::default(),
-            logits: Vec::new(),
-        };
-        let mut stream = TextStream::new(&opts.stop);
         let t0 = Instant::now();
-        let mut logits = self.pool.install(|| self.model.forward(&feed, &mut session.state))?;
-        timings.prefill_s = t0.elapsed().as_secs_f64();
-        let t1 = Instant::now();
-        let ctx = self.context_length();
-        if opts.max_tokens == 0 {
-            out.finish_reason = FinishReason::Length;
+        let logits = self.pool.install(|| self.model.forward(&feed, &mut session.state))?;
+        let timings = Timings { prompt_tokens: feed.len(), prefill_s: t0.elapsed().as_secs_f64(), ..Default::default() };
+        Ok(Generator {
+            llm: self,
+            opts: opts.clone(),
+            sampler,
+            stream: TextStream::new(&opts.stop),
+            logits: Some(logits),
+            out: Generation {
+                prompt_ids: ids.to_vec(),
+                generated_ids: Vec::new(),
+                text: String::new(),
+                finish_reason: FinishReason::Length,
+                timings,
+                logits: Vec::new(),
+            },
+            finished: opts.max_tokens == 0,
+        })
+    }
+}
+
+/// One sequence's generation in progress (see [`Llm::start`]).
+pub struct Generator<'m> {
+    llm: &'m Llm,
+    opts: GenerateOptions,
+    sampler: Sampler,
+    stream: TextStream,
+    /// The logits for the next token, when already computed (after the prefill).
+    logits: Option<Vec<f32>>,
+    out: Generation,
+    finished: bool,
+}
+
+/// What one step produced: text that became final, and whether the generation is over.
+pub struct Step {
+    pub text: String,
+    pub finished: bool,
+}
+
+impl Generator<'_> {
+    /// Runs the pending token (except right after the prefill), samples the next one and
+    /// reports the text that became final. After the last step, `finished` is set and the text
+    /// held back for stop strings is flushed.
+    pub fn step(&mut self, session: &mut Session) -> Result<Step> {
+        if self.finished {
+            return Ok(Step { text: self.stream.finish(), finished: true });
         }
-        while out.generated_ids.len() < opts.max_tokens {
-            if opts.keep_logits {
-                out.logits.extend_from_slice(&logits);
+        let t = Instant::now();
+        let mut logits = match self.logits.take() {
+            Some(l) => l,
+            None => {
+                let Some(token) = session.pending.take() else {
+                    return Err(Error::Input("generation step without a pending token".into()));
+                };
+                let llm = self.llm;
+                llm.pool.install(|| llm.model.forward(&[token], &mut session.state))?
             }
-            let token = sampler.sample(&mut logits, &session.ids, &out.generated_ids);
-            out.generated_ids.push(token);
-            session.ids.push(token);
-            session.pending = Some(token);
-            if self.stop_ids.contains(&token) {
-                out.finish_reason = FinishReason::Stop;
-                break;
-            }
-            let (emit, stopped) = stream.push(self.token_bytes(token));
-            if !emit.is_empty() && !on_text(&emit) {
-                out.finish_reason = FinishReason::Cancelled;
-                break;
-            }
+        };
+        if self.opts.keep_logits {
+            self.out.logits.extend_from_slice(&logits);
+        }
+        let token = self.sampler.sample(&mut logits, &session.ids, &self.out.generated_ids);
+        self.out.generated_ids.push(token);
+        session.ids.push(token);
+        session.pending = Some(token);
+        let mut text = String::new();
+        if self.llm.stop_ids.contains(&token) {
+            self.out.finish_reason = FinishReason::Stop;
+            self.finished = true;
+        } else {
+            let (emit, stopped) = self.stream.push(self.llm.token_bytes(token));
+            text = emit;
             if stopped {
-                out.finish_reason = FinishReason::Stop;
-                break;
+                self.out.finish_reason = FinishReason::Stop;
+                self.finished = true;
+            } else if self.out.generated_ids.len() >= self.opts.max_tokens || session.ids.len() >= self.llm.context_length() {
+                self.out.finish_reason = FinishReason::Length;
+                self.finished = true;
             }
-            if out.generated_ids.len() == opts.max_tokens || session.ids.len() >= ctx {
-                out.finish_reason = FinishReason::Length;
-                break;
-            }
-            session.pending = None;
-            logits = self.pool.install(|| self.model.forward(&[token], &mut session.state))?;
         }
-        let rest = stream.finish();
-        if !rest.is_empty() && out.finish_reason != FinishReason::Cancelled {
-            on_text(&rest);
+        if self.finished {
+            text.push_str(&self.stream.finish());
         }
-        timings.decode_s = t1.elapsed().as_secs_f64();
-        timings.generated_tokens = out.generated_ids.len();
-        out.text = stream.text;
-        out.timings = timings;
-        Ok(out)
+        self.out.timings.decode_s += t.elapsed().as_secs_f64();
+        Ok(Step { text, finished: self.finished })
+    }
+
+    pub fn generated(&self) -> &[u32] {
+        &self.out.generated_ids
+    }
+
+    /// The generation so far, ended by the caller.
+    pub fn cancel(mut self) -> Generation {
+        self.out.finish_reason = FinishReason::Cancelled;
+        self.finish()
+    }
+
+    pub fn finish(mut self) -> Generation {
+        self.out.text = std::mem::take(&mut self.stream.text);
+        self.out.timings.generated_tokens = self.out.generated_ids.len();
+        self.out
     }
 }
 
