@@ -6,7 +6,9 @@
 //! - [`kernels`]: the op set, one module per kernel family, each entry point validating shapes.
 //! - [`models`]: weight-name mapping, config validation and forward passes written once over the
 //!   op set.
-//! - [`runtime`]: tokenizer, prompts, the embedding batcher, model resolution.
+//! - [`runtime`]: tokenizer, prompts and chat templates, the embedding batcher, the sampler and
+//!   generation loop, model resolution.
+//! - [`server`]: the OpenAI-compatible HTTP server (`tern serve`).
 //!
 //! The library entry point for embeddings is [`runtime::embed::Embedder`]: load once, embed many.
 
@@ -15,5 +17,6 @@ pub mod formats;
 pub mod kernels;
 pub mod models;
 pub mod runtime;
+pub mod server;
 
 pub use error::{Error, Result};

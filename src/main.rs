@@ -31,6 +31,8 @@ enum Command {
     Generate(GenerateArgs),
     /// Talk with a Qwen3.5 model through its chat template, one line per turn.
     Chat(ChatArgs),
+    /// Serve embedding and chat models over an OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
     /// Describe a model directory: architecture, sizes, prompts, limits.
     Inspect {
         /// Model directory or hub id (org/name) in the local Hugging Face cache.
@@ -178,6 +180,37 @@ struct ChatArgs {
     system: Option<String>,
 }
 
+#[derive(Args)]
+struct ServeArgs {
+    /// A model to serve (repeatable): a directory, a .gguf file or a hub id; clients name it by
+    /// this string or by its last path component.
+    #[arg(long = "model", required = true)]
+    models: Vec<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (printed on standard error).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Worker threads per model (default: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Token budget of one embedding batch, across requests.
+    #[arg(long, default_value_t = 8192)]
+    max_batch_tokens: usize,
+    /// Requests served at once; more get 429.
+    #[arg(long, default_value_t = 64)]
+    max_concurrent_requests: usize,
+    /// Sequences decoding together per LLM; more wait their turn.
+    #[arg(long, default_value_t = 16)]
+    max_sequences: usize,
+    /// Largest request body, in bytes.
+    #[arg(long, default_value_t = 8 << 20)]
+    max_request_bytes: usize,
+    /// Most inputs in one embedding request.
+    #[arg(long, default_value_t = 2048)]
+    max_inputs: usize,
+}
+
 #[derive(Subcommand)]
 enum BenchCommand {
     /// Embedding throughput (batches of documents) and single-query latency.
@@ -209,6 +242,17 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Embed(args)) => run_bench_embed(args),
         Command::Generate(args) => run_generate(args),
         Command::Chat(args) => run_chat(args),
+        Command::Serve(a) => tern::server::serve(tern::server::ServeOptions {
+            models: a.models,
+            host: a.host,
+            port: a.port,
+            threads: a.threads,
+            max_batch_tokens: a.max_batch_tokens,
+            max_concurrent_requests: a.max_concurrent_requests,
+            max_sequences: a.max_sequences,
+            max_request_bytes: a.max_request_bytes,
+            max_inputs: a.max_inputs,
+        }),
         Command::Inspect { model } => run_inspect(&model),
     };
     match result {

@@ -129,7 +129,7 @@ impl Embedder {
         }
     }
 
-    fn check_dimensions(&self, opts: &EmbedOptions) -> Result<usize> {
+    pub fn check_dimensions(&self, opts: &EmbedOptions) -> Result<usize> {
         let dim = self.dim();
         match opts.dimensions {
             None => Ok(dim),
@@ -222,22 +222,32 @@ impl Embedder {
                 end += 1;
             }
             let batch = &ids[start..end];
-            let flat: Vec<u32> = batch.iter().flatten().copied().collect();
-            let segments = pack(batch.iter().map(|s| s.len()));
-            let x = self.pool.install(|| self.pipeline.forward(&flat, &segments, opts.normalize))?;
-            for row in x.chunks(dim) {
-                let mut v = row[..out_dim].to_vec();
-                // As `encode(normalize_embeddings=True)`: normalise what is returned, after any
-                // Matryoshka cut, whether or not the pipeline ends in Normalize.
-                if opts.normalize {
-                    crate::kernels::pool::l2_normalize(&mut v, out_dim)?;
-                }
-                data.extend_from_slice(&v);
+            for row in self.pipeline_rows(batch, opts.normalize)?.chunks(dim) {
+                data.extend_from_slice(&self.finish_row(row, out_dim, opts.normalize)?);
             }
             tokens += used;
             start = end;
             progress(start);
         }
         Ok(Embeddings { dim: out_dim, data, truncated: Vec::new(), tokens })
+    }
+
+    /// The pipeline's output for one packed batch of sequences, [n][dim], before Matryoshka.
+    /// Each sequence attends only to itself, so a row does not depend on its batch-mates.
+    pub fn pipeline_rows(&self, batch: &[Vec<u32>], normalize: bool) -> Result<Vec<f32>> {
+        let flat: Vec<u32> = batch.iter().flatten().copied().collect();
+        let segments = pack(batch.iter().map(|s| s.len()));
+        self.pool.install(|| self.pipeline.forward(&flat, &segments, normalize))
+    }
+
+    /// One returned embedding from a pipeline row: the first `out_dim` values, normalised as
+    /// `encode(normalize_embeddings=True)` does (after the Matryoshka cut, whether or not the
+    /// pipeline ends in Normalize).
+    pub fn finish_row(&self, row: &[f32], out_dim: usize, normalize: bool) -> Result<Vec<f32>> {
+        let mut v = row[..out_dim].to_vec();
+        if normalize {
+            crate::kernels::pool::l2_normalize(&mut v, out_dim)?;
+        }
+        Ok(v)
     }
 }

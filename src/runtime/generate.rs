@@ -186,18 +186,23 @@ impl Llm {
 
     /// Checks ids against the vocabulary and the context before anything runs.
     pub fn check_prompt(&self, session: &Session, ids: &[u32]) -> Result<()> {
-        if ids.is_empty() && session.ids.is_empty() {
+        self.check_tokens(&session.ids, ids)
+    }
+
+    /// As [`Llm::check_prompt`], for a conversation that has seen `before`.
+    pub fn check_tokens(&self, before: &[u32], ids: &[u32]) -> Result<()> {
+        if ids.is_empty() && before.is_empty() {
             return Err(Error::Input("the prompt is empty".into()));
         }
         let vocab = self.vocab_size();
         if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
             return Err(Error::Input(format!("prompt token {i} is id {id}, outside the vocabulary of {vocab}")));
         }
-        let total = session.ids.len() + ids.len();
+        let total = before.len() + ids.len();
         if total >= self.context_length() {
             return Err(Error::Input(format!(
                 "the prompt needs {total} tokens{}, but the model's context holds {} (and one more for the first generated token)",
-                if session.ids.is_empty() { String::new() } else { format!(" with the {} of the conversation so far", session.ids.len()) },
+                if before.is_empty() { String::new() } else { format!(" with the {} of the conversation so far", before.len()) },
                 self.context_length() - 1
             )));
         }
