@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The test suite: unit tests, golden tests on the bundled tiny checkpoints, bad-input tests, and
-# the real-weights test on EmbeddingGemma 300M, and the HTTP server test with the openai client. The real model is taken from $TERN_EGEMMA300M_DIR,
-# else ~/.cache/tern/models/embeddinggemma-300m, fetched there first when the fetch tool is present.
+# The test suite: unit tests, golden tests on the bundled tiny checkpoints, bad-input tests, the
+# real-weights test on EmbeddingGemma 300M and the HTTP server test with the openai client. The
+# real model is taken from $TERN_EGEMMA300M_DIR, else ~/.cache/tern/models/embeddinggemma-300m,
+# fetched there first when the fetch tool is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 default_dir="$HOME/.cache/tern/models/embeddinggemma-300m"
