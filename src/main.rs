@@ -33,9 +33,9 @@ enum Command {
     Chat(ChatArgs),
     /// Serve embedding and chat models over an OpenAI-compatible HTTP API.
     Serve(ServeArgs),
-    /// Describe a model directory: architecture, sizes, prompts, limits.
+    /// Describe a model: architecture, sizes, prompts or chat template, limits.
     Inspect {
-        /// Model directory or hub id (org/name) in the local Hugging Face cache.
+        /// Model directory, .gguf file, or hub id (org/name) in the local Hugging Face cache.
         #[arg(long)]
         model: String,
     },
@@ -504,6 +504,10 @@ fn run_chat(args: ChatArgs) -> Result<()> {
 }
 
 fn run_inspect(spec: &str) -> Result<()> {
+    let path = resolve_model_or_file(spec)?;
+    if tern::runtime::generate::is_llm(&path)? {
+        return inspect_llm(&path);
+    }
     let dir = resolve_model(spec)?;
     let model = Embedder::load(&dir, &LoadOptions::default())?;
     let p = &model.pipeline;
@@ -524,6 +528,41 @@ fn run_inspect(spec: &str) -> Result<()> {
         "prompts": p.prompts,
         "weight_bytes": p.encoder.weight_bytes(),
     });
+    println!("{}", serde_json::to_string_pretty(&info).unwrap_or_default());
+    Ok(())
+}
+
+fn inspect_llm(path: &Path) -> Result<()> {
+    let llm = Llm::load(path, 1)?;
+    let c = &llm.model.cfg;
+    let mut info = serde_json::json!({
+        "path": path.display().to_string(),
+        "architecture": if c.moe.is_some() { "qwen3.5 mixture of experts" } else { "qwen3.5 dense" },
+        "layers": c.n_layers,
+        "full_attention_layers": (0..c.n_layers).filter(|&i| c.is_full_attention(i)).count(),
+        "hidden_size": c.hidden,
+        "attention": {"query_heads": c.q_heads, "kv_heads": c.kv_heads, "head_dim": c.head_dim, "rotary_dim": c.rotary_dim, "rope_theta": c.rope_theta},
+        "gated_delta": {"key_heads": c.lin_k_heads, "value_heads": c.lin_v_heads, "key_dim": c.lin_k_dim, "value_dim": c.lin_v_dim, "conv_kernel": c.conv_kernel},
+        "vocab_size": c.vocab_size,
+        "context_length": c.max_positions,
+        "tied_embeddings": c.tie_embeddings,
+        "stop_token_ids": llm.stop_ids,
+        "chat_template": llm.template.is_some(),
+        "default_sampling": llm.default_sampling,
+    });
+    if let Some(m) = &c.moe {
+        info["experts"] = serde_json::json!({"count": m.experts, "top_k": m.top_k, "expert_intermediate": m.expert_intermediate, "shared_intermediate": m.shared_intermediate});
+    } else {
+        info["intermediate_size"] = c.intermediate.into();
+    }
+    if path.is_file() {
+        let f = tern::formats::gguf::GgufFile::open(path)?;
+        let mut types = std::collections::BTreeMap::<String, usize>::new();
+        for t in f.tensors() {
+            *types.entry(t.ggml_type().to_string()).or_default() += 1;
+        }
+        info["gguf_tensor_types"] = serde_json::json!(types);
+    }
     println!("{}", serde_json::to_string_pretty(&info).unwrap_or_default());
     Ok(())
 }

@@ -383,3 +383,22 @@ fn library_reports_context_overflow_and_empty_prompts() {
     assert_eq!(g.finish_reason, FinishReason::Length);
     assert!(s.ids().len() <= ctx && g.generated_ids.len() <= 3, "{} ids", s.ids().len());
 }
+
+#[test]
+fn inspect_describes_llms() {
+    let index = index();
+    for (name, gguf) in [("moe", Some("q8_0")), ("dense-tied", None)] {
+        let path = model_path(&index, name, gguf);
+        let out = tern(&["inspect", "--model", path.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["layers"], 8);
+        assert_eq!(v["full_attention_layers"], 2);
+        assert_eq!(v["vocab_size"], 640);
+        assert_eq!(v["chat_template"], true);
+        assert_eq!(v["experts"].is_object(), name == "moe");
+        if gguf.is_some() {
+            assert!(v["gguf_tensor_types"]["Q8_0"].as_u64().unwrap() > 0);
+        }
+    }
+}

@@ -345,6 +345,16 @@ impl Generator<'_> {
     }
 }
 
+/// Whether a resolved model path is an LLM: a GGUF file, or a directory whose config.json is a
+/// Qwen3.5 checkpoint (other directories are embedding models).
+pub fn is_llm(path: &Path) -> Result<bool> {
+    if path.is_file() {
+        return Ok(true);
+    }
+    let cfg = JsonFile::read(&path.join("config.json"))?;
+    Ok(cfg.opt_str("model_type")?.is_some_and(|t| t.starts_with("qwen3_5")))
+}
+
 /// Stop ids and sampling defaults from `generation_config.json` (absent: the config's EOS only,
 /// llama.cpp's sampling defaults; `do_sample: false` means greedy).
 fn generation_config(dir: &Path) -> Result<(Vec<u32>, SamplingOptions)> {

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use crate::error::{Error, Result};
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct SamplingOptions {
     /// 0 is greedy; otherwise logits are divided by it before the filters.
     pub temperature: f32,

@@ -13,7 +13,6 @@ mod generation;
 pub mod metrics;
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
@@ -264,7 +263,7 @@ fn load_model(spec: &str, opts: &ServeOptions, state: &Arc<AppState>) -> Result<
         .file_name()
         .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
         .unwrap_or_else(|| spec.to_string());
-    let engine = if is_llm(&path)? {
+    let engine = if crate::runtime::generate::is_llm(&path)? {
         let llm = Llm::load(&path, opts.threads)?;
         Engine::Llm(generation::LlmModel::start(llm, opts, state.clone()))
     } else {
@@ -272,15 +271,6 @@ fn load_model(spec: &str, opts: &ServeOptions, state: &Arc<AppState>) -> Result<
         Engine::Embedding(embeddings::EmbeddingModel::start(e, opts, state.clone()))
     };
     Ok(ServedModel { id: spec.to_string(), alias, engine })
-}
-
-/// A GGUF file or a Qwen3.5 checkpoint is an LLM; other directories are embedding models.
-fn is_llm(path: &Path) -> Result<bool> {
-    if path.is_file() {
-        return Ok(true);
-    }
-    let cfg = crate::formats::config::JsonFile::read(&path.join("config.json"))?;
-    Ok(cfg.opt_str("model_type")?.is_some_and(|t| t.starts_with("qwen3_5")))
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
