@@ -291,7 +291,8 @@ fn prompt_ids(body: &Json, llm: &Llm, api: Api) -> ApiResult<Vec<u32>> {
                 Some(Json::Object(kw)) => vars.extend(kw.clone()),
                 Some(other) => return Err(ApiError::bad_request("invalid_type", format!("`chat_template_kwargs` must be an object, not {}", type_name(other)))),
             }
-            let text = template.render(messages, true, &vars).map_err(|e| ApiError::bad_request("invalid_input", e.to_string()))?;
+            let messages = with_parsed_tool_arguments(messages);
+            let text = template.render(&messages, true, &vars).map_err(|e| ApiError::bad_request("invalid_input", e.to_string()))?;
             Ok(llm.tokenize(&text)?)
         }
         Api::Completion => {
@@ -314,6 +315,24 @@ fn prompt_ids(body: &Json, llm: &Llm, api: Api) -> ApiResult<Vec<u32>> {
             }
         }
     }
+}
+
+/// OpenAI clients send a tool call's `arguments` as a JSON string; chat templates iterate over
+/// them as a mapping (transformers passes dicts), so a string holding a JSON object is parsed.
+fn with_parsed_tool_arguments(messages: &[Json]) -> Vec<Json> {
+    let mut out = messages.to_vec();
+    for m in &mut out {
+        let Some(Json::Array(calls)) = m.get_mut("tool_calls") else { continue };
+        for call in calls {
+            let Some(f) = call.get_mut("function") else { continue };
+            if let Some(Json::String(args)) = f.get("arguments") {
+                if let Ok(obj @ Json::Object(_)) = serde_json::from_str::<Json>(args) {
+                    f["arguments"] = obj;
+                }
+            }
+        }
+    }
+    out
 }
 
 async fn generation(state: &Arc<AppState>, body: Body, api: Api, slot: &mut RequestSlot) -> ApiResult<Reply> {
@@ -425,4 +444,24 @@ fn stream_response(mut rx: mpsc::UnboundedReceiver<GenEvent>, ctx: StreamContext
         }
     });
     Sse::new(tokio_stream::wrappers::ReceiverStream::new(out)).keep_alive(KeepAlive::default()).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tool_call_arguments_given_as_json_strings_become_objects() {
+        let messages = vec![
+            json!({"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": "{\"city\": \"Oslo\", \"days\": 2}"}},
+                {"type": "function", "function": {"name": "g", "arguments": "not json"}},
+            ]}),
+            json!({"role": "user", "content": "x"}),
+        ];
+        let out = with_parsed_tool_arguments(&messages);
+        assert_eq!(out[0]["tool_calls"][0]["function"]["arguments"], json!({"city": "Oslo", "days": 2}));
+        assert_eq!(out[0]["tool_calls"][1]["function"]["arguments"], json!("not json"));
+        assert_eq!(out[1], messages[1]);
+    }
 }
