@@ -33,6 +33,13 @@ pub(crate) fn widen(b: u16) -> f32 {
 /// Widens `src` into `dst` (equal lengths).
 pub(crate) fn widen_into(src: &[u16], dst: &mut [f32]) {
     debug_assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F.
+            return unsafe { x86::widen_avx512(src, dst) };
+        }
+    }
     for (d, &s) in dst.iter_mut().zip(src) {
         *d = widen(s);
     }
@@ -147,6 +154,23 @@ mod x86 {
     use super::widen;
 
     /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn widen_avx512(src: &[u16], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        let (sp, dp) = (src.as_ptr(), dst.as_mut_ptr());
+        let mut i = 0;
+        while i + 16 <= n {
+            let h = _mm256_loadu_si256(sp.add(i) as *const __m256i);
+            _mm512_storeu_ps(dp.add(i), _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h))));
+            i += 16;
+        }
+        for j in i..n {
+            *dp.add(j) = widen(*sp.add(j));
+        }
+    }
+
+    /// # Safety
     /// The CPU has AVX-512F; `x` holds n values and `w` 4·n.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn dot4_avx512(x: &[f32], w: &[u16], n: usize) -> [f32; 4] {
@@ -237,6 +261,16 @@ mod tests {
             }
         }
         y
+    }
+
+    #[test]
+    fn vector_widening_matches_the_scalar_one() {
+        for n in [0usize, 1, 15, 16, 17, 40, 1000] {
+            let src: Vec<u16> = (0..n).map(|i| to_bf16((i as f32 - 20.0) * 0.37)).collect();
+            let mut dst = vec![f32::NAN; n];
+            widen_into(&src, &mut dst);
+            assert!(src.iter().zip(&dst).all(|(&s, &d)| d.to_bits() == widen(s).to_bits()), "n {n}");
+        }
     }
 
     #[test]
