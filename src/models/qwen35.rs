@@ -483,6 +483,8 @@ pub struct Qwen35 {
 impl Qwen35 {
     /// Loads a Hugging Face checkpoint directory or a `.gguf` file.
     pub fn load(path: &Path) -> Result<Qwen35> {
+        // A missing path is named as given, not as the config.json a directory would hold.
+        std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
         let (cfg, w) = if path.is_file() {
             let f = GgufFile::open(path)?;
             (Qwen35Config::from_gguf(&f)?, Source::Gguf(f))
