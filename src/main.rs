@@ -468,6 +468,8 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
         let decode_s = median(&mut per_token);
         let decode_mean_s = median(&mut run_means);
 
+        // Memory before the probes below, whose 1 GiB buffer would otherwise count as the model's.
+        let (rss, peak) = memory_usage();
         // Rooflines, measured now on the same pool: a read of 1 GiB (past every cache) and the
         // f32 GEMM on a prefill-shaped projection [n × 1024] · [1024 × 3584].
         let bandwidth = tern::kernels::matmul::measure_read_bandwidth(1 << 30, 5);
@@ -475,7 +477,6 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
         let gemm_rate = tern::kernels::matmul::measure_rate(m, 3584, 1024, 3).unwrap_or(f64::NAN);
         let bytes_per_token = model.decode_bytes_per_token(args.gen_tokens / 2);
         let flops = model.prefill_flops(args.prompt_tokens);
-        let (rss, peak) = memory_usage();
         let report = serde_json::json!({
             "model": args.model.display().to_string(),
             "threads": threads,
