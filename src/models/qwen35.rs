@@ -423,7 +423,7 @@ impl Ffn {
             Ffn::Moe { router, experts, top_k, shared, shared_gate } => (router, experts, *top_k, shared, shared_gate),
         };
         let ne = experts.len();
-        let logits = linear_w(x, n, wts(&router), ne, h)?;
+        let logits = linear_w(x, n, wts(router), ne, h)?;
         // Per expert: the tokens routed to it and their renormalised weights.
         let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); ne];
         for (t, row) in logits.chunks(ne).enumerate() {
@@ -452,7 +452,7 @@ impl Ffn {
             }
         }
         let s = shared.forward(x, n, h)?;
-        let gate = linear_w(x, n, wts(&shared_gate), 1, h)?;
+        let gate = linear_w(x, n, wts(shared_gate), 1, h)?;
         for t in 0..n {
             let g = sigmoid(gate[t]);
             out[t * h..(t + 1) * h].iter_mut().zip(&s[t * h..(t + 1) * h]).for_each(|(o, &v)| *o += g * v);

@@ -122,8 +122,8 @@ fn tiled(x: &[f32], rows: usize, w: &[u16], out: usize, inp: usize, y: &mut [f32
                 let d = kernel(xs, &wf, inp);
                 for (i, &tr) in ts.iter().enumerate() {
                     if tr == t + i {
-                        for r in 0..4 {
-                            put(tr, o + r, d[r][i]);
+                        for (r, dr) in d.iter().enumerate() {
+                            put(tr, o + r, dr[i]);
                         }
                     }
                 }
