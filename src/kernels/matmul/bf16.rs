@@ -158,7 +158,11 @@ fn widened_gemm(x: &[f32], rows: usize, w: &[u16], out: usize, inp: usize, y: &m
         let mut o0 = 0;
         while o0 < out {
             let p = panel_rows.min(out - o0);
-            panel.resize(p * inp, 0.0);
+            // Grow only: shrinking and growing again between projections would zero-fill the
+            // buffer each time.
+            if panel.len() < p * inp {
+                panel.resize(p * inp, 0.0);
+            }
             let src = &w[o0 * inp..(o0 + p) * inp];
             panel[..p * inp].par_chunks_mut(16 * 1024).zip(src.par_chunks(16 * 1024)).for_each(|(d, s)| widen_into(s, d));
             // SAFETY: X is [rows][inp], the panel [p][inp] (read as its transpose), and the
