@@ -146,8 +146,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Embed(args) => run_embed(args),
-        Command::Bench(BenchCommand::Embed(args)) => run_bench_embed(args),
         Command::Bench(BenchCommand::Generate(args)) => run_bench_generate(args),
+        Command::Bench(BenchCommand::Embed(args)) => run_bench_embed(args),
         Command::Inspect { model } => run_inspect(&model),
     };
     match result {
