@@ -9,7 +9,7 @@ ratios, and tern's fractions of the rooflines it measures in the same run (memor
 bandwidth for decode, the f32 GEMM rate for prefill). --json writes every raw result too.
 
     python scripts/bench_generate_peers.py --model ~/.cache/tern/bench/qwen35-0.8b-bf16.gguf \\
-        [--tern target/release/tern] [--llama-bench ~/.cache/tern/llama.cpp-build-cpu/bin/llama-bench] \\
+        [--tern $CARGO_TARGET_DIR/release/tern] [--llama-bench ~/.cache/tern/llama.cpp-build-cpu/bin/llama-bench] \\
         [--prompt-tokens 512] [--gen-tokens 64] [--threads 2] [--rounds 5] [--json OUT.json]
 
 llama-bench's prompt is random token ids too; its pp test runs the prompt as one batch (-b/-ub
@@ -51,7 +51,8 @@ def run_llama(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--tern", default=os.path.join(REPO, "target", "release", "tern"))
+    ap.add_argument("--tern", default=os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(REPO, "target")),
+                                                "release", "tern"))
     ap.add_argument("--llama-bench", default=os.path.expanduser("~/.cache/tern/llama.cpp-build-cpu/bin/llama-bench"))
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=64)
