@@ -215,6 +215,27 @@ struct ServeArgs {
 enum BenchCommand {
     /// Embedding throughput (batches of documents) and single-query latency.
     Embed(BenchEmbedArgs),
+    /// Qwen3.5 prefill and decode tokens/s on the CPU, read against measured rooflines.
+    Generate(BenchGenerateArgs),
+}
+
+#[derive(Args)]
+struct BenchGenerateArgs {
+    /// A Qwen3.5 GGUF file or Hugging Face checkpoint directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt length of the prefill measurement (random token ids from a fixed seed).
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens of the decode measurement (from a fresh state, as llama-bench's tg test).
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    /// Worker threads (default: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Timed repetitions of each measurement (after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
 }
 
 #[derive(Args)]
@@ -239,6 +260,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Embed(args) => run_embed(args),
+        Command::Bench(BenchCommand::Generate(args)) => run_bench_generate(args),
         Command::Bench(BenchCommand::Embed(args)) => run_bench_embed(args),
         Command::Generate(args) => run_generate(args),
         Command::Chat(args) => run_chat(args),
@@ -679,4 +701,107 @@ fn run_bench_embed(args: BenchEmbedArgs) -> Result<()> {
     });
     println!("{report}");
     Ok(())
+}
+
+fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
+    use tern::models::qwen35::Qwen35;
+    let threads = if args.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { args.threads };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| Error::Input(format!("cannot start {threads} worker threads: {e}")))?;
+    if args.prompt_tokens == 0 || args.gen_tokens == 0 {
+        return Err(Error::Input("--prompt-tokens and --gen-tokens must be at least 1".into()));
+    }
+    pool.install(|| {
+        let t0 = Instant::now();
+        let model = Qwen35::load(&args.model)?;
+        let load_s = t0.elapsed().as_secs_f64();
+        let c = &model.cfg;
+        // Random ids below the first special token (248044 in the released vocabulary), from a
+        // fixed seed, so every run and every peer sees the same prompt.
+        let id_range = c.vocab_size.min(248_044) as u64;
+        let mut state = 0x2545f4914f6cdd1du64;
+        let mut next_id = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % id_range) as u32
+        };
+        let prompt: Vec<u32> = (0..args.prompt_tokens).map(|_| next_id()).collect();
+        let first = next_id();
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(|a, b| a.total_cmp(b));
+            v[v.len() / 2]
+        };
+        let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32);
+
+        // Prefill: the whole prompt in one forward from an empty state.
+        let mut prefill_times = Vec::new();
+        for i in 0..=args.iters.max(1) {
+            let mut st = model.new_state();
+            let t = Instant::now();
+            std::hint::black_box(model.forward(&prompt, &mut st)?);
+            if i > 0 {
+                prefill_times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        let prefill_s = median(&mut prefill_times);
+
+        // Decode: gen_tokens single-token steps from a fresh state, feeding back the argmax.
+        let mut per_token = Vec::new();
+        let mut run_means = Vec::new();
+        for i in 0..=args.iters.max(1) {
+            let mut st = model.new_state();
+            let mut tok = first;
+            let t_run = Instant::now();
+            for _ in 0..args.gen_tokens {
+                let t = Instant::now();
+                let logits = model.forward(&[tok], &mut st)?;
+                let dt = t.elapsed().as_secs_f64();
+                tok = argmax(&logits);
+                if i > 0 {
+                    per_token.push(dt);
+                }
+            }
+            if i > 0 {
+                run_means.push(t_run.elapsed().as_secs_f64() / args.gen_tokens as f64);
+            }
+        }
+        let decode_s = median(&mut per_token);
+        let decode_mean_s = median(&mut run_means);
+
+        // Memory before the probes below, whose 1 GiB buffer would otherwise count as the model's.
+        let (rss, peak) = memory_usage();
+        // Rooflines, measured now on the same pool: a read of 1 GiB (past every cache) and the
+        // f32 GEMM on a prefill-shaped projection [n × 1024] · [1024 × 3584].
+        let bandwidth = tern::kernels::matmul::measure_read_bandwidth(1 << 30, 5);
+        let m = args.prompt_tokens.max(64);
+        let gemm_rate = tern::kernels::matmul::measure_rate(m, 3584, 1024, 3).unwrap_or(f64::NAN);
+        let bytes_per_token = model.decode_bytes_per_token(args.gen_tokens / 2);
+        let flops = model.prefill_flops(args.prompt_tokens);
+        let report = serde_json::json!({
+            "model": args.model.display().to_string(),
+            "threads": threads,
+            "load_s": load_s,
+            "prompt_tokens": args.prompt_tokens,
+            "gen_tokens": args.gen_tokens,
+            "prefill_s": prefill_s,
+            "prefill_tokens_per_s": args.prompt_tokens as f64 / prefill_s,
+            "decode_tokens_per_s": 1.0 / decode_s,
+            "decode_tokens_per_s_mean": 1.0 / decode_mean_s,
+            "weight_bytes": model.weight_bytes(),
+            "decode_bytes_per_token": bytes_per_token,
+            "read_bandwidth_gb_per_s": bandwidth / 1e9,
+            "decode_bandwidth_fraction": bytes_per_token as f64 / decode_s / bandwidth,
+            "prefill_flops": flops,
+            "prefill_gflops_per_s": flops / prefill_s / 1e9,
+            "gemm_gflops_per_s": gemm_rate / 1e9,
+            "prefill_gemm_fraction": flops / prefill_s / gemm_rate,
+            "rss_bytes": rss,
+            "peak_rss_bytes": peak,
+        });
+        println!("{report}");
+        Ok(())
+    })
 }

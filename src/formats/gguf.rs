@@ -35,7 +35,7 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 use rayon::prelude::*;
 
-use super::Tensor;
+use super::{Bf16Tensor, Matrix, Tensor};
 use crate::error::{Error, Result};
 
 /// The alignment of the data section and of every tensor's offset when `general.alignment` is absent.
@@ -756,6 +756,19 @@ impl GgufFile {
     /// [`Self::load`], with the shape checked against what the model's config implies.
     pub fn load_shaped(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.load(name)?.expect_shape(shape)
+    }
+
+    /// A weight matrix for the products: BF16 stays as stored (a zero-copy view, which the
+    /// bf16 kernels widen exactly), every other type as [`Self::load`] gives it.
+    pub fn load_matrix(&self, name: &str, shape: &[usize]) -> Result<Matrix> {
+        let info = self.info(name)?;
+        if info.ggml_type == GgmlType::BF16 {
+            let raw = self.raw(name)?;
+            if let Some(t) = Bf16Tensor::mapped(name.to_string(), info.shape(), self.map.clone(), raw.file_offset) {
+                return Matrix::Bf16(t).expect_shape(shape);
+            }
+        }
+        Ok(Matrix::F32(self.load_shaped(name, shape)?))
     }
 }
 

@@ -72,3 +72,70 @@ impl std::fmt::Debug for Tensor {
         write!(f, "Tensor({}, {:?}, {})", self.name, self.shape, if self.is_mapped() { "mapped" } else { "owned" })
     }
 }
+
+/// A bf16 tensor kept as stored: a zero-copy view of `len` little-endian bf16 values at byte
+/// `offset` of a memory-mapped file (2-byte aligned, checked when made).
+pub struct Bf16Tensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    map: Arc<Mmap>,
+    offset: usize,
+}
+
+impl Bf16Tensor {
+    /// A view of `shape` at `offset`, or None when the bytes are out of the map or misaligned
+    /// (the caller then decodes instead).
+    pub(crate) fn mapped(name: String, shape: Vec<usize>, map: Arc<Mmap>, offset: usize) -> Option<Bf16Tensor> {
+        let len: usize = shape.iter().product();
+        let fits = offset.checked_add(2 * len).is_some_and(|end| end <= map.len());
+        let aligned = (map.as_ptr() as usize + offset).is_multiple_of(2);
+        (fits && aligned && cfg!(target_endian = "little")).then_some(Bf16Tensor { name, shape, map, offset })
+    }
+
+    /// The raw bf16 bits; widening one to f32 is `f32::from_bits((b as u32) << 16)`.
+    pub fn data(&self) -> &[u16] {
+        let len = self.shape.iter().product();
+        // SAFETY: bounds and alignment were checked when the view was made; the map is read-only
+        // and lives as long as `self`; the host is little-endian, as the file is.
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(self.offset) as *const u16, len) }
+    }
+}
+
+/// A weight matrix as a model keeps it: f32 (mapped or decoded) or bf16 as stored.
+pub enum Matrix {
+    F32(Tensor),
+    Bf16(Bf16Tensor),
+}
+
+impl Matrix {
+    pub fn name(&self) -> &str {
+        match self {
+            Matrix::F32(t) => &t.name,
+            Matrix::Bf16(t) => &t.name,
+        }
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            Matrix::F32(t) => &t.shape,
+            Matrix::Bf16(t) => &t.shape,
+        }
+    }
+
+    /// Checks the shape against what the model's config implies; the error names the tensor.
+    pub fn expect_shape(self, shape: &[usize]) -> Result<Matrix> {
+        if self.shape() != shape {
+            return Err(Error::tensor(
+                self.name(),
+                format!("has shape {:?}, the config implies {:?}", self.shape(), shape),
+            ));
+        }
+        Ok(self)
+    }
+}
+
+impl From<Tensor> for Matrix {
+    fn from(t: Tensor) -> Matrix {
+        Matrix::F32(t)
+    }
+}

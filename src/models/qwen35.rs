@@ -24,14 +24,14 @@ use crate::error::{Error, Result};
 use crate::formats::config::JsonFile;
 use crate::formats::gguf::GgufFile;
 use crate::formats::safetensors::SafetensorsWeights;
-use crate::formats::Tensor;
+use crate::formats::{Matrix, Tensor};
 use crate::kernels::activation::silu_mul;
 use crate::kernels::attention::{causal_attention, AttentionShape};
 use crate::kernels::gated_delta::{
     beta_gate, conv1d_silu_scan, decay_gate, delta_rule_chunked, delta_rule_scan, gated_rms_norm_inplace,
     normalize_qk, sigmoid, DeltaRuleHeads, DeltaRuleInputs, KeyHeadMap,
 };
-use crate::kernels::matmul::linear;
+use crate::kernels::matmul::{linear_w, Weights};
 use crate::kernels::norm::rms_norm;
 use crate::kernels::rope::{head_prep, HeadPrep, RopeTable};
 use crate::kernels::pack;
@@ -300,6 +300,17 @@ impl Source {
         }
     }
 
+    /// A weight matrix: bf16 GGUF tensors stay as stored, everything else is f32.
+    fn matrix(&self, prefix: &str, hf: &str, shape: &[usize]) -> Result<Matrix> {
+        match self {
+            Source::Hf(_) => Ok(Matrix::F32(self.get(prefix, hf, shape)?)),
+            Source::Gguf(f) => {
+                let name = gguf_name(hf).ok_or_else(|| Error::tensor(hf, "has no GGUF counterpart"))?;
+                f.load_matrix(&name, shape)
+            }
+        }
+    }
+
     /// The experts of layer `layer`: one tensor per expert in HF checkpoints saved by
     /// transformers, stacked [experts][rows][cols] in GGUF (`ffn_{gate,up,down}_exps`).
     fn experts(&self, prefix: &str, layer: usize, ne: usize, ei: usize, h: usize) -> Result<Vec<Mlp>> {
@@ -308,21 +319,21 @@ impl Source {
                 .map(|e| {
                     let name = |m: &str| format!("{prefix}layers.{layer}.mlp.experts.{e}.{m}.weight");
                     Ok(Mlp {
-                        gate: w.get(&name("gate_proj"), &[ei, h])?,
-                        up: w.get(&name("up_proj"), &[ei, h])?,
-                        down: w.get(&name("down_proj"), &[h, ei])?,
+                        gate: w.get(&name("gate_proj"), &[ei, h])?.into(),
+                        up: w.get(&name("up_proj"), &[ei, h])?.into(),
+                        down: w.get(&name("down_proj"), &[h, ei])?.into(),
                         width: ei,
                     })
                 })
                 .collect(),
             Source::Gguf(f) => {
-                let stacked = |m: &str, rows: usize, cols: usize| -> Result<Vec<Tensor>> {
+                let stacked = |m: &str, rows: usize, cols: usize| -> Result<Vec<Matrix>> {
                     let name = format!("blk.{layer}.{m}");
                     let t = f.load_shaped(&name, &[ne, rows, cols])?;
                     Ok(t.data()
                         .chunks(rows * cols)
                         .enumerate()
-                        .map(|(e, d)| Tensor::owned(format!("{name}[{e}]"), vec![rows, cols], d.to_vec()))
+                        .map(|(e, d)| Matrix::F32(Tensor::owned(format!("{name}[{e}]"), vec![rows, cols], d.to_vec())))
                         .collect())
                 };
                 let (g, u, d) = (stacked("ffn_gate_exps.weight", ei, h)?, stacked("ffn_up_exps.weight", ei, h)?, stacked("ffn_down_exps.weight", h, ei)?);
@@ -339,24 +350,32 @@ impl Source {
     }
 }
 
+/// The kernels' view of a weight matrix.
+fn wts(m: &Matrix) -> Weights<'_> {
+    match m {
+        Matrix::F32(t) => Weights::F32(t.data()),
+        Matrix::Bf16(t) => Weights::Bf16(t.data()),
+    }
+}
+
 struct LinearAttention {
-    in_qkv: Tensor,
-    in_z: Tensor,
-    in_b: Tensor,
-    in_a: Tensor,
+    in_qkv: Matrix,
+    in_z: Matrix,
+    in_b: Matrix,
+    in_a: Matrix,
     conv: Vec<f32>,
     dt_bias: Vec<f32>,
     /// −exp(A_log), computed once.
     a: Vec<f32>,
     norm: Vec<f32>,
-    out: Tensor,
+    out: Matrix,
 }
 
 struct FullAttention {
-    q_gate: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
+    q_gate: Matrix,
+    k: Matrix,
+    v: Matrix,
+    o: Matrix,
     q_norm: Vec<f32>,
     k_norm: Vec<f32>,
 }
@@ -375,18 +394,18 @@ struct Layer {
 
 /// A gated SiLU MLP: down(silu(gate·x) · up·x).
 struct Mlp {
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    gate: Matrix,
+    up: Matrix,
+    down: Matrix,
     width: usize,
 }
 
 impl Mlp {
     fn forward(&self, x: &[f32], n: usize, h: usize) -> Result<Vec<f32>> {
-        let mut g = linear(x, n, self.gate.data(), self.width, h)?;
-        let u = linear(x, n, self.up.data(), self.width, h)?;
+        let mut g = linear_w(x, n, wts(&self.gate), self.width, h)?;
+        let u = linear_w(x, n, wts(&self.up), self.width, h)?;
         silu_mul(&mut g, &u)?;
-        linear(&g, n, self.down.data(), h, self.width)
+        linear_w(&g, n, wts(&self.down), h, self.width)
     }
 }
 
@@ -394,7 +413,7 @@ enum Ffn {
     Dense(Mlp),
     /// Router [experts][hidden] (softmax in f32 → top-k → renormalise), the experts, and the
     /// shared expert with its sigmoid gate [1][hidden].
-    Moe { router: Tensor, experts: Vec<Mlp>, top_k: usize, shared: Mlp, shared_gate: Tensor },
+    Moe { router: Matrix, experts: Vec<Mlp>, top_k: usize, shared: Mlp, shared_gate: Matrix },
 }
 
 impl Ffn {
@@ -404,7 +423,7 @@ impl Ffn {
             Ffn::Moe { router, experts, top_k, shared, shared_gate } => (router, experts, *top_k, shared, shared_gate),
         };
         let ne = experts.len();
-        let logits = linear(x, n, router.data(), ne, h)?;
+        let logits = linear_w(x, n, wts(router), ne, h)?;
         // Per expert: the tokens routed to it and their renormalised weights.
         let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); ne];
         for (t, row) in logits.chunks(ne).enumerate() {
@@ -433,7 +452,7 @@ impl Ffn {
             }
         }
         let s = shared.forward(x, n, h)?;
-        let gate = linear(x, n, shared_gate.data(), 1, h)?;
+        let gate = linear_w(x, n, wts(shared_gate), 1, h)?;
         for t in 0..n {
             let g = sigmoid(gate[t]);
             out[t * h..(t + 1) * h].iter_mut().zip(&s[t * h..(t + 1) * h]).for_each(|(o, &v)| *o += g * v);
@@ -454,8 +473,8 @@ pub struct Qwen35State {
 
 pub struct Qwen35 {
     pub cfg: Qwen35Config,
-    embed: Tensor,
-    lm_head: Option<Tensor>,
+    embed: Matrix,
+    lm_head: Option<Matrix>,
     layers: Vec<Layer>,
     final_norm: Vec<f32>,
     rope: RopeTable,
@@ -464,6 +483,8 @@ pub struct Qwen35 {
 impl Qwen35 {
     /// Loads a Hugging Face checkpoint directory or a `.gguf` file.
     pub fn load(path: &Path) -> Result<Qwen35> {
+        // A missing path is named as given, not as the config.json a directory would hold.
+        std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
         let (cfg, w) = if path.is_file() {
             let f = GgufFile::open(path)?;
             (Qwen35Config::from_gguf(&f)?, Source::Gguf(f))
@@ -473,7 +494,7 @@ impl Qwen35 {
         let gguf = matches!(w, Source::Gguf(_));
         let p = cfg.prefix.clone();
         let h = cfg.hidden;
-        let mat = |name: &str, r: usize, c: usize| w.get(&p, name, &[r, c]);
+        let mat = |name: &str, r: usize, c: usize| w.matrix(&p, name, &[r, c]);
         // (1 + w) norms: HF stores w, GGUF stores 1 + w already.
         let plus_one = |name: &str, d: usize| -> Result<Vec<f32>> {
             let t = w.get(&p, name, &[d])?;
@@ -547,7 +568,7 @@ impl Qwen35 {
             None
         } else {
             // The head sits outside the model prefix in HF checkpoints.
-            Some(w.get("", "lm_head.weight", &[cfg.vocab_size, h])?)
+            Some(w.matrix("", "lm_head.weight", &[cfg.vocab_size, h])?)
         };
         Ok(Qwen35 {
             rope: RopeTable::new(cfg.rope_theta, cfg.rotary_dim, cfg.max_positions),
@@ -557,6 +578,101 @@ impl Qwen35 {
             layers,
             cfg,
         })
+    }
+
+    /// Every weight matrix of the layers (per-token work), then the head.
+    fn layer_matrices(&self) -> Vec<&Matrix> {
+        let mut out = Vec::new();
+        for l in &self.layers {
+            match &l.mixer {
+                Mixer::Linear(m) => out.extend([&m.in_qkv, &m.in_z, &m.in_b, &m.in_a, &m.out]),
+                Mixer::Full(m) => out.extend([&m.q_gate, &m.k, &m.v, &m.o]),
+            }
+            match &l.ffn {
+                Ffn::Dense(m) => out.extend([&m.gate, &m.up, &m.down]),
+                Ffn::Moe { router, experts, shared, shared_gate, .. } => {
+                    out.extend([router, shared_gate, &shared.gate, &shared.up, &shared.down]);
+                    out.extend(experts.iter().flat_map(|e| [&e.gate, &e.up, &e.down]));
+                }
+            }
+        }
+        out
+    }
+
+    fn head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Bytes of all weight matrices as held (bf16 kept as stored counts 2 per value), embedding
+    /// and head included once each.
+    pub fn weight_bytes(&self) -> usize {
+        let mut b: usize = self.layer_matrices().iter().map(|m| wts(m).bytes()).sum();
+        b += wts(&self.embed).bytes();
+        if let Some(h) = &self.lm_head {
+            b += wts(h).bytes();
+        }
+        b
+    }
+
+    /// The fewest bytes one decode step at context `ctx` must read: every layer matrix (all
+    /// experts for MoE counted as top-k of them), the head, one embedding row, the recurrent and
+    /// conv state (read and written back) and the KV cache.
+    pub fn decode_bytes_per_token(&self, ctx: usize) -> usize {
+        let c = &self.cfg;
+        let mut b = 0usize;
+        for l in &self.layers {
+            let ms: Vec<&Matrix> = match &l.mixer {
+                Mixer::Linear(m) => vec![&m.in_qkv, &m.in_z, &m.in_b, &m.in_a, &m.out],
+                Mixer::Full(m) => vec![&m.q_gate, &m.k, &m.v, &m.o],
+            };
+            b += ms.iter().map(|m| wts(m).bytes()).sum::<usize>();
+            b += match &l.ffn {
+                Ffn::Dense(m) => [&m.gate, &m.up, &m.down].iter().map(|m| wts(m).bytes()).sum::<usize>(),
+                Ffn::Moe { router, experts, top_k, shared, shared_gate } => {
+                    let one = experts.first().map_or(0, |e| [&e.gate, &e.up, &e.down].iter().map(|m| wts(m).bytes()).sum());
+                    [router, shared_gate, &shared.gate, &shared.up, &shared.down].iter().map(|m| wts(m).bytes()).sum::<usize>()
+                        + top_k * one
+                }
+            };
+        }
+        b += wts(self.head()).bytes() + 4 * c.hidden;
+        let linear = (0..c.n_layers).filter(|&i| !c.is_full_attention(i)).count();
+        let conv_dim = 2 * c.lin_k_heads * c.lin_k_dim + c.lin_v_heads * c.lin_v_dim;
+        b += linear * 2 * 4 * (c.lin_v_heads * c.lin_v_dim * c.lin_k_dim + conv_dim * (c.conv_kernel - 1));
+        b += (c.n_layers - linear) * 2 * 4 * ctx * c.kv_heads * c.head_dim;
+        b
+    }
+
+    /// FLOPs of a prefill of `n` tokens from an empty state: the layer products for every
+    /// token (MoE: top-k experts), causal attention (QKᵀ and PV over n(n+1)/2 pairs), the delta
+    /// rule at its sequential count (≈ 6·d_k·d_v per value head and token), and the head for
+    /// the last token.
+    pub fn prefill_flops(&self, n: usize) -> f64 {
+        let c = &self.cfg;
+        let per_token: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let mixer: usize = match &l.mixer {
+                    Mixer::Linear(m) => [&m.in_qkv, &m.in_z, &m.in_b, &m.in_a, &m.out].iter().map(|m| wts(m).len()).sum(),
+                    Mixer::Full(m) => [&m.q_gate, &m.k, &m.v, &m.o].iter().map(|m| wts(m).len()).sum(),
+                };
+                let ffn: usize = match &l.ffn {
+                    Ffn::Dense(m) => [&m.gate, &m.up, &m.down].iter().map(|m| wts(m).len()).sum(),
+                    Ffn::Moe { router, experts, top_k, shared, shared_gate } => {
+                        let one: usize = experts.first().map_or(0, |e| [&e.gate, &e.up, &e.down].iter().map(|m| wts(m).len()).sum());
+                        [router, shared_gate, &shared.gate, &shared.up, &shared.down].iter().map(|m| wts(m).len()).sum::<usize>()
+                            + top_k * one
+                    }
+                };
+                mixer + ffn
+            })
+            .sum();
+        let linear = (0..c.n_layers).filter(|&i| !c.is_full_attention(i)).count();
+        let pairs = (n * (n + 1) / 2) as f64;
+        let attention = (c.n_layers - linear) as f64 * pairs * 4.0 * (c.q_heads * c.head_dim) as f64;
+        let delta = linear as f64 * n as f64 * 6.0 * (c.lin_v_heads * c.lin_k_dim * c.lin_v_dim) as f64;
+        2.0 * per_token as f64 * n as f64 + attention + delta + 2.0 * wts(self.head()).len() as f64
     }
 
     pub fn new_state(&self) -> Qwen35State {
@@ -586,13 +702,13 @@ impl Qwen35 {
                 c.max_positions
             )));
         }
-        let table = self.embed.data();
-        let mut x = Vec::with_capacity(n * h);
-        for &id in ids {
+        let table = wts(&self.embed);
+        let mut x = vec![0.0f32; n * h];
+        for (&id, row) in ids.iter().zip(x.chunks_mut(h)) {
             if id as usize >= c.vocab_size {
                 return Err(Error::Input(format!("token id {id} is outside the vocabulary of {}", c.vocab_size)));
             }
-            x.extend_from_slice(&table[id as usize * h..(id as usize + 1) * h]);
+            table.row_into(id as usize, h, row)?;
         }
         let positions: Vec<u32> = (state.position..state.position + n).map(|p| p as u32).collect();
         let mut a = vec![0.0f32; n * h];
@@ -620,8 +736,7 @@ impl Qwen35 {
         let last = &x[(n - 1) * h..];
         let mut normed = vec![0.0f32; h];
         rms_norm(last, h, Some(&self.final_norm), 1.0, c.eps, &mut normed)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        linear(&normed, 1, head.data(), c.vocab_size, h)
+        linear_w(&normed, 1, wts(self.head()), c.vocab_size, h)
     }
 
     fn linear_attention(
@@ -636,10 +751,10 @@ impl Qwen35 {
         let h = c.hidden;
         let (kd, vd, nv) = (c.lin_k_heads * c.lin_k_dim, c.lin_v_heads * c.lin_v_dim, c.lin_v_heads);
         let conv_dim = 2 * kd + vd;
-        let mixed = linear(a, n, m.in_qkv.data(), conv_dim, h)?;
-        let z = linear(a, n, m.in_z.data(), vd, h)?;
-        let b = linear(a, n, m.in_b.data(), nv, h)?;
-        let alpha = linear(a, n, m.in_a.data(), nv, h)?;
+        let mixed = linear_w(a, n, wts(&m.in_qkv), conv_dim, h)?;
+        let z = linear_w(a, n, wts(&m.in_z), vd, h)?;
+        let b = linear_w(a, n, wts(&m.in_b), nv, h)?;
+        let alpha = linear_w(a, n, wts(&m.in_a), nv, h)?;
         let segs = pack([n]);
         let mut conv_out = vec![0.0f32; n * conv_dim];
         conv1d_silu_scan(&mixed, &segs, &m.conv, c.conv_kernel, &mut [conv_state], &mut conv_out)?;
@@ -671,7 +786,7 @@ impl Qwen35 {
             delta_rule_scan(&heads, inputs, &segs, &mut [rec_state], &mut core)?;
         }
         gated_rms_norm_inplace(&mut core, &z, &m.norm, c.eps)?;
-        linear(&core, n, m.out.data(), h, vd)
+        linear_w(&core, n, wts(&m.out), h, vd)
     }
 
     fn full_attention(
@@ -685,15 +800,15 @@ impl Qwen35 {
     ) -> Result<Vec<f32>> {
         let c = &self.cfg;
         let (n, h, hd) = (positions.len(), c.hidden, c.head_dim);
-        let qg = linear(a, n, m.q_gate.data(), c.q_heads * hd * 2, h)?;
+        let qg = linear_w(a, n, wts(&m.q_gate), c.q_heads * hd * 2, h)?;
         // q_proj rows are [query | gate] per head.
         let (mut q, mut gate) = (Vec::with_capacity(n * c.q_heads * hd), Vec::with_capacity(n * c.q_heads * hd));
         for head in qg.chunks(2 * hd) {
             q.extend_from_slice(&head[..hd]);
             gate.extend_from_slice(&head[hd..]);
         }
-        let mut k = linear(a, n, m.k.data(), c.kv_heads * hd, h)?;
-        let v = linear(a, n, m.v.data(), c.kv_heads * hd, h)?;
+        let mut k = linear_w(a, n, wts(&m.k), c.kv_heads * hd, h)?;
+        let v = linear_w(a, n, wts(&m.v), c.kv_heads * hd, h)?;
         let prep = HeadPrep { heads: c.q_heads, hd, norm: Some(Some(&m.q_norm)), eps: c.eps, rope: Some(&self.rope) };
         head_prep(&mut q, n, positions, &prep)?;
         head_prep(&mut k, n, positions, &HeadPrep { heads: c.kv_heads, norm: Some(Some(&m.k_norm)), ..prep })?;
@@ -711,6 +826,6 @@ impl Qwen35 {
         for (o, &gv) in att.iter_mut().zip(&gate) {
             *o *= sigmoid(gv);
         }
-        linear(&att, n, m.o.data(), h, c.q_heads * hd)
+        linear_w(&att, n, wts(&m.o), h, c.q_heads * hd)
     }
 }

@@ -21,183 +21,203 @@
 //! [0, 1] and at worst underflow to 0 over a long chunk, which is the true value's limit.
 //! (A form that divides by `exp(G_c)` overflows f32 after a few dozen strongly decaying tokens.)
 //!
-//! Precision: the operands, the small matrices, W, U, Δ and the state are stored in f32, but
-//! every dot product and every sum over a chunk accumulates in f64, and G is summed in f64.
-//! The chunked form reaches each output through several more stages than the scan (A, the
-//! substitution, W and U, Δ, the read-out, the state carry), and each stage is a sum of up to
-//! 64 (tokens) or d_k products. In f32 such a sum has a worst-case error bound of about
+//! Precision: every stage is computed in f64 — the chunk's operands are widened once, the
+//! small matrices, W, U, Δ and the outputs are f64, G is summed in f64, and a task carries its
+//! head's state in f64 from chunk to chunk, rounding to f32 only when it writes an output or
+//! the final state. The chunked form reaches each output through several more stages than the
+//! scan (A, the substitution, W and U, Δ, the read-out, the state carry), and each stage is a sum
+//! of up to 64 (tokens) or d_k products. In f32 such a sum has a worst-case error bound of about
 //! n·2⁻²⁴ ≈ 4e−6 (n = 64) relative to the sum of magnitudes, and the substitution and the
 //! chunk-to-chunk carry compound the stages, so f32 sums give no guaranteed margin under the
-//! 1e−5 budget against the scan. Accumulated in f64, each stage costs one f32 rounding of its
-//! result, and the measured difference to the scan (≤ 1.5e−7 in the tests, up to 4096
-//! tokens) is the size of the scan's own f32 rounding.
+//! 1e−5 budget against the scan. In f64 the measured difference to the scan (≤ 1.5e−7 in the
+//! tests, up to 4096 tokens) is the size of the scan's own f32 rounding.
+//!
+//! Speed: at the released head size (d_k = d_v = 128) nearly all the work is seven products of
+//! [64 × 128]-sized matrices per chunk (KKᵀ, QKᵀ, W, U, Δ, the read-out and the state update),
+//! which run as f64 GEMMs; only the substitution (64³/6 multiply-adds) is a plain loop.
 //!
 //! Work is split per (sequence, value head); chunks run in order within a task, carrying the
 //! state in place. Lengths that are not multiples of 64 end with a short chunk.
 
 use rayon::prelude::*;
 
-use super::{check_delta_rule, dot_f64, DeltaRuleHeads, DeltaRuleInputs, Segment};
+use super::{check_delta_rule, DeltaRuleHeads, DeltaRuleInputs, Segment};
 use crate::error::Result;
 use crate::kernels::SharedMut;
 
 /// Tokens per chunk: fla's block size, kept by every backend so their chunk boundaries agree.
 pub const DELTA_RULE_CHUNK: usize = 64;
 
-/// Per-task buffers, allocated once and reused across the task's chunks.
+/// Per-task buffers, allocated once and reused across the task's chunks. Row strides are the
+/// full sizes (C, d_k, d_v) whatever the chunk's length.
 struct ChunkWork {
-    k: Vec<f32>,     // [C][d_k]
-    q: Vec<f32>,     // [C][d_k]
-    w: Vec<f32>,     // [C][d_k]
-    u_t: Vec<f32>,   // [d_v][C]: U transposed, so a state row's column of U is contiguous
-    a: Vec<f32>,     // [C][C] strictly lower: the system matrix, then T
-    qk: Vec<f32>,    // [C][C] lower: (q_r·k_c) exp(G_r − G_c)
-    cum: Vec<f64>,   // [C] G_r
-    from_start: Vec<f64>, // [C] exp(G_r): decay of the chunk's starting state up to token r
-    to_end: Vec<f64>,     // [C] exp(G_{L−1} − G_c): decay from token c to the chunk's end
-    delta: Vec<f32>, // [C] column j of Δ
-    acc: Vec<f64>,   // [max(d_k, d_v)]
+    k: Vec<f64>,  // [C][d_k] keys
+    q: Vec<f64>,  // [C][d_k] queries, then scaled by exp(G_r)
+    kb: Vec<f64>, // [C][d_k] β_c exp(G_c) k_c
+    ke: Vec<f64>, // [C][d_k] exp(G_{L−1} − G_c) k_c
+    v: Vec<f64>,  // [C][d_v] β_c v_c
+    w: Vec<f64>,  // [C][d_k] W
+    d: Vec<f64>,  // [C][d_v] U, then Δ
+    o: Vec<f64>,  // [C][d_v] outputs
+    a: Vec<f64>,  // [C][C] KKᵀ, then A, then T (unit lower, zeros above)
+    qk: Vec<f64>, // [C][C] QKᵀ, then (q_r·k_c) exp(G_r − G_c) on c ≤ r, zeros above
+    s: Vec<f64>,  // [d_v][d_k] the head's state, carried across chunks
 }
 
 impl ChunkWork {
     fn new(d_k: usize, d_v: usize) -> Self {
         let c = DELTA_RULE_CHUNK;
+        let z = |n: usize| vec![0.0f64; n];
         ChunkWork {
-            k: vec![0.0; c * d_k],
-            q: vec![0.0; c * d_k],
-            w: vec![0.0; c * d_k],
-            u_t: vec![0.0; d_v * c],
-            a: vec![0.0; c * c],
-            qk: vec![0.0; c * c],
-            cum: vec![0.0; c],
-            from_start: vec![0.0; c],
-            to_end: vec![0.0; c],
-            delta: vec![0.0; c],
-            acc: vec![0.0; d_k.max(d_v)],
+            k: z(c * d_k),
+            q: z(c * d_k),
+            kb: z(c * d_k),
+            ke: z(c * d_k),
+            v: z(c * d_v),
+            w: z(c * d_k),
+            d: z(c * d_v),
+            o: z(c * d_v),
+            a: z(c * c),
+            qk: z(c * c),
+            s: z(d_v * d_k),
         }
     }
 }
 
-/// One chunk of one value head: tokens `t0 .. t0 + len` of the packed operands, `state` the
-/// head's `[d_v][d_k]` rows (advanced in place), `out` the whole output buffer.
+/// `dst = alpha·dst + beta·lhs·rhs` for [m × k]·[k × n] f64 operands given by (row stride, column
+/// stride), on the calling thread (the tasks already run one per head in parallel).
+///
+/// # Safety
+/// Every index the strides reach for m, n, k lies inside its buffer; dst does not alias lhs, rhs.
 #[allow(clippy::too_many_arguments)]
+unsafe fn gemm64(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f64,
+    dst_rs: usize,
+    dst_cs: usize,
+    alpha: f64,
+    lhs: *const f64,
+    lhs_rs: usize,
+    lhs_cs: usize,
+    rhs: *const f64,
+    rhs_rs: usize,
+    rhs_cs: usize,
+    beta: f64,
+) {
+    gemm::gemm(
+        m, n, k, dst, dst_cs as isize, dst_rs as isize, alpha != 0.0, lhs, lhs_cs as isize, lhs_rs as isize, rhs,
+        rhs_cs as isize, rhs_rs as isize, alpha, beta, false, false, false, gemm::Parallelism::None,
+    );
+}
+
+/// One chunk of one value head: tokens `t0 .. t0 + len` of the packed operands; `work.s` holds
+/// the head's state `[d_v][d_k]` in f64 and is advanced in place; `out` is the whole output.
 fn delta_rule_chunk(
     heads: &DeltaRuleHeads,
     x: &DeltaRuleInputs,
     h: usize,
     t0: usize,
     len: usize,
-    state: &mut [f32],
     work: &mut ChunkWork,
     out: SharedMut,
 ) {
     let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, .. } = *heads;
     let kh = heads.key_head_of(h);
-    let stride = DELTA_RULE_CHUNK; // row stride of the [C][C] matrices
-    let ChunkWork { k, q, w, u_t, a, qk, cum, from_start, to_end, delta, acc } = work;
+    let cs = DELTA_RULE_CHUNK; // row stride of the [C][C] matrices
+    let ChunkWork { k, q, kb, ke, v, w, d, o, a, qk, s } = work;
 
-    // Gather the chunk's operands; G summed in f64 so that differences of nearby prefix sums
-    // keep the small per-token terms.
-    let mut g_sum = 0.0f64;
+    // Gather and widen the chunk's operands; G summed in f64 so that differences of nearby
+    // prefix sums keep the small per-token terms.
+    let mut cum = [0.0f64; DELTA_RULE_CHUNK];
     let mut beta = [0.0f64; DELTA_RULE_CHUNK];
+    let mut g_sum = 0.0f64;
     for r in 0..len {
         let t = t0 + r;
         let src = (t * n_k_heads + kh) * d_k;
-        k[r * d_k..(r + 1) * d_k].copy_from_slice(&x.k[src..src + d_k]);
-        q[r * d_k..(r + 1) * d_k].copy_from_slice(&x.q[src..src + d_k]);
+        for i in 0..d_k {
+            k[r * d_k + i] = x.k[src + i] as f64;
+            q[r * d_k + i] = x.q[src + i] as f64;
+        }
         g_sum += x.g[t * n_v_heads + h] as f64;
         cum[r] = g_sum;
         beta[r] = x.beta[t * n_v_heads + h] as f64;
+        let vs = (t * n_v_heads + h) * d_v;
+        for j in 0..d_v {
+            v[r * d_v + j] = beta[r] * x.v[vs + j] as f64;
+        }
     }
     let last = len - 1;
-    for r in 0..len {
-        from_start[r] = cum[r].exp();
-        to_end[r] = (cum[last] - cum[r]).exp();
-    }
-    let k = &k[..len * d_k];
-    let q = &q[..len * d_k];
-    let k_row = |r: usize| &k[r * d_k..(r + 1) * d_k];
-    let q_row = |r: usize| &q[r * d_k..(r + 1) * d_k];
+    let from_start: [f64; DELTA_RULE_CHUNK] = std::array::from_fn(|r| if r < len { cum[r].exp() } else { 0.0 });
 
-    // A (strictly lower) and the read-out weights (lower, diagonal included).
+    // SAFETY (every gemm64 below): the operands are the work buffers, sized for a full chunk of
+    // C rows with the row strides given, and len ≤ C; no destination aliases its sources.
+    unsafe {
+        // KKᵀ and QKᵀ: [len × len], contracting over d_k.
+        gemm64(len, len, d_k, a.as_mut_ptr(), cs, 1, 0.0, k.as_ptr(), d_k, 1, k.as_ptr(), 1, d_k, 1.0);
+        gemm64(len, len, d_k, qk.as_mut_ptr(), cs, 1, 0.0, q.as_ptr(), d_k, 1, k.as_ptr(), 1, d_k, 1.0);
+    }
+    // A = β_r (k_r·k_c) exp(G_r − G_c) strictly below the diagonal; the read-out weights on and
+    // below it. Zeros above, so both can enter full products.
     for r in 0..len {
-        for c in 0..=r {
-            let decay = (cum[r] - cum[c]).exp();
-            if c < r {
-                a[r * stride + c] = (beta[r] * dot_f64(k_row(r), k_row(c)) * decay) as f32;
+        for c in 0..len {
+            if c <= r {
+                let decay = (cum[r] - cum[c]).exp();
+                a[r * cs + c] = if c < r { beta[r] * a[r * cs + c] * decay } else { 0.0 };
+                qk[r * cs + c] *= decay;
+            } else {
+                a[r * cs + c] = 0.0;
+                qk[r * cs + c] = 0.0;
             }
-            qk[r * stride + c] = (dot_f64(q_row(r), k_row(c)) * decay) as f32;
         }
     }
-
-    // T = (I + A)⁻¹ by forward substitution, overwriting A's strictly lower part (T's diagonal
-    // is 1 and implicit): (I + A)·T = I gives, for c < r,
+    // T = (I + A)⁻¹ by forward substitution, in place: (I + A)·T = I gives, for c < r,
     // T[r][c] = −(A[r][c] + Σ_{c<m<r} A[r][m]·T[m][c]). Row r needs rows < r of T, already
     // final, and entries m > c of row r of A; walking c upward replaces A[r][c] only after
-    // every entry of the row that still needs it has been computed.
+    // every entry of the row that still needs it has been computed. Then the unit diagonal.
     for r in 1..len {
         for c in 0..r {
-            let mut s = a[r * stride + c] as f64;
+            let mut acc = a[r * cs + c];
             for m in c + 1..r {
-                s += a[r * stride + m] as f64 * a[m * stride + c] as f64;
+                acc += a[r * cs + m] * a[m * cs + c];
             }
-            a[r * stride + c] = (-s) as f32;
+            a[r * cs + c] = -acc;
         }
     }
-    let t_at = |r: usize, c: usize| -> f64 {
-        if r == c {
-            1.0
-        } else {
-            a[r * stride + c] as f64
-        }
-    };
-
-    // W = T·diag(β exp(G))·K and U = T·diag(β)·V, rows r = Σ_{c≤r} T[r][c]·(…)_c.
     for r in 0..len {
-        let acc_k = &mut acc[..d_k];
-        acc_k.iter_mut().for_each(|e| *e = 0.0);
-        for c in 0..=r {
-            let f = t_at(r, c) * beta[c] * from_start[c];
-            acc_k.iter_mut().zip(k_row(c)).for_each(|(e, &kv)| *e += f * kv as f64);
-        }
-        w[r * d_k..(r + 1) * d_k].iter_mut().zip(acc_k.iter()).for_each(|(o, &e)| *o = e as f32);
-
-        let acc_v = &mut acc[..d_v];
-        acc_v.iter_mut().for_each(|e| *e = 0.0);
-        for c in 0..=r {
-            let f = t_at(r, c) * beta[c];
-            let src = ((t0 + c) * n_v_heads + h) * d_v;
-            acc_v.iter_mut().zip(&x.v[src..src + d_v]).for_each(|(e, &vv)| *e += f * vv as f64);
-        }
-        for j in 0..d_v {
-            u_t[j * stride + r] = acc_v[j] as f32;
+        a[r * cs + r] = 1.0;
+    }
+    // Row scalings: kb_c = β_c exp(G_c) k_c, ke_c = exp(G_{L−1} − G_c) k_c, q_r ← exp(G_r) q_r.
+    for r in 0..len {
+        let (fb, fe) = (beta[r] * from_start[r], (cum[last] - cum[r]).exp());
+        for i in 0..d_k {
+            let kv = k[r * d_k + i];
+            kb[r * d_k + i] = fb * kv;
+            ke[r * d_k + i] = fe * kv;
+            q[r * d_k + i] *= from_start[r];
         }
     }
-
-    // Per state row j (column j of S₀): Δ's column, the outputs' column, then the row's update.
-    // Everything reads the chunk's starting row before the update overwrites it.
     let keep = from_start[last];
-    for (j, s_row) in state.chunks_exact_mut(d_k).enumerate() {
+    // SAFETY: as above; `out` rows t0..t0+len of head h are this task's alone (segments are
+    // disjoint, checked, and each task owns one value head).
+    unsafe {
+        // W = T·diag(β exp(G))·K, U = T·diag(β)·V.
+        gemm64(len, d_k, len, w.as_mut_ptr(), d_k, 1, 0.0, a.as_ptr(), cs, 1, kb.as_ptr(), d_k, 1, 1.0);
+        gemm64(len, d_v, len, d.as_mut_ptr(), d_v, 1, 0.0, a.as_ptr(), cs, 1, v.as_ptr(), d_v, 1, 1.0);
+        // Δ = U − W·S₀ (S₀ element (i, j) is s[j][i]).
+        gemm64(len, d_v, d_k, d.as_mut_ptr(), d_v, 1, 1.0, w.as_ptr(), d_k, 1, s.as_ptr(), 1, d_k, -1.0);
+        // o_r = exp(G_r)·S₀ᵀq_r + Σ_{c≤r} (q_r·k_c) exp(G_r − G_c) δ_c.
+        gemm64(len, d_v, d_k, o.as_mut_ptr(), d_v, 1, 0.0, q.as_ptr(), d_k, 1, s.as_ptr(), 1, d_k, 1.0);
+        gemm64(len, d_v, len, o.as_mut_ptr(), d_v, 1, 1.0, qk.as_ptr(), cs, 1, d.as_ptr(), d_v, 1, 1.0);
+        // S_L = exp(G_{L−1})·S₀ + Σ_c exp(G_{L−1} − G_c) k_c δ_cᵀ, as s[j][i] += Σ_c δ_c[j]·ke_c[i].
+        gemm64(d_v, d_k, len, s.as_mut_ptr(), d_k, 1, keep, d.as_ptr(), 1, d_v, ke.as_ptr(), d_k, 1, 1.0);
         for r in 0..len {
-            delta[r] = (u_t[j * stride + r] as f64 - dot_f64(&w[r * d_k..(r + 1) * d_k], s_row)) as f32;
-        }
-        for r in 0..len {
-            let mut o = from_start[r] * dot_f64(q_row(r), s_row);
-            for c in 0..=r {
-                o += qk[r * stride + c] as f64 * delta[c] as f64;
+            let dst = out.ptr().add(((t0 + r) * n_v_heads + h) * d_v);
+            for j in 0..d_v {
+                *dst.add(j) = o[r * d_v + j] as f32;
             }
-            let dst = ((t0 + r) * n_v_heads + h) * d_v + j;
-            // SAFETY: segments are disjoint (checked) and each task owns one value head, so
-            // this element is written by this task alone; `out` has that length (checked).
-            unsafe { *out.ptr().add(dst) = o as f32 };
         }
-        let acc_k = &mut acc[..d_k];
-        acc_k.iter_mut().zip(s_row.iter()).for_each(|(e, &s)| *e = keep * s as f64);
-        for c in 0..len {
-            let f = to_end[c] * delta[c] as f64;
-            acc_k.iter_mut().zip(k_row(c)).for_each(|(e, &kv)| *e += f * kv as f64);
-        }
-        s_row.iter_mut().zip(acc_k.iter()).for_each(|(s, &e)| *s = e as f32);
     }
 }
 
@@ -223,11 +243,13 @@ pub fn delta_rule_chunked(
     tasks.into_par_iter().for_each_init(
         || ChunkWork::new(d_k, d_v),
         |work, (seg, h, state)| {
+            work.s.iter_mut().zip(state.iter()).for_each(|(w, &v)| *w = v as f64);
             let end = seg.start + seg.len;
             for t0 in (seg.start..end).step_by(DELTA_RULE_CHUNK) {
                 let len = DELTA_RULE_CHUNK.min(end - t0);
-                delta_rule_chunk(heads, &inputs, h, t0, len, state, work, out);
+                delta_rule_chunk(heads, &inputs, h, t0, len, work, out);
             }
+            state.iter_mut().zip(work.s.iter()).for_each(|(v, &w)| *v = w as f32);
         },
     );
     Ok(())

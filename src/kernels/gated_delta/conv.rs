@@ -9,8 +9,9 @@
 //!
 //! The accumulation starts from the newest tap and then walks the history oldest-first; with a
 //! sum this short a different order shows up in a golden comparison, so every backend keeps it.
-//! The single-step form is the scan over one-token segments, through the same launcher and
-//! the same per-position routine, so a scan of n positions equals n steps bit for bit.
+//! The single-step form is the scan over one-token segments, through the same launcher, and
+//! every position does the same operations in the same order whichever path of the launcher
+//! runs it, so a scan of n positions equals n steps bit for bit.
 
 use rayon::prelude::*;
 
@@ -24,26 +25,6 @@ const CONV_CHANNEL_BLOCK: usize = 256;
 
 /// Below this many (position, channel) updates the launch stays on the calling thread.
 const CONV_PARALLEL_WORK: usize = 1 << 14;
-
-/// One position of a block of channels: `x`, `out` hold the block's channels, `weight` their
-/// `[channel][K]` taps, `history` their `[channel][K − 1]` raw inputs, oldest first.
-#[inline]
-fn conv_position(x: &[f32], weight: &[f32], kernel_width: usize, history: &mut [f32], out: &mut [f32]) {
-    let taps = kernel_width - 1;
-    for (c, (&xc, o)) in x.iter().zip(out.iter_mut()).enumerate() {
-        let w = &weight[c * kernel_width..(c + 1) * kernel_width];
-        let hist = &mut history[c * taps..(c + 1) * taps];
-        let mut acc = xc * w[taps];
-        for t in 0..taps {
-            acc += hist[t] * w[t];
-        }
-        *o = silu(acc);
-        if taps > 0 {
-            hist.copy_within(1.., 0);
-            hist[taps - 1] = xc;
-        }
-    }
-}
 
 /// The one launcher of both forms: every (sequence, channel block) is a task that walks its
 /// segment's positions in order.
@@ -96,13 +77,64 @@ fn launch_conv(
     }
     let run = |(seg, c0, hist): (Segment, usize, &mut [f32])| {
         let c1 = (c0 + CONV_CHANNEL_BLOCK).min(channels);
+        let nc = c1 - c0;
         let w = &weight[c0 * kernel_width..c1 * kernel_width];
+        // Past the first K − 1 positions every tap reads an input row of the segment itself,
+        // so whole rows of the block go at once (this loop vectorises; the history walk of
+        // per-channel walk below does not), in the same order of operations: the newest tap,
+        // then the older ones oldest first, each a product then a sum.
+        let mut wt = vec![0.0f32; kernel_width * nc]; // [tap][channel]
+        for c in 0..nc {
+            for t in 0..kernel_width {
+                wt[t * nc + c] = w[c * kernel_width + t];
+            }
+        }
+        let mut acc = vec![0.0f32; nc];
+        let head = taps.min(seg.len);
         for p in seg.start..seg.start + seg.len {
             let row = p * channels;
             // SAFETY: segments are disjoint (checked), so row p's channels c0..c1 belong to
             // this task alone; `out` has tokens × channels elements (checked).
-            let o = unsafe { std::slice::from_raw_parts_mut(out.ptr().add(row + c0), c1 - c0) };
-            conv_position(&x[row + c0..row + c1], w, kernel_width, hist, o);
+            let o = unsafe { std::slice::from_raw_parts_mut(out.ptr().add(row + c0), nc) };
+            let xr = &x[row + c0..row + c1];
+            if p < seg.start + head {
+                // Window reaches into the remembered inputs: the per-channel walk. The history
+                // is updated at the end of the segment instead, from the original inputs, so
+                // read it here at the position's offset.
+                let q = p - seg.start;
+                for c in 0..nc {
+                    let mut a = xr[c] * wt[taps * nc + c];
+                    for t in 0..taps {
+                        let src = q + t; // index into [history | segment inputs]
+                        let v = if src < taps { hist[c * taps + src] } else { x[(seg.start + src - taps) * channels + c0 + c] };
+                        a += v * wt[t * nc + c];
+                    }
+                    o[c] = silu(a);
+                }
+                continue;
+            }
+            for ((a, &xv), &wv) in acc.iter_mut().zip(xr).zip(&wt[taps * nc..]) {
+                *a = xv * wv;
+            }
+            for t in 0..taps {
+                let src = &x[(p - taps + t) * channels + c0..(p - taps + t) * channels + c1];
+                for ((a, &xv), &wv) in acc.iter_mut().zip(src).zip(&wt[t * nc..(t + 1) * nc]) {
+                    *a += xv * wv;
+                }
+            }
+            for (o, &a) in o.iter_mut().zip(&acc) {
+                *o = silu(a);
+            }
+        }
+        // The history becomes the last K − 1 entries of [history | segment inputs]; entry i
+        // comes from index seg.len + i ≥ i, so walking i upward reads before it overwrites.
+        if taps > 0 && seg.len > 0 {
+            for c in 0..nc {
+                for i in 0..taps {
+                    let src = seg.len + i;
+                    hist[c * taps + i] = if src < taps { hist[c * taps + src] } else { x[(seg.start + src - taps) * channels + c0 + c] };
+                }
+            }
         }
     };
     let work: usize = segments.iter().map(|s| s.len).sum::<usize>() * channels;

@@ -204,24 +204,6 @@ pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
-/// Dot product of f32 vectors accumulated in f64 (products are exact in f64).
-#[inline]
-pub(crate) fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
-    debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0.0f64; 4];
-    let mut ca = a.chunks_exact(4);
-    let mut cb = b.chunks_exact(4);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for l in 0..4 {
-            acc[l] += x[l] as f64 * y[l] as f64;
-        }
-    }
-    for (l, (&x, &y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
-        acc[l] += x as f64 * y as f64;
-    }
-    (acc[0] + acc[2]) + (acc[1] + acc[3])
-}
-
 #[cfg(test)]
 pub(crate) mod test_util {
     //! Deterministic inputs and error measures shared by the family's tests.

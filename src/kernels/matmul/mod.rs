@@ -3,8 +3,82 @@
 //! per-element sum over k does not depend on how many rows are in the batch: that is what keeps
 //! a batch member equal to the same text embedded alone.
 
+mod bf16;
+
 use super::check_len;
-use crate::error::Result;
+use crate::error::{Error, Result};
+
+/// A weight matrix [out][in] in the dtype it is stored in. bf16 weights stay bf16 in memory (a
+/// decode step reads half the bytes) and are widened, exactly, inside the product.
+#[derive(Clone, Copy, Debug)]
+pub enum Weights<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl Weights<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Weights::F32(w) => w.len(),
+            Weights::Bf16(w) => w.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes a product reads from the weights.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Weights::F32(w) => 4 * w.len(),
+            Weights::Bf16(w) => 2 * w.len(),
+        }
+    }
+
+    /// Row `r` of a matrix of `cols` columns, as f32 (an embedding lookup).
+    pub fn row_into(&self, r: usize, cols: usize, out: &mut [f32]) -> Result<()> {
+        check_len("weight row output", out.len(), cols)?;
+        if (r + 1) * cols > self.len() {
+            return Err(Error::Shape(format!("row {r} of {cols} columns is outside {} weights", self.len())));
+        }
+        match self {
+            Weights::F32(w) => out.copy_from_slice(&w[r * cols..(r + 1) * cols]),
+            Weights::Bf16(w) => bf16::widen_into(&w[r * cols..(r + 1) * cols], out),
+        }
+        Ok(())
+    }
+}
+
+/// [`linear`] over weights of any stored dtype.
+pub fn linear_w(x: &[f32], rows: usize, w: Weights, out_features: usize, in_features: usize) -> Result<Vec<f32>> {
+    let mut y = vec![0.0f32; rows * out_features];
+    linear_w_into(x, rows, w, out_features, in_features, &mut y)?;
+    Ok(y)
+}
+
+/// [`linear_into`] over weights of any stored dtype.
+pub fn linear_w_into(
+    x: &[f32],
+    rows: usize,
+    w: Weights,
+    out_features: usize,
+    in_features: usize,
+    y: &mut [f32],
+) -> Result<()> {
+    match w {
+        Weights::F32(w) => linear_into(x, rows, w, out_features, in_features, y),
+        Weights::Bf16(w) => {
+            check_len("linear input", x.len(), rows * in_features)?;
+            check_len("linear weight", w.len(), out_features * in_features)?;
+            check_len("linear output", y.len(), rows * out_features)?;
+            if rows > 0 {
+                bf16::linear_bf16_into(x, rows, w, out_features, in_features, y);
+            }
+            Ok(())
+        }
+    }
+}
 
 pub fn linear(x: &[f32], rows: usize, w: &[f32], out_features: usize, in_features: usize) -> Result<Vec<f32>> {
     let mut y = vec![0.0f32; rows * out_features];
@@ -52,6 +126,39 @@ pub fn measure_rate(m: usize, n: usize, k: usize, reps: usize) -> Result<f64> {
         linear_into(&x, m, &w, n, k, &mut y)?;
     }
     Ok(2.0 * (m * n * k) as f64 * reps.max(1) as f64 / t.elapsed().as_secs_f64())
+}
+
+/// Bytes/s of reading a buffer of `bytes` bytes (sized past the last-level cache) on the current
+/// rayon pool, split in one contiguous part per thread: one warm-up, then the best of `reps`
+/// timed passes. The memory roofline of a decode step, which reads every weight once.
+pub fn measure_read_bandwidth(bytes: usize, reps: usize) -> f64 {
+    use rayon::prelude::*;
+    let buf: Vec<f32> = (0..bytes / 4).map(|i| (i % 7) as f32).collect();
+    let parts = rayon::current_num_threads().max(1);
+    let chunk = buf.len().div_ceil(parts).max(16);
+    let pass = || -> f32 {
+        buf.par_chunks(chunk)
+            .map(|c| {
+                // Sixteen independent lanes: the sum vectorises and keeps enough loads in flight.
+                let mut acc = [0.0f32; 16];
+                let mut it = c.chunks_exact(16);
+                for v in &mut it {
+                    for (a, &x) in acc.iter_mut().zip(v) {
+                        *a += x;
+                    }
+                }
+                acc.iter().sum::<f32>() + it.remainder().iter().sum::<f32>()
+            })
+            .sum()
+    };
+    std::hint::black_box(pass());
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let t = std::time::Instant::now();
+        std::hint::black_box(pass());
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (buf.len() * 4) as f64 / best
 }
 
 /// `dst[m][n] = Σ_k lhs[m][k] · rhs[k][n]`, every operand addressed by (row stride, column
