@@ -34,7 +34,7 @@ use crate::kernels::gated_delta::{
 use crate::kernels::matmul::{linear_w, Weights};
 use crate::kernels::norm::rms_norm;
 use crate::kernels::rope::{head_prep, HeadPrep, RopeTable};
-use crate::kernels::pack;
+use crate::kernels::{pack, Segment};
 
 #[derive(Clone, Debug)]
 pub struct Qwen35Config {
@@ -690,39 +690,63 @@ impl Qwen35 {
 
     /// Runs `ids` after what `state` has seen and returns the logits of the last token.
     pub fn forward(&self, ids: &[u32], state: &mut Qwen35State) -> Result<Vec<f32>> {
+        let mut out = self.forward_batch(&mut [(ids, state)])?;
+        out.pop().ok_or_else(|| Error::Input("no sequence to run".into()))
+    }
+
+    /// Runs several sequences together, each its own tokens after what its own state has seen,
+    /// and returns each one's last-token logits. The matrix products run over the rows of all
+    /// sequences at once, so a decode step of B sequences reads the weights once instead of B
+    /// times; the convolution, recurrence and attention run per sequence on its own state.
+    pub fn forward_batch(&self, batch: &mut [(&[u32], &mut Qwen35State)]) -> Result<Vec<Vec<f32>>> {
         let c = &self.cfg;
-        let (n, h) = (ids.len(), c.hidden);
-        if n == 0 {
-            return Err(Error::Input("no tokens to run".into()));
+        let h = c.hidden;
+        if batch.is_empty() {
+            return Ok(Vec::new());
         }
-        if state.position + n > c.max_positions {
-            return Err(Error::Input(format!(
-                "{} tokens exceed the model's context of {}",
-                state.position + n,
-                c.max_positions
-            )));
-        }
-        let table = wts(&self.embed);
-        let mut x = vec![0.0f32; n * h];
-        for (&id, row) in ids.iter().zip(x.chunks_mut(h)) {
-            if id as usize >= c.vocab_size {
+        for (ids, state) in batch.iter() {
+            if ids.is_empty() {
+                return Err(Error::Input("no tokens to run".into()));
+            }
+            if state.position + ids.len() > c.max_positions {
+                return Err(Error::Input(format!(
+                    "{} tokens exceed the model's context of {}",
+                    state.position + ids.len(),
+                    c.max_positions
+                )));
+            }
+            if let Some(&id) = ids.iter().find(|&&id| id as usize >= c.vocab_size) {
                 return Err(Error::Input(format!("token id {id} is outside the vocabulary of {}", c.vocab_size)));
             }
+        }
+        let lens: Vec<usize> = batch.iter().map(|(ids, _)| ids.len()).collect();
+        let n: usize = lens.iter().sum();
+        let segs = pack(lens.iter().copied());
+        let table = wts(&self.embed);
+        let mut x = vec![0.0f32; n * h];
+        for (&id, row) in batch.iter().flat_map(|(ids, _)| ids.iter()).zip(x.chunks_mut(h)) {
             table.row_into(id as usize, h, row)?;
         }
-        let positions: Vec<u32> = (state.position..state.position + n).map(|p| p as u32).collect();
+        let positions: Vec<u32> =
+            batch.iter().flat_map(|(ids, s)| (s.position..s.position + ids.len()).map(|p| p as u32)).collect();
         let mut a = vec![0.0f32; n * h];
         let (mut lin_i, mut full_i) = (0, 0);
         for layer in &self.layers {
             rms_norm(&x, h, Some(&layer.input_norm), 1.0, c.eps, &mut a)?;
             let mixed = match &layer.mixer {
                 Mixer::Linear(m) => {
-                    let out = self.linear_attention(m, &a, n, &mut state.conv[lin_i], &mut state.recurrent[lin_i])?;
+                    let (mut convs, mut recs): (Vec<&mut [f32]>, Vec<&mut [f32]>) = batch
+                        .iter_mut()
+                        .map(|(_, s)| {
+                            let Qwen35State { conv, recurrent, .. } = &mut **s;
+                            (conv[lin_i].as_mut_slice(), recurrent[lin_i].as_mut_slice())
+                        })
+                        .unzip();
                     lin_i += 1;
-                    out
+                    self.linear_attention(m, &a, &segs, &mut convs, &mut recs)?
                 }
                 Mixer::Full(m) => {
-                    let out = self.full_attention(m, &a, &positions, &mut state.keys[full_i], &mut state.values[full_i], state.position)?;
+                    let out = self.full_attention(m, &a, &positions, &segs, batch, full_i)?;
                     full_i += 1;
                     out
                 }
@@ -732,22 +756,26 @@ impl Qwen35 {
             let m = layer.ffn.forward(&a, n, h)?;
             x.iter_mut().zip(&m).for_each(|(xv, &mv)| *xv += mv);
         }
-        state.position += n;
-        let last = &x[(n - 1) * h..];
-        let mut normed = vec![0.0f32; h];
-        rms_norm(last, h, Some(&self.final_norm), 1.0, c.eps, &mut normed)?;
-        linear_w(&normed, 1, wts(self.head()), c.vocab_size, h)
+        let mut normed = vec![0.0f32; batch.len() * h];
+        for ((seg, (ids, state)), out) in segs.iter().zip(batch.iter_mut()).zip(normed.chunks_mut(h)) {
+            let last = seg.start + seg.len - 1;
+            rms_norm(&x[last * h..(last + 1) * h], h, Some(&self.final_norm), 1.0, c.eps, out)?;
+            state.position += ids.len();
+        }
+        let logits = linear_w(&normed, batch.len(), wts(self.head()), c.vocab_size, h)?;
+        Ok(logits.chunks(c.vocab_size).map(|r| r.to_vec()).collect())
     }
 
     fn linear_attention(
         &self,
         m: &LinearAttention,
         a: &[f32],
-        n: usize,
-        conv_state: &mut [f32],
-        rec_state: &mut [f32],
+        segs: &[Segment],
+        conv_states: &mut [&mut [f32]],
+        rec_states: &mut [&mut [f32]],
     ) -> Result<Vec<f32>> {
         let c = &self.cfg;
+        let n: usize = segs.iter().map(|s| s.len).sum();
         let h = c.hidden;
         let (kd, vd, nv) = (c.lin_k_heads * c.lin_k_dim, c.lin_v_heads * c.lin_v_dim, c.lin_v_heads);
         let conv_dim = 2 * kd + vd;
@@ -755,9 +783,8 @@ impl Qwen35 {
         let z = linear_w(a, n, wts(&m.in_z), vd, h)?;
         let b = linear_w(a, n, wts(&m.in_b), nv, h)?;
         let alpha = linear_w(a, n, wts(&m.in_a), nv, h)?;
-        let segs = pack([n]);
         let mut conv_out = vec![0.0f32; n * conv_dim];
-        conv1d_silu_scan(&mixed, &segs, &m.conv, c.conv_kernel, &mut [conv_state], &mut conv_out)?;
+        conv1d_silu_scan(&mixed, segs, &m.conv, c.conv_kernel, conv_states, &mut conv_out)?;
         let (mut q, mut k, mut v) = (Vec::with_capacity(n * kd), Vec::with_capacity(n * kd), Vec::with_capacity(n * vd));
         for row in conv_out.chunks(conv_dim) {
             q.extend_from_slice(&row[..kd]);
@@ -780,23 +807,25 @@ impl Qwen35 {
         let mut core = vec![0.0f32; n * vd];
         // Prefill takes the chunked form (the reference's prefill path); short runs and decode
         // take the scan, which the chunked form equals to f32 rounding.
-        if n >= crate::kernels::gated_delta::DELTA_RULE_CHUNK {
-            delta_rule_chunked(&heads, inputs, &segs, &mut [rec_state], &mut core)?;
+        if segs.iter().any(|s| s.len >= crate::kernels::gated_delta::DELTA_RULE_CHUNK) {
+            delta_rule_chunked(&heads, inputs, segs, rec_states, &mut core)?;
         } else {
-            delta_rule_scan(&heads, inputs, &segs, &mut [rec_state], &mut core)?;
+            delta_rule_scan(&heads, inputs, segs, rec_states, &mut core)?;
         }
         gated_rms_norm_inplace(&mut core, &z, &m.norm, c.eps)?;
         linear_w(&core, n, wts(&m.out), h, vd)
     }
 
+    /// Gated attention of layer `full_i` (its index among the full-attention layers) for the
+    /// packed rows of every sequence in `batch`, each attending to its own KV cache.
     fn full_attention(
         &self,
         m: &FullAttention,
         a: &[f32],
         positions: &[u32],
-        keys: &mut Vec<f32>,
-        values: &mut Vec<f32>,
-        past: usize,
+        segs: &[Segment],
+        batch: &mut [(&[u32], &mut Qwen35State)],
+        full_i: usize,
     ) -> Result<Vec<f32>> {
         let c = &self.cfg;
         let (n, h, hd) = (positions.len(), c.hidden, c.head_dim);
@@ -812,8 +841,6 @@ impl Qwen35 {
         let prep = HeadPrep { heads: c.q_heads, hd, norm: Some(Some(&m.q_norm)), eps: c.eps, rope: Some(&self.rope) };
         head_prep(&mut q, n, positions, &prep)?;
         head_prep(&mut k, n, positions, &HeadPrep { heads: c.kv_heads, norm: Some(Some(&m.k_norm)), ..prep })?;
-        keys.extend_from_slice(&k);
-        values.extend_from_slice(&v);
         let shape = AttentionShape {
             q_heads: c.q_heads,
             kv_heads: c.kv_heads,
@@ -821,8 +848,16 @@ impl Qwen35 {
             scale: (hd as f32).powf(-0.5),
             max_distance: None,
         };
-        let mut att = vec![0.0f32; n * c.q_heads * hd];
-        causal_attention(&q, n, past, keys, values, &shape, &mut att)?;
+        let (qw, kw) = (c.q_heads * hd, c.kv_heads * hd);
+        let mut att = vec![0.0f32; n * qw];
+        for (seg, (_, state)) in segs.iter().zip(batch.iter_mut()) {
+            let rows = seg.start..seg.start + seg.len;
+            let (keys, values) = (&mut state.keys[full_i], &mut state.values[full_i]);
+            keys.extend_from_slice(&k[rows.start * kw..rows.end * kw]);
+            values.extend_from_slice(&v[rows.start * kw..rows.end * kw]);
+            let past = state.position;
+            causal_attention(&q[rows.start * qw..rows.end * qw], seg.len, past, keys, values, &shape, &mut att[rows.start * qw..rows.end * qw])?;
+        }
         for (o, &gv) in att.iter_mut().zip(&gate) {
             *o *= sigmoid(gv);
         }
