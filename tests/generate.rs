@@ -402,3 +402,57 @@ fn inspect_describes_llms() {
         }
     }
 }
+
+/// Generations stepped together (one forward pass per round for all) produce what each
+/// produces alone, including one that finishes early and one that joins late.
+#[test]
+fn generations_stepped_together_match_alone() {
+    let index = index();
+    let llm = Llm::load(&model_path(&index, "moe", Some("bf16")), 2).unwrap();
+    let prompts: Vec<Vec<u32>> = [0, 2, 4].iter().map(|&i| ids(&index["models"]["moe"]["cases"][i]["prompt_ids"])).collect();
+    let budgets = [12usize, 5, 12];
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(budgets)
+        .map(|(p, n)| llm.generate(&mut llm.new_session(), p, &greedy(n), &mut |_| true).unwrap().generated_ids)
+        .collect();
+    let mut sessions: Vec<_> = prompts.iter().map(|_| llm.new_session()).collect();
+    let mut gens = Vec::new();
+    for (i, (p, s)) in prompts.iter().zip(sessions.iter_mut()).enumerate().take(2) {
+        gens.push(llm.start(s, p, &greedy(budgets[i])).unwrap());
+    }
+    let mut done = vec![false; 3];
+    let mut late = None;
+    for round in 0..40 {
+        if round == 3 {
+            late = Some(llm.start(&mut sessions[2], &prompts[2], &greedy(budgets[2])).unwrap());
+        }
+        let (first, rest) = sessions.split_at_mut(2);
+        let (s0, s1) = first.split_at_mut(1);
+        let mut items: Vec<(&mut tern::runtime::generate::Generator<'_>, &mut tern::runtime::generate::Session)> = Vec::new();
+        let (g0, g1) = gens.split_at_mut(1);
+        if !done[0] {
+            items.push((&mut g0[0], &mut s0[0]));
+        }
+        if !done[1] {
+            items.push((&mut g1[0], &mut s1[0]));
+        }
+        let late_in = late.is_some() && !done[2];
+        if let Some(g) = late.as_mut().filter(|_| !done[2]) {
+            items.push((g, &mut rest[0]));
+        }
+        let idx: Vec<usize> = (0..2).filter(|&i| !done[i]).chain(late_in.then_some(2)).collect();
+        for (i, r) in idx.into_iter().zip(llm.step_many(&mut items)) {
+            if r.unwrap().finished {
+                done[i] = true;
+            }
+        }
+        if done.iter().all(|&d| d) {
+            break;
+        }
+    }
+    assert!(done.iter().all(|&d| d));
+    assert_eq!(gens[0].generated(), &alone[0][..]);
+    assert_eq!(gens[1].generated(), &alone[1][..]);
+    assert_eq!(late.unwrap().generated(), &alone[2][..]);
+}

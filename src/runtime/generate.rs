@@ -262,6 +262,53 @@ impl Llm {
     }
 }
 
+impl Llm {
+    /// One step of several generations at once: the pending tokens of those that need a forward
+    /// pass run through the model together (one read of the weights for all), then each samples
+    /// its next token. Results are in the order given; a failed pass fails every sequence in it.
+    pub fn step_many(&self, items: &mut [(&mut Generator<'_>, &mut Session)]) -> Vec<Result<Step>> {
+        let need: Vec<usize> = items
+            .iter()
+            .enumerate()
+            .filter(|(_, (g, s))| !g.finished && g.logits.is_none() && s.pending.is_some())
+            .map(|(i, _)| i)
+            .collect();
+        let mut failed: Option<String> = None;
+        if !need.is_empty() {
+            let t = Instant::now();
+            let tokens: Vec<[u32; 1]> = need.iter().map(|&i| [items[i].1.pending.unwrap_or_default()]).collect();
+            let mut batch: Vec<(&[u32], &mut Qwen35State)> = items
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| need.contains(i))
+                .zip(&tokens)
+                .map(|((_, (_, s)), tok)| (tok.as_slice(), &mut s.state))
+                .collect();
+            match self.pool.install(|| self.model.forward_batch(&mut batch)) {
+                Ok(logits) => {
+                    drop(batch);
+                    let secs = t.elapsed().as_secs_f64();
+                    for (&i, l) in need.iter().zip(logits) {
+                        let (g, s) = &mut items[i];
+                        s.pending = None;
+                        g.logits = Some(l);
+                        g.out.timings.decode_s += secs;
+                    }
+                }
+                Err(e) => failed = Some(e.to_string()),
+            }
+        }
+        items
+            .iter_mut()
+            .enumerate()
+            .map(|(i, (g, s))| match &failed {
+                Some(msg) if need.contains(&i) => Err(Error::Input(msg.clone())),
+                _ => g.step(s),
+            })
+            .collect()
+    }
+}
+
 /// One sequence's generation in progress (see [`Llm::start`]).
 pub struct Generator<'m> {
     llm: &'m Llm,

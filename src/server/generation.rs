@@ -1,10 +1,11 @@
 //! `POST /v1/chat/completions` and `POST /v1/completions`, and the scheduler that runs an LLM's
 //! sequences.
 //!
-//! Continuous batching: the scheduler advances every active sequence by one token per round and
-//! admits waiting requests between rounds (up to `--max-sequences` at once), so a new request
-//! starts at the next round instead of after the running ones. A sequence whose client has gone
-//! (its event channel closed) is dropped at the next round, freeing its state at once.
+//! Continuous batching: the scheduler advances every active sequence by one token per round, all
+//! of them in one forward pass over the weights (`Llm::step_many`), and admits waiting requests
+//! between rounds (up to `--max-sequences` at once), so a new request starts at the next round
+//! instead of after the running ones. A sequence whose client has gone (its event channel
+//! closed) is dropped before the next round, freeing its state at once.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -95,40 +96,47 @@ fn run_scheduler(llm: &Llm, rx: std::sync::mpsc::Receiver<GenJob>, max_sequences
         if active.is_empty() {
             continue;
         }
+        // A client that went away frees its sequence before the round.
+        active.retain(|a| !a.events.is_closed());
+        if active.is_empty() {
+            continue;
+        }
         m.decode_batch_sequences.observe(active.len() as f64);
         let round = Instant::now();
+        let results = {
+            let mut items: Vec<_> = active.iter_mut().map(|a| (&mut a.generator, &mut a.session)).collect();
+            llm.step_many(&mut items)
+        };
         let mut produced = 0u64;
-        let mut i = 0;
-        while i < active.len() {
-            let a = &mut active[i];
-            if a.events.is_closed() {
-                active.swap_remove(i);
-                continue;
-            }
-            match a.generator.step(&mut a.session) {
+        // Per sequence: None to go on, Some(true) finished, Some(false) failed (already told).
+        let mut ended: Vec<Option<bool>> = Vec::with_capacity(active.len());
+        for (a, result) in active.iter_mut().zip(results) {
+            match result {
                 Ok(step) => {
                     produced += 1;
                     if !step.text.is_empty() {
                         let _ = a.events.send(GenEvent::Text(step.text));
                     }
-                    if step.finished {
-                        let a = active.swap_remove(i);
-                        let g = a.generator.finish();
-                        let _ = a.events.send(GenEvent::Done {
-                            finish: g.finish_reason,
-                            prompt_tokens: a.prompt_tokens,
-                            completion_tokens: g.generated_ids.len(),
-                        });
-                        continue;
-                    }
+                    ended.push(step.finished.then_some(true));
                 }
                 Err(e) => {
-                    let a = active.swap_remove(i);
                     let _ = a.events.send(GenEvent::Failed(e.to_string()));
-                    continue;
+                    ended.push(Some(false));
                 }
             }
-            i += 1;
+        }
+        // Highest index first, so swap_remove only moves sequences already looked at.
+        for (idx, end) in ended.into_iter().enumerate().rev() {
+            let Some(finished) = end else { continue };
+            let a = active.swap_remove(idx);
+            if finished {
+                let g = a.generator.finish();
+                let _ = a.events.send(GenEvent::Done {
+                    finish: g.finish_reason,
+                    prompt_tokens: a.prompt_tokens,
+                    completion_tokens: g.generated_ids.len(),
+                });
+            }
         }
         m.completion_tokens.fetch_add(produced, Ordering::Relaxed);
         let s = round.elapsed().as_secs_f64();
