@@ -32,6 +32,7 @@
 
 pub mod chunked;
 pub mod conv;
+pub mod cuda;
 pub mod gates;
 pub mod norm;
 pub mod recurrence;
