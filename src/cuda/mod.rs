@@ -17,8 +17,8 @@ use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, OnceLock};
 
-pub use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
-use cudarc::driver::{CudaContext, CudaModule, DeviceRepr, DriverError, ValidAsZeroBits};
+pub use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaModule, DeviceRepr, DriverError, ValidAsZeroBits};
 
 use crate::error::{Error, Result};
 
@@ -135,6 +135,9 @@ impl Gpu {
         Ok(Arc::new(Gpu { ctx, stream, ordinal, arch: format!("sm_{major}{minor}"), name, modules: Mutex::new(HashMap::new()) }))
     }
 
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
@@ -195,6 +198,19 @@ impl Gpu {
     /// A zeroed device buffer of `n` elements.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
         self.stream.alloc_zeros(n).map_err(driver_err(&format!("allocating {n} elements")))
+    }
+
+    /// Device-to-device copy of `src` into `dst` (same length), queued on the stream.
+    pub fn copy<T: DeviceRepr>(&self, src: &CudaSlice<T>, dst: &mut CudaSlice<T>) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(Error::Shape(format!("device copy: {} elements into a buffer of {}", src.len(), dst.len())));
+        }
+        self.stream.memcpy_dtod(src, dst).map_err(driver_err("copying on the device"))
+    }
+
+    /// A timing event (timing enabled).
+    pub fn event(&self) -> Result<CudaEvent> {
+        self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver_err("creating an event"))
     }
 
     /// Waits for every queued op, surfacing asynchronous kernel faults as errors.

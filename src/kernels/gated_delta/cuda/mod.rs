@@ -13,7 +13,10 @@
 //! `normalize_qk`, L2-normalise q and k in registers: neither a split copy nor a normalised
 //! copy goes through device memory.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN_SMEM;
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 
 use crate::cuda::{driver_err, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
 use crate::error::{Error, Result};
@@ -30,9 +33,10 @@ pub const GATES: KernelSource = gdn_source!("tern_gdn_gates", "gates.cu");
 pub const CONV: KernelSource = gdn_source!("tern_gdn_conv", "conv.cu");
 pub const NORM: KernelSource = gdn_source!("tern_gdn_norm", "norm.cu");
 pub const RECURRENCE: KernelSource = gdn_source!("tern_gdn_recurrence", "recurrence.cu");
+pub const CHUNKED: KernelSource = gdn_source!("tern_gdn_chunked", "chunked.cu");
 
 /// The family's CUDA translation units.
-pub const SOURCES: &[KernelSource] = &[GATES, CONV, NORM, RECURRENCE];
+pub const SOURCES: &[KernelSource] = &[GATES, CONV, NORM, RECURRENCE, CHUNKED];
 
 /// Threads per block of the one-thread-per-element kernels.
 const ELEMENT_BLOCK: u32 = 256;
@@ -179,7 +183,97 @@ pub struct GatedDeltaCuda {
     normalize_qk: CudaFunction,
     gated_norm: CudaFunction,
     recurrence: Vec<(usize, CudaFunction)>,
+    /// Chunk-prepare and chunk-state kernels with f32 and f64 accumulators.
+    chunk_prepare: [CudaFunction; 2],
+    chunk_state: [CudaFunction; 2],
+    /// Per-(chunk, head) intermediates of the chunked prefill, grown on demand.
+    chunk_scratch: Mutex<Option<CudaSlice<f32>>>,
 }
+
+/// Accumulator precision of the f32-storage chunked prefill.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkAccumulate {
+    /// Dot products and chunk sums in f32.
+    F32,
+    /// Dot products and chunk sums in f64, as the CPU twin does (each stage rounds once).
+    F64,
+}
+
+/// Largest head sizes the chunked kernels' shared-memory tiles are sized for.
+pub const MAX_CHUNK_HEAD_DIM: usize = 256;
+
+const CHUNK: usize = crate::kernels::gated_delta::DELTA_RULE_CHUNK;
+const CHUNK_BV: usize = 16;
+const CHUNK_THREADS: u32 = 256;
+
+fn prepare_smem(d_k: usize, d_v: usize) -> usize {
+    8 * CHUNK + 4 * (2 * CHUNK + CHUNK * (CHUNK + 1) + CHUNK * (d_k + 1) + CHUNK * (d_k.max(d_v) + 1))
+}
+
+fn state_smem(d_k: usize) -> usize {
+    4 * (CHUNK * (d_k + 1) + CHUNK_BV * (d_k + 1) + CHUNK * (CHUNK_BV + 1) + 2 * CHUNK)
+}
+
+/// Mirrors `tern_gdn_chunk_args` in chunked.cu field for field (C layout).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ChunkArgs {
+    q: u64,
+    q_stride: i64,
+    k: u64,
+    k_stride: i64,
+    v: u64,
+    v_stride: i64,
+    g: u64,
+    beta: u64,
+    chunk_t0: u64,
+    chunk_len: u64,
+    w_s: u64,
+    u_s: u64,
+    qk_s: u64,
+    dec_s: u64,
+    nk: i32,
+    nv: i32,
+    dk: i32,
+    dv: i32,
+    grouped: i32,
+    l2qk: i32,
+    eps: f32,
+    q_scale: f32,
+}
+// SAFETY: plain old data of device pointers and scalars, laid out as the C struct.
+unsafe impl DeviceRepr for ChunkArgs {}
+
+/// Mirrors `tern_gdn_state_args` in chunked.cu field for field (C layout).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct StateArgs {
+    states: u64,
+    q: u64,
+    q_stride: i64,
+    k: u64,
+    k_stride: i64,
+    w_s: u64,
+    u_s: u64,
+    qk_s: u64,
+    dec_s: u64,
+    out: u64,
+    seg_chunk0: u64,
+    seg_nchunks: u64,
+    chunk_t0: u64,
+    chunk_len: u64,
+    slot: u64,
+    nk: i32,
+    nv: i32,
+    dk: i32,
+    dv: i32,
+    grouped: i32,
+    l2qk: i32,
+    eps: f32,
+    q_scale: f32,
+}
+// SAFETY: as ChunkArgs.
+unsafe impl DeviceRepr for StateArgs {}
 
 /// Kernel widths the conv kernel is instantiated for.
 pub const MAX_CONV_WIDTH: usize = 8;
@@ -192,7 +286,18 @@ impl GatedDeltaCuda {
             .iter()
             .map(|&d| Ok((d, gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_dk{d}"))?)))
             .collect::<Result<_>>()?;
+        let f = |name: &str, smem: usize| -> Result<CudaFunction> {
+            let f = gpu.function(&CHUNKED, name)?;
+            f.set_attribute(MAX_DYN_SMEM, smem as i32).map_err(driver_err(&format!("{name}: raising its shared memory to {smem} bytes")))?;
+            Ok(f)
+        };
+        let (ps, ss) = (prepare_smem(MAX_CHUNK_HEAD_DIM, MAX_CHUNK_HEAD_DIM), state_smem(MAX_CHUNK_HEAD_DIM));
+        let chunk_prepare = [f("tern_gdn_chunk_prepare_f32", ps)?, f("tern_gdn_chunk_prepare_f64", ps)?];
+        let chunk_state = [f("tern_gdn_chunk_state_f32", ss)?, f("tern_gdn_chunk_state_f64", ss)?];
         Ok(GatedDeltaCuda {
+            chunk_prepare,
+            chunk_state,
+            chunk_scratch: Mutex::new(None),
             gates: gpu.function(&GATES, "tern_gdn_gates")?,
             normalize_qk: gpu.function(&NORM, "tern_gdn_normalize_qk")?,
             gated_norm: gpu.function(&NORM, "tern_gdn_gated_rms_norm")?,
@@ -394,6 +499,140 @@ impl GatedDeltaCuda {
         // SAFETY: argument types match tern_gdn_recurrence_dk*; every row, slot and segment
         // index lies inside its buffer (checked above).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_recurrence"))?;
+        Ok(())
+    }
+}
+
+impl GatedDeltaCuda {
+    /// The chunked prefill (chunk 64, UT transform) over a packed batch, with the operands,
+    /// segments and state pool of [`Self::delta_rule`] and the same results to f32 rounding
+    /// (its sequential scan is the oracle). `g` must be ≤ 0. d_k and d_v up to 256. CPU twin:
+    /// [`super::delta_rule_chunked`].
+    pub fn delta_rule_chunked(
+        &self,
+        heads: &DeltaRuleHeads,
+        x: &GpuDeltaRuleInputs,
+        segs: &GpuSegments,
+        states: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        acc: ChunkAccumulate,
+    ) -> Result<()> {
+        self.check_inputs("delta_rule_chunked", heads, x, segs, states, out)?;
+        let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
+        if d_k > MAX_CHUNK_HEAD_DIM || d_v > MAX_CHUNK_HEAD_DIM {
+            return Err(Error::Shape(format!("delta_rule_chunked on CUDA: d_k {d_k}, d_v {d_v} (at most {MAX_CHUNK_HEAD_DIM})")));
+        }
+        // The chunk table: every segment cut into chunks of 64 from its start.
+        let (mut seg_chunk0, mut seg_nchunks, mut chunk_t0, mut chunk_len) = (vec![], vec![], vec![], vec![]);
+        for seg in segs.segments() {
+            seg_chunk0.push(chunk_t0.len() as u32);
+            let mut t = seg.start;
+            while t < seg.start + seg.len {
+                let len = CHUNK.min(seg.start + seg.len - t);
+                chunk_t0.push(t as u32);
+                chunk_len.push(len as u32);
+                t += len;
+            }
+            seg_nchunks.push(chunk_t0.len() as u32 - seg_chunk0.last().unwrap());
+        }
+        let n_chunks = chunk_t0.len();
+        if n_chunks == 0 {
+            return Ok(());
+        }
+        let gpu = &self.gpu;
+        let (seg_chunk0, seg_nchunks) = (gpu.upload(&seg_chunk0)?, gpu.upload(&seg_nchunks)?);
+        let (chunk_t0, chunk_len) = (gpu.upload(&chunk_t0)?, gpu.upload(&chunk_len)?);
+
+        let per = n_chunks * n_v_heads;
+        let (w_len, u_len, qk_len, dec_len) = (per * CHUNK * d_k, per * CHUNK * d_v, per * CHUNK * CHUNK, per * 2 * CHUNK);
+        let need = w_len + u_len + qk_len + dec_len;
+        let mut scratch = self.chunk_scratch.lock().unwrap_or_else(|p| p.into_inner());
+        if scratch.as_ref().is_none_or(|s| s.len() < need) {
+            *scratch = None; // free the old buffer before taking the larger one
+            *scratch = Some(gpu.zeros::<f32>(need)?);
+        }
+        let scratch = scratch.as_mut().expect("allocated above");
+        let stream = gpu.stream();
+        let (base, _g0) = scratch.device_ptr_mut(stream);
+        let (w_s, u_s, qk_s, dec_s) = (base, base + 4 * w_len as u64, base + 4 * (w_len + u_len) as u64, base + 4 * (w_len + u_len + qk_len) as u64);
+        let ptr = |r: &Rows| r.buf.device_ptr(stream).0 + 4 * r.offset as u64;
+        let (nk, nv, dk, dv) = (i32_of("key heads", n_k_heads)?, i32_of("value heads", n_v_heads)?, i32_of("d_k", d_k)?, i32_of("d_v", d_v)?);
+        let grouped = (key_head == KeyHeadMap::Grouped) as i32;
+        let l2qk = x.normalize_qk as i32;
+        let (eps, q_scale) = (L2_NORM_EPS, (1.0 / (d_k as f64).sqrt()) as f32);
+        let which = (acc == ChunkAccumulate::F64) as usize;
+
+        let args = ChunkArgs {
+            q: ptr(&x.q),
+            q_stride: x.q.stride as i64,
+            k: ptr(&x.k),
+            k_stride: x.k.stride as i64,
+            v: ptr(&x.v),
+            v_stride: x.v.stride as i64,
+            g: x.g.device_ptr(stream).0,
+            beta: x.beta.device_ptr(stream).0,
+            chunk_t0: chunk_t0.device_ptr(stream).0,
+            chunk_len: chunk_len.device_ptr(stream).0,
+            w_s,
+            u_s,
+            qk_s,
+            dec_s,
+            nk,
+            nv,
+            dk,
+            dv,
+            grouped,
+            l2qk,
+            eps,
+            q_scale,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of("chunks", n_chunks)?, n_v_heads as u32, 1),
+            block_dim: (CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: prepare_smem(d_k, d_v) as u32,
+        };
+        let mut l = stream.launch_builder(&self.chunk_prepare[which]);
+        l.arg(&args);
+        // SAFETY: ChunkArgs mirrors the kernel's struct; every pointer is a live buffer of the
+        // length the shape checks above established, and the scratch holds every chunk-head.
+        unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_chunk_prepare"))?;
+
+        let args = StateArgs {
+            states: states.device_ptr_mut(stream).0,
+            q: args.q,
+            q_stride: args.q_stride,
+            k: args.k,
+            k_stride: args.k_stride,
+            w_s,
+            u_s,
+            qk_s,
+            dec_s,
+            out: out.device_ptr_mut(stream).0,
+            seg_chunk0: seg_chunk0.device_ptr(stream).0,
+            seg_nchunks: seg_nchunks.device_ptr(stream).0,
+            chunk_t0: args.chunk_t0,
+            chunk_len: args.chunk_len,
+            slot: segs.slot.device_ptr(stream).0,
+            nk,
+            nv,
+            dk,
+            dv,
+            grouped,
+            l2qk,
+            eps,
+            q_scale,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (n_v_heads as u32, d_v.div_ceil(CHUNK_BV) as u32, segs.n_seqs() as u32),
+            block_dim: (CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: state_smem(d_k) as u32,
+        };
+        let mut l = stream.launch_builder(&self.chunk_state[which]);
+        l.arg(&args);
+        // SAFETY: as above; slots lie inside the state pool (checked).
+        unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_chunk_state"))?;
+        // The chunk tables are freed when this returns; the stream orders that free after the
+        // launches that read them.
         Ok(())
     }
 }
