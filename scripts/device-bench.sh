@@ -6,7 +6,7 @@
 set -euo pipefail
 dir=${1:?usage: scripts/device-bench.sh DIR}
 here=$(cd "$(dirname "$0")" && pwd)
-export TERN_CUDA_CACHE="${TERN_CUDA_CACHE:-/tmp/tern-cuda-cache}"
+. "$here/device-env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 "$dir/gdn_bench"
 if ls "$dir"/whl/*.whl >/dev/null 2>&1; then

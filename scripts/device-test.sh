@@ -9,16 +9,7 @@ set -euo pipefail
 dir=${1:?usage: scripts/device-test.sh DIR [memcheck]}
 mode=${2:-}
 bin=$(ls "$dir"/tern-* | head -1)
-if [ -z "${TERN_NVRTC_LIB:-}" ]; then
-  for cand in /usr/local/cuda/lib64/libnvrtc.so.13 \
-      $(python3 -c 'import glob,site; print(" ".join(glob.glob(site.getsitepackages()[0]+"/nvidia/cu13/lib/libnvrtc.so.13")))' 2>/dev/null) \
-      $(ls /usr/local/cuda*/lib64/libnvrtc.so.13 /usr/local/cuda*/targets/*/lib/libnvrtc.so.13 2>/dev/null); do
-    if [ -f "$cand" ]; then export TERN_NVRTC_LIB="$cand"; break; fi
-  done
-fi
-echo "NVRTC: ${TERN_NVRTC_LIB:-not found}"
-export LD_LIBRARY_PATH="$(dirname "${TERN_NVRTC_LIB:-/x}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export TERN_CUDA_CACHE="${TERN_CUDA_CACHE:-/tmp/tern-cuda-cache}"
+. "$(dirname "$0")/device-env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$bin" --ignored --test-threads=1 --nocapture kernels::gated_delta::cuda
 if [ "$mode" = memcheck ]; then
