@@ -10,7 +10,7 @@
 //! one sequence, with its error against the device's sequential scan (the oracle).
 
 use tern::cuda::Gpu;
-use tern::kernels::gated_delta::cuda::{ChunkAccumulate, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
+use tern::kernels::gated_delta::cuda::{ChunkAccumulate, RECURRENCE_ROWS, RECURRENCE_ROW_VARIANTS, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
@@ -85,7 +85,7 @@ fn inputs<'a>(heads: &DeltaRuleHeads, l: &'a Layer) -> GpuDeltaRuleInputs<'a> {
 
 fn main() -> Result<()> {
     let gpu = Gpu::new(0)?;
-    let k = GatedDeltaCuda::new(gpu.clone())?;
+    let mut k = GatedDeltaCuda::new(gpu.clone())?;
     let heads = DeltaRuleHeads { n_k_heads: 16, n_v_heads: 32, d_k: 128, d_v: 128, key_head: KeyHeadMap::Grouped };
     let state_bytes = heads.state_len() * 4;
     println!("device: {} ({}, {} SMs)", gpu.name(), gpu.arch(), gpu.multiprocessors()?);
@@ -101,7 +101,7 @@ fn main() -> Result<()> {
     println!("copy: {:.3} ms for 2 x {} MiB -> {:.0} GB/s (read + written)", copy_ms, 4 * n >> 20, copy_bw / 1e9);
 
     println!("\ndecode (one token per sequence, fused L2 norm of q/k, state f32 [32][128][128] per sequence)");
-    println!("{:>6} {:>10} {:>12} {:>10}", "batch", "us/step", "state GB/s", "of copy");
+    println!("{:>6} {:>5} {:>10} {:>12} {:>10}", "batch", "rows", "us/step", "state GB/s", "of copy");
     for &b in &[1usize, 16, 64, 256] {
         // Rotate through enough slots that the pools exceed the 60 MB L2 several times over.
         let rot = (1024usize * (1 << 20) / (b * state_bytes)).clamp(1, 64);
@@ -111,17 +111,21 @@ fn main() -> Result<()> {
         let x = inputs(&heads, &l);
         let mut out = gpu.zeros::<f32>(b * heads.n_v_heads * heads.d_v)?;
         let inner = 50;
-        let ms = time_ms(&gpu, 2, 15, |i| {
-            for s in 0..inner {
-                k.delta_rule(&heads, &x, &segs[(i * inner + s) % rot], &mut pool, &mut out)?;
-            }
-            Ok(())
-        })? / inner as f64;
-        let bw = 2.0 * (b * state_bytes) as f64 / (ms * 1e-3);
-        println!("{:>6} {:>10.2} {:>12.0} {:>9.1}%", b, ms * 1e3, bw / 1e9, 100.0 * bw / copy_bw);
-        println!("RESULT decode batch={b} us={:.3} state_gbps={:.1} copy_fraction={:.4}", ms * 1e3, bw / 1e9, bw / copy_bw);
+        for rows in RECURRENCE_ROW_VARIANTS {
+            k.set_recurrence_rows(rows)?;
+            let ms = time_ms(&gpu, 2, 15, |i| {
+                for s in 0..inner {
+                    k.delta_rule(&heads, &x, &segs[(i * inner + s) % rot], &mut pool, &mut out)?;
+                }
+                Ok(())
+            })? / inner as f64;
+            let bw = 2.0 * (b * state_bytes) as f64 / (ms * 1e-3);
+            println!("{:>6} {:>5} {:>10.2} {:>12.0} {:>9.1}%", b, rows, ms * 1e3, bw / 1e9, 100.0 * bw / copy_bw);
+            println!("RESULT decode batch={b} rows={rows} us={:.3} state_gbps={:.1} copy_fraction={:.4}", ms * 1e3, bw / 1e9, bw / copy_bw);
+        }
     }
 
+    k.set_recurrence_rows(RECURRENCE_ROWS)?;
     println!("\nprefill (one sequence, one layer, fused L2 norm of q/k; error vs the device sequential scan)");
     println!("{:>6} {:>12} {:>12} {:>12} {:>11} {:>11} {:>11} {:>11}", "tokens", "scan ms", "chunk32 ms", "chunk64 ms", "c32 out", "c32 state", "c64 out", "c64 state");
     for &t in &[2048usize, 8192, 32768] {

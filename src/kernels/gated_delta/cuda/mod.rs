@@ -42,6 +42,11 @@ pub const SOURCES: &[KernelSource] = &[GATES, CONV, NORM, RECURRENCE, CHUNKED];
 const ELEMENT_BLOCK: u32 = 256;
 /// Warps per block of the one-warp-per-row kernels: 4 rows of a head share its k and q in L1.
 const ROW_WARPS: u32 = 4;
+/// State rows one warp of the recurrence advances together, by default.
+pub const RECURRENCE_ROWS: usize = 4;
+/// The rows-per-warp variants compiled: the arithmetic of each row is the same in all of them,
+/// so they agree bit for bit (a device test checks it); only the speed differs.
+pub const RECURRENCE_ROW_VARIANTS: [usize; 4] = [1, 2, 4, 8];
 
 fn grid_1d(n: usize, block: u32) -> Result<u32> {
     u32::try_from(n.div_ceil(block as usize)).map_err(|_| Error::Shape(format!("{n} elements: too many for one launch")))
@@ -182,7 +187,9 @@ pub struct GatedDeltaCuda {
     conv: Vec<CudaFunction>, // kernel widths 1..=8
     normalize_qk: CudaFunction,
     gated_norm: CudaFunction,
-    recurrence: Vec<(usize, CudaFunction)>,
+    /// (d_k, rows per warp, kernel).
+    recurrence: Vec<(usize, usize, CudaFunction)>,
+    recurrence_rows: usize,
     /// Chunk-prepare and chunk-state kernels with f32 and f64 accumulators.
     chunk_prepare: [CudaFunction; 2],
     chunk_state: [CudaFunction; 2],
@@ -282,10 +289,12 @@ impl GatedDeltaCuda {
     /// Compiles (or takes from the cache) and loads every kernel of the family.
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
         let conv = (1..=MAX_CONV_WIDTH).map(|kw| gpu.function(&CONV, &format!("tern_gdn_conv_k{kw}"))).collect::<Result<_>>()?;
-        let recurrence = [32usize, 64, 128, 256]
-            .iter()
-            .map(|&d| Ok((d, gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_dk{d}"))?)))
-            .collect::<Result<_>>()?;
+        let mut recurrence = Vec::new();
+        for d in [32usize, 64, 128, 256] {
+            for r in RECURRENCE_ROW_VARIANTS {
+                recurrence.push((d, r, gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_dk{d}_r{r}"))?));
+            }
+        }
         let f = |name: &str, smem: usize| -> Result<CudaFunction> {
             let f = gpu.function(&CHUNKED, name)?;
             f.set_attribute(MAX_DYN_SMEM, smem as i32).map_err(driver_err(&format!("{name}: raising its shared memory to {smem} bytes")))?;
@@ -303,12 +312,23 @@ impl GatedDeltaCuda {
             gated_norm: gpu.function(&NORM, "tern_gdn_gated_rms_norm")?,
             conv,
             recurrence,
+            recurrence_rows: RECURRENCE_ROWS,
             gpu,
         })
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+
+    /// Selects how many state rows one warp of the recurrence advances (one of
+    /// [`RECURRENCE_ROW_VARIANTS`]); results are bit-identical for every choice.
+    pub fn set_recurrence_rows(&mut self, rows: usize) -> Result<()> {
+        if !RECURRENCE_ROW_VARIANTS.contains(&rows) {
+            return Err(Error::Input(format!("recurrence rows per warp {rows}: expected one of {RECURRENCE_ROW_VARIANTS:?}")));
+        }
+        self.recurrence_rows = rows;
+        Ok(())
     }
 
     /// `g = a·softplus(alpha + dt_bias)` and `β = sigmoid(b)` in one pass; `alpha`, `b`, `g`,
@@ -473,15 +493,16 @@ impl GatedDeltaCuda {
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
         self.check_inputs("delta_rule", heads, x, segs, states, out)?;
-        let f = self.recurrence.iter().find(|(d, _)| *d == heads.d_k).map(|(_, f)| f).ok_or_else(|| {
+        let rows = self.recurrence_rows;
+        let f = self.recurrence.iter().find(|(d, r, _)| *d == heads.d_k && *r == rows).map(|(_, _, f)| f).ok_or_else(|| {
             Error::Shape(format!("delta_rule on CUDA: d_k = {} (supported: 32, 64, 128, 256)", heads.d_k))
         })?;
         if segs.n_seqs() == 0 {
             return Ok(());
         }
-        let pairs = heads.n_v_heads * heads.d_v;
+        let groups = heads.n_v_heads * heads.d_v.div_ceil(rows);
         let cfg = LaunchConfig {
-            grid_dim: (grid_1d(pairs, ROW_WARPS)?, segs.n_seqs() as u32, 1),
+            grid_dim: (grid_1d(groups, ROW_WARPS)?, segs.n_seqs() as u32, 1),
             block_dim: (32 * ROW_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };

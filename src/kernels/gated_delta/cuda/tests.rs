@@ -348,7 +348,18 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
             }
         }
         assert_bits_eq("decode steps vs scan (outputs)", &step_out, &scan_out);
-        assert_bits_eq("decode steps vs scan (states)", &gpu.download(&step_pool).unwrap(), &gpu.download(&scan_pool).unwrap());
+        let scan_pool = gpu.download(&scan_pool).unwrap();
+        assert_bits_eq("decode steps vs scan (states)", &gpu.download(&step_pool).unwrap(), &scan_pool);
+        // Every rows-per-warp variant computes the same bits.
+        for rows in RECURRENCE_ROW_VARIANTS {
+            let mut kr = GatedDeltaCuda::new(gpu.clone()).unwrap();
+            kr.set_recurrence_rows(rows).unwrap();
+            let mut p = up(&pool);
+            let mut o = nan(&gpu, tokens * v_row);
+            kr.delta_rule(&heads, &inputs, &segs, &mut p, &mut o).unwrap();
+            assert_bits_eq(&format!("{rows} rows per warp (outputs)"), &gpu.download(&o).unwrap(), &scan_out);
+            assert_bits_eq(&format!("{rows} rows per warp (states)"), &gpu.download(&p).unwrap(), &scan_pool);
+        }
         eprintln!("recurrence nk {nk} nv {nv} d {d} {key_head:?}: {tokens} decode steps == scan, bit for bit");
     }
 }
