@@ -144,6 +144,10 @@ fn main() -> Result<()> {
         let mut res = vec![];
         for acc in [ChunkAccumulate::F32, ChunkAccumulate::F64] {
             let ms = time_ms(&gpu, 2, 10, |_| k.delta_rule_chunked(&heads, &x, &segs, &mut st, &mut out, acc))?;
+            k.set_chunk_prepare_only(true);
+            let prep = time_ms(&gpu, 2, 10, |_| k.delta_rule_chunked(&heads, &x, &segs, &mut st, &mut out, acc))?;
+            k.set_chunk_prepare_only(false);
+            println!("RESULT prefill_split tokens={t} acc={acc:?} total_ms={ms:.4} parallel_pass_ms={prep:.4} state_pass_ms={:.4}", ms - prep);
             gpu.write(&init, &mut st)?;
             k.delta_rule_chunked(&heads, &x, &segs, &mut st, &mut out, acc)?;
             res.push((ms, rel_err(&gpu.download(&out)?, &want_out), rel_err(&gpu.download(&st)?, &want_st)));

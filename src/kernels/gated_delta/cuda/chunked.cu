@@ -47,12 +47,73 @@ __device__ void tern_gdn_l2_rows_smem(float* x, int rows, int d, int ld, float e
 }
 
 // Loads rows t0 .. t0 + len of a strided operand's head (d floats at col0) into shared memory,
-// zeroing the rows past len so that a short last chunk computes with exact zeros.
+// zeroing the rows past len so that a short last chunk computes with exact zeros. 16-byte
+// global loads when d allows (the launcher checks that offsets and strides are multiples of 4
+// floats), four of them issued before their shared-memory stores so their latencies overlap;
+// the padded shared rows are not 16-byte aligned, so the stores stay scalar.
 __device__ void tern_gdn_load_tile(float* dst, int ld, const float* src, long long stride, size_t t0, int len,
                                    size_t col0, int d) {
-    for (int idx = threadIdx.x; idx < TERN_GDN_CHUNK * d; idx += blockDim.x) {
-        const int r = idx / d, i = idx % d;
-        dst[r * ld + i] = r < len ? src[(t0 + r) * stride + col0 + i] : 0.0f;
+    if (d % 4 == 0 && col0 % 4 == 0) {
+        const int q4 = d / 4, n = TERN_GDN_CHUNK * q4;
+#pragma unroll 4
+        for (int idx = threadIdx.x; idx < n; idx += blockDim.x) {
+            const int r = idx / q4, i = (idx % q4) * 4;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (r < len) v = *reinterpret_cast<const float4*>(src + (t0 + r) * stride + col0 + i);
+            float* o = dst + r * ld + i;
+            o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < TERN_GDN_CHUNK * d; idx += blockDim.x) {
+            const int r = idx / d, i = idx % d;
+            dst[r * ld + i] = r < len ? src[(t0 + r) * stride + col0 + i] : 0.0f;
+        }
+    }
+}
+
+// out[r][i] = sum_{c <= r} (T[r][c] * f_c) * X[c][i] for the chunk's 64 rows and d columns,
+// T unit lower triangular with its strictly lower part in As (zeros on and above the
+// diagonal). Register tiles: a thread owns rows rg + 16m (m < 4) and columns cg + 16n
+// (n < 8) of each 128-column block, so one T load serves 8 columns and one X load 4 rows.
+template <typename Acc>
+__device__ void tern_gdn_tri_apply(const float* As, const float* f1, const float* f2, const float* X, int ldx, int d,
+                                   int len, float* out) {
+    constexpr int C = TERN_GDN_CHUNK;
+    const int rg = threadIdx.x / 16, cg = threadIdx.x % 16;
+    for (int ib = 0; ib < d; ib += 128) {
+        Acc acc[4][8];
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+#pragma unroll
+            for (int n = 0; n < 8; n++) acc[m][n] = 0;
+        const int cmax = min(rg + 48, len - 1);
+        for (int c = 0; c <= cmax; c++) {
+            const Acc f = f2 ? (Acc)f1[c] * (Acc)f2[c] : (Acc)f1[c];
+            Acc t[4];
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int r = rg + 16 * m;
+                t[m] = (c == r ? (Acc)1 : (Acc)As[r * (C + 1) + c]) * f;
+            }
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                const int i = ib + cg + 16 * n;
+                const Acc x = i < d ? (Acc)X[c * ldx + i] : (Acc)0;
+#pragma unroll
+                for (int m = 0; m < 4; m++) acc[m][n] += t[m] * x;
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            const int r = rg + 16 * m;
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                const int i = ib + cg + 16 * n;
+                // Rows past len have no c <= r with c < len... except c < len <= r: T[r][c] is 0
+                // there (A was zeroed), so they come out exactly 0.
+                if (i < d) out[(size_t)r * d + i] = (float)acc[m][n];
+            }
+        }
     }
 }
 
@@ -98,22 +159,48 @@ __device__ void tern_gdn_chunk_prepare_body(const tern_gdn_chunk_args& a) {
     }
     __syncthreads();
 
-    // A (strictly lower) and the read-out weights (lower, diagonal included).
-    for (int idx = tid; idx < C * C; idx += blockDim.x) {
-        const int r = idx / C, c = idx % C;
-        float av = 0.0f, qv = 0.0f;
-        if (r < len && c <= r) {
-            Acc kk = 0, qk = 0;
+    // A (strictly lower) and the read-out weights (lower, diagonal included), in 4 x 4 register
+    // tiles: a thread owns rows 4rb.. and columns 4cb.., so each k_c, k_r, q_r element it loads
+    // serves four products. Tiles wholly above the diagonal only write zeros.
+    {
+        const int rb = tid / 16, cb = tid % 16;
+        Acc kk[4][4], qk[4][4];
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+#pragma unroll
+            for (int n = 0; n < 4; n++) kk[m][n] = qk[m][n] = 0;
+        if (cb <= rb && 4 * rb < len) {
             for (int i = 0; i < dk; i++) {
-                kk += (Acc)Ks[r * ldk + i] * (Acc)Ks[c * ldk + i];
-                qk += (Acc)Xs[r * ldx + i] * (Acc)Ks[c * ldk + i];
+                Acc kr[4], qr[4], kc[4];
+#pragma unroll
+                for (int m = 0; m < 4; m++) {
+                    kr[m] = (Acc)Ks[(4 * rb + m) * ldk + i];
+                    qr[m] = (Acc)Xs[(4 * rb + m) * ldx + i];
+                    kc[m] = (Acc)Ks[(4 * cb + m) * ldk + i];
+                }
+#pragma unroll
+                for (int m = 0; m < 4; m++)
+#pragma unroll
+                    for (int n = 0; n < 4; n++) {
+                        kk[m][n] += kr[m] * kc[n];
+                        qk[m][n] += qr[m] * kc[n];
+                    }
             }
-            const Acc decay = (Acc)exp(G[r] - G[c]);
-            if (c < r) av = (float)((Acc)Bt[r] * kk * decay);
-            qv = (float)(qk * decay);
         }
-        As[r * (C + 1) + c] = av;
-        a.qk_s[ch * C * C + idx] = qv;
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+#pragma unroll
+            for (int n = 0; n < 4; n++) {
+                const int r = 4 * rb + m, c = 4 * cb + n;
+                float av = 0.0f, qv = 0.0f;
+                if (r < len && c <= r) {
+                    const Acc decay = (Acc)exp(G[r] - G[c]);
+                    if (c < r) av = (float)((Acc)Bt[r] * kk[m][n] * decay);
+                    qv = (float)(qk[m][n] * decay);
+                }
+                As[r * (C + 1) + c] = av;
+                a.qk_s[ch * C * C + r * C + c] = qv;
+            }
     }
     __syncthreads();
 
@@ -131,28 +218,12 @@ __device__ void tern_gdn_chunk_prepare_body(const tern_gdn_chunk_args& a) {
     }
 
     // W = T diag(beta exp(G)) K.
-    for (int idx = tid; idx < C * dk; idx += blockDim.x) {
-        const int r = idx / dk, i = idx % dk;
-        Acc s = 0;
-        for (int c = 0; c <= r && c < len; c++) {
-            const Acc t = c == r ? (Acc)1 : (Acc)As[r * (C + 1) + c];
-            s += t * (Acc)Bt[c] * (Acc)Ex[c] * (Acc)Ks[c * ldk + i];
-        }
-        a.w_s[(ch * C + r) * dk + i] = (float)s;
-    }
+    tern_gdn_tri_apply<Acc>(As, Bt, Ex, Ks, ldk, dk, len, a.w_s + ch * C * dk);
     __syncthreads();  // Q is dead: V takes its place
     tern_gdn_load_tile(Xs, ldx, a.v, a.v_stride, t0, len, (size_t)h * dv, dv);
     __syncthreads();
     // U = T diag(beta) V.
-    for (int idx = tid; idx < C * dv; idx += blockDim.x) {
-        const int r = idx / dv, j = idx % dv;
-        Acc s = 0;
-        for (int c = 0; c <= r && c < len; c++) {
-            const Acc t = c == r ? (Acc)1 : (Acc)As[r * (C + 1) + c];
-            s += t * (Acc)Bt[c] * (Acc)Xs[c * ldx + j];
-        }
-        a.u_s[(ch * C + r) * dv + j] = (float)s;
-    }
+    tern_gdn_tri_apply<Acc>(As, Bt, nullptr, Xs, ldx, dv, len, a.u_s + ch * C * dv);
 }
 
 struct tern_gdn_state_args {
@@ -167,6 +238,10 @@ struct tern_gdn_state_args {
     float eps, q_scale;
 };
 
+// Thread layout of the state pass (256 threads, BV = 16 state rows): for the [64][BV]
+// products (Delta, outputs) a thread owns column jj = tid % 16 and chunk rows rg + 16m (m < 4),
+// so one load of a state element serves four rows; for the [BV][dk] update it owns state row
+// jj = tid / 16 and key columns cg + 16n (n < 8) of each 128-column block.
 template <typename Acc>
 __device__ void tern_gdn_chunk_state_body(const tern_gdn_state_args& a) {
     constexpr int C = TERN_GDN_CHUNK, BV = TERN_GDN_BV;
@@ -175,37 +250,43 @@ __device__ void tern_gdn_chunk_state_body(const tern_gdn_state_args& a) {
     const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
     const int ld = dk + 1;
     extern __shared__ float tern_gdn_smem_f[];
-    float* Xs = tern_gdn_smem_f;   // [C][ld]: W, then Q, then K of the chunk
-    float* Ss = Xs + C * ld;       // [BV][ld]: rows j0.. of the head's transposed state
-    float* Ds = Ss + BV * ld;      // [C][BV + 1]: the chunk's Delta columns
-    float* Dec = Ds + C * (BV + 1); // [2C]
+    float* Xs = tern_gdn_smem_f;    // [C][ld]: W, then Q, then K of the chunk
+    float* Ss = Xs + C * ld;        // [BV][ld]: rows j0.. of the head's transposed state
+    float* Ds = Ss + BV * ld;       // [C][BV + 1]: the chunk's Delta columns
+    float* Qk = Ds + C * (BV + 1);  // [C][C + 1]: the read-out weights
+    float* Dec = Qk + C * (C + 1);  // [2C]: exp(G_r), exp(G_{L-1} - G_c)
 
     float* state = a.states + ((size_t)a.slot[s] * nv + h) * dv * dk;
     for (int idx = tid; idx < BV * dk; idx += blockDim.x) {
         const int jj = idx / dk, i = idx % dk;
         Ss[jj * ld + i] = j0 + jj < dv ? state[(size_t)(j0 + jj) * dk + i] : 0.0f;
     }
+    const int jc = tid % 16, rg = tid / 16;  // [64][BV] products
+    const int ju = tid / 16, cg = tid % 16;  // [BV][dk] update
     const int c0 = (int)a.seg_chunk0[s], nc = (int)a.seg_nchunks[s];
     for (int chunk = c0; chunk < c0 + nc; chunk++) {
         const size_t t0 = a.chunk_t0[chunk];
         const int len = (int)a.chunk_len[chunk];
         const size_t ch = (size_t)chunk * nv + h;
-        for (int idx = tid; idx < C * dk; idx += blockDim.x) {
-            const int r = idx / dk, i = idx % dk;
-            Xs[r * ld + i] = a.w_s[(ch * C + r) * dk + i];
-        }
+        tern_gdn_load_tile(Xs, ld, a.w_s + ch * C * dk, dk, 0, C, 0, dk);
+        for (int idx = tid; idx < C * C; idx += blockDim.x) Qk[(idx / C) * (C + 1) + idx % C] = a.qk_s[ch * C * C + idx];
         if (tid < 2 * C) Dec[tid] = a.dec_s[ch * 2 * C + tid];
         __syncthreads();
         // Delta = U - W S0 (columns j0 .. j0 + BV).
-        for (int idx = tid; idx < C * BV; idx += blockDim.x) {
-            const int r = idx / BV, jj = idx % BV;
-            float d = 0.0f;
-            if (r < len && j0 + jj < dv) {
-                Acc acc = 0;
-                for (int i = 0; i < dk; i++) acc += (Acc)Xs[r * ld + i] * (Acc)Ss[jj * ld + i];
-                d = (float)((Acc)a.u_s[(ch * C + r) * dv + j0 + jj] - acc);
+        {
+            Acc acc[4] = {0, 0, 0, 0};
+            for (int i = 0; i < dk; i++) {
+                const Acc sv = (Acc)Ss[jc * ld + i];
+#pragma unroll
+                for (int m = 0; m < 4; m++) acc[m] += (Acc)Xs[(rg + 16 * m) * ld + i] * sv;
             }
-            Ds[r * (BV + 1) + jj] = d;
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int r = rg + 16 * m;
+                float d = 0.0f;
+                if (r < len && j0 + jc < dv) d = (float)((Acc)a.u_s[(ch * C + r) * dv + j0 + jc] - acc[m]);
+                Ds[r * (BV + 1) + jc] = d;
+            }
         }
         __syncthreads();
         tern_gdn_load_tile(Xs, ld, a.q, a.q_stride, t0, len, (size_t)kh * dk, dk);
@@ -214,16 +295,27 @@ __device__ void tern_gdn_chunk_state_body(const tern_gdn_state_args& a) {
             tern_gdn_l2_rows_smem(Xs, len, dk, ld, a.eps, a.q_scale);
             __syncthreads();
         }
-        // o_r = exp(G_r) S0^T q_r + sum_{c<=r} qk[r][c] Delta_c, from the chunk's starting state.
-        for (int idx = tid; idx < C * BV; idx += blockDim.x) {
-            const int r = idx / BV, jj = idx % BV;
-            if (r < len && j0 + jj < dv) {
-                Acc o = 0;
-                for (int i = 0; i < dk; i++) o += (Acc)Xs[r * ld + i] * (Acc)Ss[jj * ld + i];
-                o *= (Acc)Dec[r];
-                const float* qk = a.qk_s + ch * C * C + (size_t)r * C;
-                for (int c = 0; c <= r; c++) o += (Acc)qk[c] * (Acc)Ds[c * (BV + 1) + jj];
-                a.out[((t0 + r) * nv + h) * dv + j0 + jj] = (float)o;
+        // o_r = exp(G_r) S0^T q_r + sum_{c<=r} qk[r][c] Delta_c, from the chunk's starting state
+        // (the read-out weights are zero above the diagonal and past len).
+        {
+            Acc o[4] = {0, 0, 0, 0};
+            for (int i = 0; i < dk; i++) {
+                const Acc sv = (Acc)Ss[jc * ld + i];
+#pragma unroll
+                for (int m = 0; m < 4; m++) o[m] += (Acc)Xs[(rg + 16 * m) * ld + i] * sv;
+            }
+#pragma unroll
+            for (int m = 0; m < 4; m++) o[m] *= (Acc)Dec[rg + 16 * m];
+            const int cmax = min(rg + 48, len - 1);
+            for (int c = 0; c <= cmax; c++) {
+                const Acc dc = (Acc)Ds[c * (BV + 1) + jc];
+#pragma unroll
+                for (int m = 0; m < 4; m++) o[m] += (Acc)Qk[(rg + 16 * m) * (C + 1) + c] * dc;
+            }
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int r = rg + 16 * m;
+                if (r < len && j0 + jc < dv) a.out[((t0 + r) * nv + h) * dv + j0 + jc] = (float)o[m];
             }
         }
         __syncthreads();
@@ -235,11 +327,28 @@ __device__ void tern_gdn_chunk_state_body(const tern_gdn_state_args& a) {
         }
         // S = exp(G_{L-1}) S0 + sum_c exp(G_{L-1} - G_c) k_c Delta_c^T.
         const Acc keep = (Acc)Dec[len - 1];
-        for (int idx = tid; idx < BV * dk; idx += blockDim.x) {
-            const int jj = idx / dk, i = idx % dk;
-            Acc acc = keep * (Acc)Ss[jj * ld + i];
-            for (int c = 0; c < len; c++) acc += ((Acc)Dec[C + c] * (Acc)Ds[c * (BV + 1) + jj]) * (Acc)Xs[c * ld + i];
-            Ss[jj * ld + i] = (float)acc;
+        for (int ib = 0; ib < dk; ib += 128) {
+            Acc acc[8];
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                const int i = ib + cg + 16 * n;
+                acc[n] = i < dk ? keep * (Acc)Ss[ju * ld + i] : (Acc)0;
+            }
+            for (int c = 0; c < len; c++) {
+                const Acc f = (Acc)Dec[C + c] * (Acc)Ds[c * (BV + 1) + ju];
+#pragma unroll
+                for (int n = 0; n < 8; n++) {
+                    const int i = ib + cg + 16 * n;
+                    if (i < dk) acc[n] += f * (Acc)Xs[c * ld + i];
+                }
+            }
+            // Every thread has read Ss for this block before any writes it: the Delta and
+            // output loops ended at the barriers above, and this block's reads are its own.
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                const int i = ib + cg + 16 * n;
+                if (i < dk) Ss[ju * ld + i] = (float)acc[n];
+            }
         }
         __syncthreads();
     }

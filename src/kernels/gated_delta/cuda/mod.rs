@@ -193,6 +193,9 @@ pub struct GatedDeltaCuda {
     /// Chunk-prepare and chunk-state kernels with f32 and f64 accumulators.
     chunk_prepare: [CudaFunction; 2],
     chunk_state: [CudaFunction; 2],
+    /// Benchmark aid: stop the chunked prefill after its parallel pass (the result is then
+    /// incomplete), so that the two passes can be timed apart.
+    chunk_prepare_only: bool,
     /// Per-(chunk, head) intermediates of the chunked prefill, grown on demand.
     chunk_scratch: Mutex<Option<CudaSlice<f32>>>,
 }
@@ -218,7 +221,7 @@ fn prepare_smem(d_k: usize, d_v: usize) -> usize {
 }
 
 fn state_smem(d_k: usize) -> usize {
-    4 * (CHUNK * (d_k + 1) + CHUNK_BV * (d_k + 1) + CHUNK * (CHUNK_BV + 1) + 2 * CHUNK)
+    4 * (CHUNK * (d_k + 1) + CHUNK_BV * (d_k + 1) + CHUNK * (CHUNK_BV + 1) + CHUNK * (CHUNK + 1) + 2 * CHUNK)
 }
 
 /// Mirrors `tern_gdn_chunk_args` in chunked.cu field for field (C layout).
@@ -307,6 +310,7 @@ impl GatedDeltaCuda {
             chunk_prepare,
             chunk_state,
             chunk_scratch: Mutex::new(None),
+            chunk_prepare_only: false,
             gates: gpu.function(&GATES, "tern_gdn_gates")?,
             normalize_qk: gpu.function(&NORM, "tern_gdn_normalize_qk")?,
             gated_norm: gpu.function(&NORM, "tern_gdn_gated_rms_norm")?,
@@ -319,6 +323,13 @@ impl GatedDeltaCuda {
 
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+
+    /// Benchmark aid: with `true`, [`Self::delta_rule_chunked`] runs only its parallel
+    /// per-chunk pass and leaves outputs and states unfinished.
+    #[doc(hidden)]
+    pub fn set_chunk_prepare_only(&mut self, on: bool) {
+        self.chunk_prepare_only = on;
     }
 
     /// Selects how many state rows one warp of the recurrence advances (one of
@@ -617,6 +628,9 @@ impl GatedDeltaCuda {
         // SAFETY: ChunkArgs mirrors the kernel's struct; every pointer is a live buffer of the
         // length the shape checks above established, and the scratch holds every chunk-head.
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_chunk_prepare"))?;
+        if self.chunk_prepare_only {
+            return Ok(());
+        }
 
         let args = StateArgs {
             states: states.device_ptr_mut(stream).0,
