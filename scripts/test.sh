@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: unit tests, golden tests on the bundled tiny checkpoints, bad-input tests, the
-# real-weights test on EmbeddingGemma 300M and the HTTP server test with the openai client. The
-# real model is taken from $TERN_EGEMMA300M_DIR, else ~/.cache/tern/models/embeddinggemma-300m,
-# fetched there first when the fetch tool is present.
+# real-weights test on EmbeddingGemma 300M, the HTTP server test with the openai client and the
+# CUDA compile check. The real model is taken from $TERN_EGEMMA300M_DIR, else
+# ~/.cache/tern/models/embeddinggemma-300m, fetched there first when the fetch tool is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 default_dir="$HOME/.cache/tern/models/embeddinggemma-300m"
@@ -23,4 +23,18 @@ if [ -z "${TERN_CLIENT_PYTHON:-}" ]; then
   fi
   export TERN_CLIENT_PYTHON="$client_env/bin/python"
 fi
+
+# The CUDA compile check (cuda::tests::every_cuda_source_compiles_for_sm_90) needs NVRTC but no
+# GPU: the NVRTC 13.0 of the device machines' driver, from its PyPI wheel, plus the CUDA headers
+# of the runtime wheel. Installed once into a cache folder; without them that test fails.
+nvrtc_dir="${TERN_NVRTC_DIR:-$HOME/.cache/tern/nvrtc}"
+nvrtc_lib="$nvrtc_dir/nvidia/cu13/lib"
+if [ ! -f "$nvrtc_lib/libnvrtc.so.13" ] || [ ! -f "$nvrtc_dir/nvidia/cu13/include/cuda_bf16.h" ]; then
+  echo "installing NVRTC 13.0 into $nvrtc_dir for the CUDA compile check" >&2
+  python3 -m pip install -q --disable-pip-version-check --target "$nvrtc_dir" \
+    "nvidia-cuda-nvrtc==13.0.88" "nvidia-cuda-runtime==13.0.96"
+fi
+export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export TERN_CUDA_INCLUDE="$nvrtc_dir/nvidia/cu13/include"
+
 cargo test --release "$@"

@@ -21,6 +21,8 @@ pub enum Error {
     NotFound(String),
     #[error("shape: {0}")]
     Shape(String),
+    #[error("cuda: {0}")]
+    Cuda(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

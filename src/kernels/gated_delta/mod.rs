@@ -26,12 +26,16 @@
 //! and the same per-position routine: the scan over n tokens equals n decode steps bit for
 //! bit, by construction. The sequential scan is the permanent oracle of the chunked prefill.
 //!
+//! The CUDA forms of every op, their sources and launchers are in [`cuda`]; these CPU forms are
+//! their reference, and each CUDA kernel has a device test against its CPU twin.
+//!
 //! The state is f32 always. exp in the decay path is the precise library exp: the decay
 //! multiplies the state on every token, so an approximate exp's error would compound along the
 //! sequence instead of staying a per-token rounding difference.
 
 pub mod chunked;
 pub mod conv;
+pub mod cuda;
 pub mod gates;
 pub mod norm;
 pub mod recurrence;

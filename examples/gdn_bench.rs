@@ -1,0 +1,165 @@
+//! Benchmark of the gated-delta CUDA kernels on Qwen3.5-35B-A3B shapes (16 q/k heads, 32 v
+//! heads, d = 128, f32 state), printed as a table; the fla peer runs in
+//! scripts/bench_gdn_fla.py on the same shapes in the same device call.
+//!
+//!   cargo run --release --example gdn_bench            (on a machine with an NVIDIA GPU)
+//!
+//! Decode: one token for B sequences, state bytes read + written per second against the copy
+//! bandwidth measured first in the same run. The state pools rotate through more than the L2
+//! holds, so repeated steps are not served from cache. Prefill: one layer's chunked prefill of
+//! one sequence, with its error against the device's sequential scan (the oracle).
+
+use tern::cuda::Gpu;
+use tern::kernels::gated_delta::cuda::{ChunkAccumulate, RECURRENCE_ROWS, RECURRENCE_ROW_VARIANTS, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
+use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
+use tern::kernels::pack;
+use tern::Result;
+
+struct Lcg(u64);
+impl Lcg {
+    fn unit(&mut self) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as u32) as f32 / (1u32 << 24) as f32
+    }
+    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| lo + (hi - lo) * self.unit()).collect()
+    }
+}
+
+/// Median milliseconds of `reps` timed runs of `f` (after `warm` untimed ones), by events.
+fn time_ms(gpu: &Gpu, warm: usize, reps: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+    let (start, end) = (gpu.event()?, gpu.event()?);
+    for i in 0..warm {
+        f(i)?;
+    }
+    gpu.synchronize()?;
+    let mut times = Vec::with_capacity(reps);
+    for i in 0..reps {
+        start.record(gpu.stream()).map_err(|e| tern::Error::Cuda(format!("{e:?}")))?;
+        f(warm + i)?;
+        end.record(gpu.stream()).map_err(|e| tern::Error::Cuda(format!("{e:?}")))?;
+        end.synchronize().map_err(|e| tern::Error::Cuda(format!("{e:?}")))?;
+        times.push(start.elapsed_ms(&end).map_err(|e| tern::Error::Cuda(format!("{e:?}")))? as f64);
+    }
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    Ok(times[reps / 2])
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let (mut d, mut r) = (0.0f64, 0.0f64);
+    for (&a, &b) in got.iter().zip(want) {
+        d += (a as f64 - b as f64).powi(2);
+        r += (b as f64).powi(2);
+    }
+    (d / r).sqrt()
+}
+
+/// Raw per-token operands in the conv output's fused `[q | k | v]` rows, plus g and β.
+struct Layer {
+    qkv: tern::cuda::CudaSlice<f32>,
+    g: tern::cuda::CudaSlice<f32>,
+    beta: tern::cuda::CudaSlice<f32>,
+}
+
+fn layer(gpu: &Gpu, rng: &mut Lcg, heads: &DeltaRuleHeads, tokens: usize) -> Result<Layer> {
+    let row = 2 * heads.n_k_heads * heads.d_k + heads.n_v_heads * heads.d_v;
+    let qkv = rng.vec(tokens * row, -1.0, 1.0);
+    // Decays like a trained layer's: exp(g) mostly in (0.37, 1).
+    let g: Vec<f32> = rng.vec(tokens * heads.n_v_heads, -1.0, -0.001);
+    let beta = rng.vec(tokens * heads.n_v_heads, 0.0, 1.0);
+    Ok(Layer { qkv: gpu.upload(&qkv)?, g: gpu.upload(&g)?, beta: gpu.upload(&beta)? })
+}
+
+fn inputs<'a>(heads: &DeltaRuleHeads, l: &'a Layer) -> GpuDeltaRuleInputs<'a> {
+    let qk = heads.n_k_heads * heads.d_k;
+    let row = 2 * qk + heads.n_v_heads * heads.d_v;
+    GpuDeltaRuleInputs {
+        q: Rows { buf: &l.qkv, offset: 0, stride: row },
+        k: Rows { buf: &l.qkv, offset: qk, stride: row },
+        v: Rows { buf: &l.qkv, offset: 2 * qk, stride: row },
+        g: &l.g,
+        beta: &l.beta,
+        normalize_qk: true,
+    }
+}
+
+fn main() -> Result<()> {
+    let gpu = Gpu::new(0)?;
+    let mut k = GatedDeltaCuda::new(gpu.clone())?;
+    let heads = DeltaRuleHeads { n_k_heads: 16, n_v_heads: 32, d_k: 128, d_v: 128, key_head: KeyHeadMap::Grouped };
+    let state_bytes = heads.state_len() * 4;
+    println!("device: {} ({}, {} SMs)", gpu.name(), gpu.arch(), gpu.multiprocessors()?);
+    let mut rng = Lcg(0x5eed);
+
+    // Copy bandwidth: 1 GiB device-to-device, bytes read + written.
+    let n = 1usize << 28;
+    let src = gpu.upload(&rng.vec(n, -1.0, 1.0))?;
+    let mut dst = gpu.zeros::<f32>(n)?;
+    let copy_ms = time_ms(&gpu, 3, 20, |_| gpu.copy(&src, &mut dst))?;
+    let copy_bw = 2.0 * 4.0 * n as f64 / (copy_ms * 1e-3);
+    drop((src, dst));
+    println!("copy: {:.3} ms for 2 x {} MiB -> {:.0} GB/s (read + written)", copy_ms, 4 * n >> 20, copy_bw / 1e9);
+
+    println!("\ndecode (one token per sequence, fused L2 norm of q/k, state f32 [32][128][128] per sequence)");
+    println!("{:>6} {:>5} {:>10} {:>12} {:>10}", "batch", "rows", "us/step", "state GB/s", "of copy");
+    for &b in &[1usize, 16, 64, 256] {
+        // Rotate through enough slots that the pools exceed the 60 MB L2 several times over.
+        let rot = (1024usize * (1 << 20) / (b * state_bytes)).clamp(1, 64);
+        let mut pool = gpu.upload(&rng.vec(rot * b * heads.state_len(), -0.5, 0.5))?;
+        let segs: Vec<GpuSegments> = (0..rot).map(|r| GpuSegments::decode(&gpu, &(r * b..(r + 1) * b).collect::<Vec<_>>())).collect::<Result<_>>()?;
+        let l = layer(&gpu, &mut rng, &heads, b)?;
+        let x = inputs(&heads, &l);
+        let mut out = gpu.zeros::<f32>(b * heads.n_v_heads * heads.d_v)?;
+        let inner = 50;
+        for rows in RECURRENCE_ROW_VARIANTS {
+            k.set_recurrence_rows(rows)?;
+            let ms = time_ms(&gpu, 2, 15, |i| {
+                for s in 0..inner {
+                    k.delta_rule(&heads, &x, &segs[(i * inner + s) % rot], &mut pool, &mut out)?;
+                }
+                Ok(())
+            })? / inner as f64;
+            let bw = 2.0 * (b * state_bytes) as f64 / (ms * 1e-3);
+            println!("{:>6} {:>5} {:>10.2} {:>12.0} {:>9.1}%", b, rows, ms * 1e3, bw / 1e9, 100.0 * bw / copy_bw);
+            println!("RESULT decode batch={b} rows={rows} us={:.3} state_gbps={:.1} copy_fraction={:.4}", ms * 1e3, bw / 1e9, bw / copy_bw);
+        }
+    }
+
+    k.set_recurrence_rows(RECURRENCE_ROWS)?;
+    println!("\nprefill (one sequence, one layer, fused L2 norm of q/k; error vs the device sequential scan)");
+    println!("{:>6} {:>12} {:>12} {:>12} {:>11} {:>11} {:>11} {:>11}", "tokens", "scan ms", "chunk32 ms", "chunk64 ms", "c32 out", "c32 state", "c64 out", "c64 state");
+    for &t in &[2048usize, 8192, 32768] {
+        let l = layer(&gpu, &mut rng, &heads, t)?;
+        let x = inputs(&heads, &l);
+        let init = rng.vec(heads.state_len(), -0.5, 0.5);
+        let segs = GpuSegments::new(&gpu, &pack([t]), &[0], t)?;
+        let n_out = t * heads.n_v_heads * heads.d_v;
+        let mut st = gpu.upload(&init)?;
+        let mut out = gpu.zeros::<f32>(n_out)?;
+        let scan_ms = time_ms(&gpu, 1, 3, |_| {
+            gpu.write(&init, &mut st)?;
+            k.delta_rule(&heads, &x, &segs, &mut st, &mut out)
+        })?;
+        let (want_out, want_st) = (gpu.download(&out)?, gpu.download(&st)?);
+        let mut res = vec![];
+        for acc in [ChunkAccumulate::F32, ChunkAccumulate::F64] {
+            let ms = time_ms(&gpu, 2, 10, |_| k.delta_rule_chunked(&heads, &x, &segs, &mut st, &mut out, acc))?;
+            k.set_chunk_prepare_only(true);
+            let prep = time_ms(&gpu, 2, 10, |_| k.delta_rule_chunked(&heads, &x, &segs, &mut st, &mut out, acc))?;
+            k.set_chunk_prepare_only(false);
+            println!("RESULT prefill_split tokens={t} acc={acc:?} total_ms={ms:.4} parallel_pass_ms={prep:.4} state_pass_ms={:.4}", ms - prep);
+            gpu.write(&init, &mut st)?;
+            k.delta_rule_chunked(&heads, &x, &segs, &mut st, &mut out, acc)?;
+            res.push((ms, rel_err(&gpu.download(&out)?, &want_out), rel_err(&gpu.download(&st)?, &want_st)));
+        }
+        println!(
+            "{:>6} {:>12.3} {:>12.3} {:>12.3} {:>11.2e} {:>11.2e} {:>11.2e} {:>11.2e}",
+            t, scan_ms, res[0].0, res[1].0, res[0].1, res[0].2, res[1].1, res[1].2
+        );
+        for (name, r) in [("f32acc", res[0]), ("f64acc", res[1])] {
+            println!("RESULT prefill tokens={t} mode=chunk_{name} ms={:.4} out_err={:.3e} state_err={:.3e}", r.0, r.1, r.2);
+        }
+        println!("RESULT prefill tokens={t} mode=scan ms={scan_ms:.4}");
+    }
+    Ok(())
+}

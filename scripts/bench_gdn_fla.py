@@ -1,0 +1,48 @@
+"""fla's gated-delta kernels on the shapes of examples/gdn_bench.rs (Qwen3.5-35B-A3B: 16 q/k
+heads, 32 v heads, d = 128, f32 state), timed by triton.testing.do_bench (median), in the same
+device call as the tern benchmark. State layout V-first ([V][K], tern's transposed layout), q/k
+L2-normalised in the kernel, as tern's fused path does."""
+import torch
+import triton
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+torch.manual_seed(0)
+dev = "cuda"
+H, HV, D = 16, 32, 128
+
+
+def ops(B, T, dtype):
+    q = torch.rand(B, T, H, D, device=dev, dtype=dtype) * 2 - 1
+    k = torch.rand(B, T, H, D, device=dev, dtype=dtype) * 2 - 1
+    v = torch.rand(B, T, HV, D, device=dev, dtype=dtype) * 2 - 1
+    g = -(torch.rand(B, T, HV, device=dev, dtype=torch.float32) * 0.999 + 0.001)
+    beta = torch.rand(B, T, HV, device=dev, dtype=dtype)
+    return q, k, v, g.to(dtype), beta
+
+
+print("fla decode (fused_recurrent_gated_delta_rule, one token, state f32 V-first)")
+for B in (1, 16, 64, 256):
+    q, k, v, g, beta = ops(B, 1, torch.float32)
+    # Rotate state pools past the L2, as the tern benchmark does.
+    rot = max(1, min(64, (1024 << 20) // (B * HV * D * D * 4)))
+    h0 = [torch.rand(B, HV, D, D, device=dev) - 0.5 for _ in range(rot)]
+    i = [0]
+
+    def step():
+        s = h0[i[0] % rot]
+        i[0] += 1
+        return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=s, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True, state_v_first=True)
+
+    ms = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
+    print(f"RESULT fla_decode batch={B} us={ms * 1e3:.3f}")
+
+print("fla prefill (chunk_gated_delta_rule, one sequence, state f32 V-first)")
+for T in (2048, 8192, 32768):
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v, g, beta = ops(1, T, dtype)
+        h0 = torch.rand(1, HV, D, D, device=dev) - 0.5
+        f = lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True, state_v_first=True)
+        ms = triton.testing.do_bench(f, warmup=50, rep=300, return_mode="median")
+        print(f"RESULT fla_prefill tokens={T} dtype={str(dtype).split('.')[-1]} ms={ms:.4f}")

@@ -1,0 +1,13 @@
+# Sourced by the device scripts: finds NVRTC 13 on a GPU machine (the CUDA toolkit's, or an
+# installed nvidia-cuda-nvrtc wheel's) unless TERN_NVRTC_LIB names it, and puts the kernel
+# cache in /tmp.
+if [ -z "${TERN_NVRTC_LIB:-}" ]; then
+  for cand in /usr/local/cuda/lib64/libnvrtc.so.13 \
+      $(python3 -c 'import glob,site; print(" ".join(glob.glob(site.getsitepackages()[0]+"/nvidia/cu13/lib/libnvrtc.so.13")))' 2>/dev/null) \
+      $(ls /usr/local/cuda*/lib64/libnvrtc.so.13 /usr/local/cuda*/targets/*/lib/libnvrtc.so.13 2>/dev/null); do
+    if [ -f "$cand" ]; then export TERN_NVRTC_LIB="$cand"; break; fi
+  done
+fi
+echo "NVRTC: ${TERN_NVRTC_LIB:-not found}"
+export LD_LIBRARY_PATH="$(dirname "${TERN_NVRTC_LIB:-/x}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export TERN_CUDA_CACHE="${TERN_CUDA_CACHE:-/tmp/tern-cuda-cache}"

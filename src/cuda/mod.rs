@@ -1,0 +1,291 @@
+//! The CUDA backend's device plumbing, shared by every kernel family: finding a GPU without
+//! panicking when there is none, one context and stream per device, run-time compilation of the
+//! families' CUDA sources with NVRTC (cached on disk, see [`nvrtc`]), device buffers, and the
+//! mapping of every driver error into tern's [`Error`].
+//!
+//! The driver library is opened at run time (cudarc's `dynamic-loading`), so a machine without
+//! CUDA runs the same binary on the CPU. cudarc panics when it cannot load libcuda, so
+//! [`driver_available`] opens the library itself first and nothing here touches cudarc before
+//! that probe has succeeded.
+//!
+//! Kernel sources live beside their CPU twins (`src/kernels/<family>/cuda/*.cu`) and are listed
+//! in [`SOURCES`], which the CI compile check walks.
+
+pub mod nvrtc;
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex, OnceLock};
+
+pub use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaModule, DeviceRepr, DriverError, ValidAsZeroBits};
+
+use crate::error::{Error, Result};
+
+/// One CUDA translation unit of a kernel family.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelSource {
+    /// Unique name: the NVRTC program name and the cache file's prefix.
+    pub name: &'static str,
+    pub code: &'static str,
+}
+
+/// Every CUDA source of the op set (the CI compile check covers exactly these).
+pub const SOURCES: &[KernelSource] = crate::kernels::gated_delta::cuda::SOURCES;
+
+/// Maps a driver error into tern's error, naming the operation.
+pub(crate) fn driver_err(what: &str) -> impl FnOnce(DriverError) -> Error + '_ {
+    move |e| Error::Cuda(format!("{what}: {e:?}"))
+}
+
+/// Whether the CUDA driver library can be opened. Cached; safe to call anywhere.
+pub fn driver_available() -> bool {
+    static FOUND: OnceLock<bool> = OnceLock::new();
+    *FOUND.get_or_init(|| {
+        // The names cudarc's loader tries on Linux, most specific first.
+        ["libcuda.so.1", "libcuda.so"].iter().any(|name| {
+            // SAFETY: opening the driver runs its initialisers, which have no preconditions;
+            // the handle is closed again, cudarc opens its own.
+            unsafe { libloading::Library::new(*name) }.is_ok()
+        })
+    })
+}
+
+/// Number of CUDA devices; 0 without a driver.
+pub fn device_count() -> usize {
+    if !driver_available() {
+        return 0;
+    }
+    CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)
+}
+
+/// Where to run, as a user names it on the command line: `auto`, `cpu`, `cuda` or `cuda:N`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The first CUDA device when one is usable, else the CPU.
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+impl FromStr for DeviceSpec {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(DeviceSpec::Auto),
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceSpec::Cuda)
+                .ok_or_else(|| Error::Input(format!("device `{s}`: expected auto, cpu, cuda or cuda:N"))),
+        }
+    }
+}
+
+impl DeviceSpec {
+    /// The GPU this names, or `None` for the CPU. `auto` falls back to the CPU when there is
+    /// no driver or no device; an explicit `cuda[:N]` that cannot be opened is an error.
+    pub fn open(self) -> Result<Option<Arc<Gpu>>> {
+        match self {
+            DeviceSpec::Cpu => Ok(None),
+            DeviceSpec::Auto if device_count() == 0 => Ok(None),
+            DeviceSpec::Auto => Gpu::new(0).map(Some),
+            DeviceSpec::Cuda(n) => Gpu::new(n).map(Some),
+        }
+    }
+}
+
+/// One CUDA device: its context, the stream every op of tern is queued on, and the modules
+/// compiled for it so far.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    ordinal: usize,
+    arch: String,
+    name: String,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gpu(cuda:{} {} {})", self.ordinal, self.name, self.arch)
+    }
+}
+
+impl Gpu {
+    /// Opens device `ordinal`. Errors (never panics) without a driver or such a device.
+    pub fn new(ordinal: usize) -> Result<Arc<Gpu>> {
+        if !driver_available() {
+            return Err(Error::Cuda("no CUDA driver: libcuda.so.1 cannot be loaded (no NVIDIA GPU or driver here)".into()));
+        }
+        let count = CudaContext::device_count().map_err(driver_err("counting devices"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::Cuda(format!("cuda:{ordinal}: this machine has {count} CUDA device(s)")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_err("creating the context"))?;
+        // One stream orders every op, so cudarc's per-buffer event tracking (for several
+        // streams) would only add work to each launch.
+        // SAFETY: nothing has been allocated on this context yet.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().map_err(driver_err("reading the compute capability"))?;
+        let name = ctx.name().map_err(driver_err("reading the device name"))?;
+        let stream = ctx.default_stream();
+        Ok(Arc::new(Gpu { ctx, stream, ordinal, arch: format!("sm_{major}{minor}"), name, modules: Mutex::new(HashMap::new()) }))
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+    /// Streaming multiprocessors on the device.
+    pub fn multiprocessors(&self) -> Result<usize> {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
+        self.ctx.attribute(SMS).map(|n| n as usize).map_err(driver_err("reading the multiprocessor count"))
+    }
+
+    /// Function `func` of `source`, compiling (through the disk cache) and loading the module
+    /// on first use.
+    pub fn function(&self, source: &KernelSource, func: &str) -> Result<CudaFunction> {
+        let module = {
+            let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+            match modules.get(source.name) {
+                Some(m) => m.clone(),
+                None => {
+                    let cubin = nvrtc::compile_cached(source.name, source.code, &self.arch)?;
+                    let m = self
+                        .ctx
+                        .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                        .map_err(driver_err(&format!("loading module {}", source.name)))?;
+                    modules.insert(source.name, m.clone());
+                    m
+                }
+            }
+        };
+        module.load_function(func).map_err(driver_err(&format!("{}: function {func}", source.name)))
+    }
+
+    /// A device copy of `data`.
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(data).map_err(driver_err("copying to the device"))
+    }
+
+    /// Copies `src` into the existing device buffer `dst` of the same length.
+    pub fn write<T: DeviceRepr>(&self, src: &[T], dst: &mut CudaSlice<T>) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(Error::Shape(format!("device write: {} elements into a buffer of {}", src.len(), dst.len())));
+        }
+        self.stream.memcpy_htod(src, dst).map_err(driver_err("copying to the device"))
+    }
+
+    /// A host copy of `buf` (waits for the work queued before it).
+    pub fn download<T: DeviceRepr + Default + Clone>(&self, buf: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.stream.clone_dtoh(buf).map_err(driver_err("copying from the device"))
+    }
+
+    /// A zeroed device buffer of `n` elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.stream.alloc_zeros(n).map_err(driver_err(&format!("allocating {n} elements")))
+    }
+
+    /// Device-to-device copy of `src` into `dst` (same length), queued on the stream.
+    pub fn copy<T: DeviceRepr>(&self, src: &CudaSlice<T>, dst: &mut CudaSlice<T>) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(Error::Shape(format!("device copy: {} elements into a buffer of {}", src.len(), dst.len())));
+        }
+        self.stream.memcpy_dtod(src, dst).map_err(driver_err("copying on the device"))
+    }
+
+    /// A timing event (timing enabled).
+    pub fn event(&self) -> Result<CudaEvent> {
+        self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver_err("creating an event"))
+    }
+
+    /// Waits for every queued op, surfacing asynchronous kernel faults as errors.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_err("synchronizing"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_specs_parse() {
+        assert_eq!("auto".parse::<DeviceSpec>().unwrap(), DeviceSpec::Auto);
+        assert_eq!("cpu".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cpu);
+        assert_eq!("cuda".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(0));
+        assert_eq!("cuda:3".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(3));
+        for bad in ["gpu", "cuda:", "cuda:x", "CUDA"] {
+            assert!(matches!(bad.parse::<DeviceSpec>(), Err(Error::Input(_))), "{bad}");
+        }
+    }
+
+    /// Without a driver, `auto` is the CPU and an explicit `cuda` is an error, never a panic.
+    #[test]
+    fn no_driver_means_cpu_or_a_clear_error() {
+        if driver_available() {
+            return; // a GPU machine: covered by the device tests
+        }
+        assert!(DeviceSpec::Auto.open().unwrap().is_none());
+        assert!(DeviceSpec::Cpu.open().unwrap().is_none());
+        match DeviceSpec::Cuda(0).open() {
+            Err(Error::Cuda(msg)) => assert!(msg.contains("libcuda"), "{msg}"),
+            other => panic!("expected a CUDA error, got {other:?}"),
+        }
+    }
+
+    /// CI check: every CUDA source of the op set compiles with NVRTC for sm_90. It needs NVRTC
+    /// (scripts/test.sh installs it and sets LD_LIBRARY_PATH); without it this test FAILS, so a
+    /// missing compiler can never pass for a compiled kernel.
+    #[test]
+    fn every_cuda_source_compiles_for_sm_90() {
+        if let Err(e) = nvrtc::available() {
+            panic!(
+                "{e}\nThis check needs NVRTC: run scripts/test.sh, which installs the nvidia-cuda-nvrtc \
+                 wheel into ~/.cache/tern/nvrtc and sets LD_LIBRARY_PATH"
+            );
+        }
+        let (major, minor) = nvrtc::version().unwrap();
+        assert!(!SOURCES.is_empty());
+        for src in SOURCES {
+            let cubin = nvrtc::compile(src.name, src.code, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+            // An ELF image: what the driver loads.
+            assert_eq!(&cubin[..4], b"\x7fELF", "{}", src.name);
+            eprintln!("nvrtc {major}.{minor}: {} -> {} bytes of sm_90 CUBIN", src.name, cubin.len());
+        }
+    }
+
+    /// The cache returns the compiled CUBIN on a second call and treats a damaged file as a miss.
+    #[test]
+    fn nvrtc_cache_hits_and_survives_damage() {
+        if nvrtc::available().is_err() {
+            panic!("NVRTC missing: see every_cuda_source_compiles_for_sm_90");
+        }
+        let dir = std::env::temp_dir().join(format!("tern-nvrtc-cache-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let src = "extern \"C\" __global__ void tern_cache_probe(float* x) { x[threadIdx.x] *= 2.0f; }";
+        let a = nvrtc::compile_cached_in(&dir, "tern_cache_probe", src, "sm_90").unwrap();
+        let files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+        assert_eq!(files.len(), 1, "{files:?}");
+        let b = nvrtc::compile_cached_in(&dir, "tern_cache_probe", src, "sm_90").unwrap();
+        assert_eq!(a, b);
+        std::fs::write(&files[0], b"garbage").unwrap();
+        let c = nvrtc::compile_cached_in(&dir, "tern_cache_probe", src, "sm_90").unwrap();
+        assert_eq!(a, c);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

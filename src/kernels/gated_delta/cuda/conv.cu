@@ -1,0 +1,57 @@
+// Causal depthwise conv1d + SiLU over a packed batch, decode step and scan in ONE kernel
+// (a decode step is the scan over one-token segments). CPU twin: conv.rs.
+//
+// One thread owns one (sequence, channel): its K taps and its K - 1 history values live in
+// registers (K is a template parameter so the tap loops unroll and the arrays are never
+// indexed at run time), the segment's positions are walked in order, and the history goes
+// back to the sequence's state slot once. The state keeps the RAW inputs, not the activated
+// outputs: the next position convolves inputs. The accumulation starts from the newest tap
+// and walks the history oldest first, the CPU twin's order.
+
+template <int K>
+__device__ void tern_gdn_conv_body(const float* __restrict__ x, const float* __restrict__ weight,
+                                   float* __restrict__ conv_states, float* __restrict__ out,
+                                   const tern_gdn_u32* __restrict__ seg_start, const tern_gdn_u32* __restrict__ seg_len,
+                                   const tern_gdn_u32* __restrict__ slot, int channels) {
+    constexpr int T = K - 1;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int s = blockIdx.y;
+    if (c >= channels) return;
+    float w[K];
+#pragma unroll
+    for (int t = 0; t < K; t++) w[t] = weight[(size_t)c * K + t];
+    float hist[T > 0 ? T : 1];
+    float* st = conv_states + ((size_t)slot[s] * channels + c) * T;
+#pragma unroll
+    for (int t = 0; t < T; t++) hist[t] = st[t];
+    const size_t start = seg_start[s], end = start + seg_len[s];
+    for (size_t p = start; p < end; p++) {
+        const float xc = x[p * channels + c];
+        float acc = xc * w[T];
+#pragma unroll
+        for (int t = 0; t < T; t++) acc += hist[t] * w[t];
+        out[p * channels + c] = tern_gdn_silu(acc);
+#pragma unroll
+        for (int t = 0; t + 1 < T; t++) hist[t] = hist[t + 1];
+        if (T > 0) hist[T > 0 ? T - 1 : 0] = xc;
+    }
+#pragma unroll
+    for (int t = 0; t < T; t++) st[t] = hist[t];
+}
+
+#define TERN_GDN_CONV(KW)                                                                              \
+    extern "C" __global__ void tern_gdn_conv_k##KW(const float* x, const float* weight, float* conv_states, \
+                                                   float* out, const tern_gdn_u32* seg_start,           \
+                                                   const tern_gdn_u32* seg_len, const tern_gdn_u32* slot, \
+                                                   int channels) {                                      \
+        tern_gdn_conv_body<KW>(x, weight, conv_states, out, seg_start, seg_len, slot, channels);       \
+    }
+TERN_GDN_CONV(1)
+TERN_GDN_CONV(2)
+TERN_GDN_CONV(3)
+TERN_GDN_CONV(4)
+TERN_GDN_CONV(5)
+TERN_GDN_CONV(6)
+TERN_GDN_CONV(7)
+TERN_GDN_CONV(8)
+#undef TERN_GDN_CONV

@@ -1,0 +1,676 @@
+//! CUDA forms of the gated-delta family: the sources (`*.cu` beside this file, each compiled
+//! by NVRTC with `common.cuh` in front) and their launchers. Every launcher validates shapes
+//! on the host before it launches, with the same checks and messages as the CPU twins in the
+//! parent module, which are the reference every kernel is tested against.
+//!
+//! Device-side batches: a [`GpuSegments`] is the packed batch's segments plus, per sequence,
+//! the slot of its state in a state pool (`[n_slots][state_len]` in one buffer), so one launch
+//! advances any subset of a pool of sequences. Decode is the one-token-segment case of the same
+//! launch, as on the CPU.
+//!
+//! q, k and v are passed as [`Rows`] (a buffer, an offset and a row stride), so the recurrence
+//! can read them straight out of the conv output `[tokens][q | k | v]` and, with
+//! `normalize_qk`, L2-normalise q and k in registers: neither a split copy nor a normalised
+//! copy goes through device memory.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN_SMEM;
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
+
+use crate::cuda::{driver_err, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
+use crate::error::{Error, Result};
+use crate::kernels::gated_delta::{check_segments, DeltaRuleHeads, KeyHeadMap, L2_NORM_EPS};
+use crate::kernels::{check_len, Segment};
+
+macro_rules! gdn_source {
+    ($name:literal, $file:literal) => {
+        KernelSource { name: $name, code: concat!(include_str!("common.cuh"), "\n", include_str!($file)) }
+    };
+}
+
+pub const GATES: KernelSource = gdn_source!("tern_gdn_gates", "gates.cu");
+pub const CONV: KernelSource = gdn_source!("tern_gdn_conv", "conv.cu");
+pub const NORM: KernelSource = gdn_source!("tern_gdn_norm", "norm.cu");
+pub const RECURRENCE: KernelSource = gdn_source!("tern_gdn_recurrence", "recurrence.cu");
+pub const CHUNKED: KernelSource = gdn_source!("tern_gdn_chunked", "chunked.cu");
+
+/// The family's CUDA translation units.
+pub const SOURCES: &[KernelSource] = &[GATES, CONV, NORM, RECURRENCE, CHUNKED];
+
+/// Threads per block of the one-thread-per-element kernels.
+const ELEMENT_BLOCK: u32 = 256;
+/// Warps per block of the one-warp-per-row kernels: 4 rows of a head share its k and q in L1.
+const ROW_WARPS: u32 = 4;
+/// State rows one warp of the recurrence advances together, by default.
+pub const RECURRENCE_ROWS: usize = 4;
+/// The rows-per-warp variants compiled: the arithmetic of each row is the same in all of them,
+/// so they agree bit for bit (a device test checks it); only the speed differs.
+pub const RECURRENCE_ROW_VARIANTS: [usize; 4] = [1, 2, 4, 8];
+
+fn grid_1d(n: usize, block: u32) -> Result<u32> {
+    u32::try_from(n.div_ceil(block as usize)).map_err(|_| Error::Shape(format!("{n} elements: too many for one launch")))
+}
+
+fn u32_of(what: &str, n: usize) -> Result<u32> {
+    u32::try_from(n).map_err(|_| Error::Shape(format!("{what}: {n} does not fit the device's 32-bit index")))
+}
+
+fn i32_of(what: &str, n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| Error::Shape(format!("{what}: {n} does not fit the device's 32-bit index")))
+}
+
+fn launch_err(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Error + '_ {
+    driver_err(what)
+}
+
+/// A packed batch on the device: sequence `s` owns token rows `segments[s]` and state slot
+/// `slots[s]`.
+pub struct GpuSegments {
+    segments: Vec<Segment>,
+    slots: Vec<usize>,
+    tokens: usize,
+    start: CudaSlice<u32>,
+    len: CudaSlice<u32>,
+    slot: CudaSlice<u32>,
+}
+
+impl GpuSegments {
+    /// Validates that the segments lie inside `tokens` rows without overlapping and that no
+    /// two sequences share a slot (both would be races on the device, not just wrong answers).
+    pub fn new(gpu: &Gpu, segments: &[Segment], slots: &[usize], tokens: usize) -> Result<Self> {
+        check_segments("device segments", segments, tokens)?;
+        if slots.len() != segments.len() {
+            return Err(Error::Shape(format!("device segments: {} slots for {} sequences", slots.len(), segments.len())));
+        }
+        let mut sorted = slots.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::Shape(format!("device segments: state slot {} given to two sequences", w[0])));
+        }
+        if segments.len() > 65_535 {
+            return Err(Error::Shape(format!("device segments: {} sequences, at most 65535 per launch", segments.len())));
+        }
+        u32_of("tokens", tokens)?;
+        let start: Vec<u32> = segments.iter().map(|s| s.start as u32).collect();
+        let len: Vec<u32> = segments.iter().map(|s| s.len as u32).collect();
+        let slot: Vec<u32> = slots.iter().map(|&s| u32_of("state slot", s)).collect::<Result<_>>()?;
+        Ok(GpuSegments {
+            segments: segments.to_vec(),
+            slots: slots.to_vec(),
+            tokens,
+            start: gpu.upload(&start)?,
+            len: gpu.upload(&len)?,
+            slot: gpu.upload(&slot)?,
+        })
+    }
+
+    /// One decode token per sequence: row `s` belongs to sequence `s`, in state slot `slots[s]`.
+    pub fn decode(gpu: &Gpu, slots: &[usize]) -> Result<Self> {
+        let segments = crate::kernels::pack(std::iter::repeat_n(1, slots.len()));
+        Self::new(gpu, &segments, slots, slots.len())
+    }
+
+    pub fn n_seqs(&self) -> usize {
+        self.segments.len()
+    }
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    pub fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+
+    /// Checks that a pool of `pool_len` elements holds every slot used, at `per_slot` each.
+    fn check_pool(&self, what: &str, pool_len: usize, per_slot: usize) -> Result<()> {
+        if per_slot == 0 || pool_len % per_slot != 0 {
+            return Err(Error::Shape(format!("{what}: a pool of {pool_len} elements is not slots of {per_slot}")));
+        }
+        let n_slots = pool_len / per_slot;
+        if let Some(&bad) = self.slots.iter().find(|&&s| s >= n_slots) {
+            return Err(Error::Shape(format!("{what}: state slot {bad} of a pool of {n_slots}")));
+        }
+        Ok(())
+    }
+}
+
+/// Rows of f32 in a device buffer: row `t` is `row_len` elements at `offset + t·stride`.
+#[derive(Clone, Copy)]
+pub struct Rows<'a> {
+    pub buf: &'a CudaSlice<f32>,
+    pub offset: usize,
+    pub stride: usize,
+}
+
+impl<'a> Rows<'a> {
+    pub fn contiguous(buf: &'a CudaSlice<f32>, row_len: usize) -> Self {
+        Rows { buf, offset: 0, stride: row_len }
+    }
+
+    fn check(&self, what: &str, rows: usize, row_len: usize) -> Result<()> {
+        if self.stride < row_len && rows > 1 {
+            return Err(Error::Shape(format!("{what}: row stride {} is shorter than a row of {row_len}", self.stride)));
+        }
+        // 16-byte loads: rows must start on 4-float boundaries (cudaMalloc aligns the base).
+        if self.offset % 4 != 0 || self.stride % 4 != 0 {
+            return Err(Error::Shape(format!(
+                "{what}: offset {} and row stride {} must be multiples of 4 floats",
+                self.offset, self.stride
+            )));
+        }
+        let need = if rows == 0 { 0 } else { self.offset + (rows - 1) * self.stride + row_len };
+        if need > self.buf.len() {
+            return Err(Error::Shape(format!("{what}: {rows} rows need {need} elements, the buffer has {}", self.buf.len())));
+        }
+        Ok(())
+    }
+}
+
+/// Per-token operands of the delta rule on the device (layouts of the parent module; q and k
+/// rows hold `n_k_heads · d_k`, v rows `n_v_heads · d_v`; g and β are `[tokens][n_v_heads]`).
+#[derive(Clone, Copy)]
+pub struct GpuDeltaRuleInputs<'a> {
+    pub q: Rows<'a>,
+    pub k: Rows<'a>,
+    pub v: Rows<'a>,
+    pub g: &'a CudaSlice<f32>,
+    pub beta: &'a CudaSlice<f32>,
+    /// q and k are raw: L2-normalise both (eps [`L2_NORM_EPS`]) and scale q by `1/√d_k` in the
+    /// kernel, as [`crate::kernels::gated_delta::normalize_qk`] would beforehand.
+    pub normalize_qk: bool,
+}
+
+/// The family's kernels, loaded for one GPU.
+pub struct GatedDeltaCuda {
+    gpu: Arc<Gpu>,
+    gates: CudaFunction,
+    conv: Vec<CudaFunction>, // kernel widths 1..=8
+    normalize_qk: CudaFunction,
+    gated_norm: CudaFunction,
+    /// (d_k, rows per warp, kernel).
+    recurrence: Vec<(usize, usize, CudaFunction)>,
+    recurrence_rows: usize,
+    /// Chunk-prepare and chunk-state kernels with f32 and f64 accumulators.
+    chunk_prepare: [CudaFunction; 2],
+    chunk_state: [CudaFunction; 2],
+    /// Benchmark aid: stop the chunked prefill after its parallel pass (the result is then
+    /// incomplete), so that the two passes can be timed apart.
+    chunk_prepare_only: bool,
+    /// Per-(chunk, head) intermediates of the chunked prefill, grown on demand.
+    chunk_scratch: Mutex<Option<CudaSlice<f32>>>,
+}
+
+/// Accumulator precision of the f32-storage chunked prefill.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkAccumulate {
+    /// Dot products and chunk sums in f32.
+    F32,
+    /// Dot products and chunk sums in f64, as the CPU twin does (each stage rounds once).
+    F64,
+}
+
+/// Largest head sizes the chunked kernels' shared-memory tiles are sized for.
+pub const MAX_CHUNK_HEAD_DIM: usize = 256;
+
+const CHUNK: usize = crate::kernels::gated_delta::DELTA_RULE_CHUNK;
+const CHUNK_BV: usize = 16;
+const CHUNK_THREADS: u32 = 256;
+
+fn prepare_smem(d_k: usize, d_v: usize) -> usize {
+    8 * CHUNK + 4 * (2 * CHUNK + CHUNK * (CHUNK + 1) + CHUNK * (d_k + 1) + CHUNK * (d_k.max(d_v) + 1))
+}
+
+fn state_smem(d_k: usize) -> usize {
+    4 * (CHUNK * (d_k + 1) + CHUNK_BV * (d_k + 1) + CHUNK * (CHUNK_BV + 1) + CHUNK * (CHUNK + 1) + 2 * CHUNK)
+}
+
+/// Mirrors `tern_gdn_chunk_args` in chunked.cu field for field (C layout).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ChunkArgs {
+    q: u64,
+    q_stride: i64,
+    k: u64,
+    k_stride: i64,
+    v: u64,
+    v_stride: i64,
+    g: u64,
+    beta: u64,
+    chunk_t0: u64,
+    chunk_len: u64,
+    w_s: u64,
+    u_s: u64,
+    qk_s: u64,
+    dec_s: u64,
+    nk: i32,
+    nv: i32,
+    dk: i32,
+    dv: i32,
+    grouped: i32,
+    l2qk: i32,
+    eps: f32,
+    q_scale: f32,
+}
+// SAFETY: plain old data of device pointers and scalars, laid out as the C struct.
+unsafe impl DeviceRepr for ChunkArgs {}
+
+/// Mirrors `tern_gdn_state_args` in chunked.cu field for field (C layout).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct StateArgs {
+    states: u64,
+    q: u64,
+    q_stride: i64,
+    k: u64,
+    k_stride: i64,
+    w_s: u64,
+    u_s: u64,
+    qk_s: u64,
+    dec_s: u64,
+    out: u64,
+    seg_chunk0: u64,
+    seg_nchunks: u64,
+    chunk_t0: u64,
+    chunk_len: u64,
+    slot: u64,
+    nk: i32,
+    nv: i32,
+    dk: i32,
+    dv: i32,
+    grouped: i32,
+    l2qk: i32,
+    eps: f32,
+    q_scale: f32,
+}
+// SAFETY: as ChunkArgs.
+unsafe impl DeviceRepr for StateArgs {}
+
+/// Kernel widths the conv kernel is instantiated for.
+pub const MAX_CONV_WIDTH: usize = 8;
+
+impl GatedDeltaCuda {
+    /// Compiles (or takes from the cache) and loads every kernel of the family.
+    pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
+        let conv = (1..=MAX_CONV_WIDTH).map(|kw| gpu.function(&CONV, &format!("tern_gdn_conv_k{kw}"))).collect::<Result<_>>()?;
+        let mut recurrence = Vec::new();
+        for d in [32usize, 64, 128, 256] {
+            for r in RECURRENCE_ROW_VARIANTS {
+                recurrence.push((d, r, gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_dk{d}_r{r}"))?));
+            }
+        }
+        let f = |name: &str, smem: usize| -> Result<CudaFunction> {
+            let f = gpu.function(&CHUNKED, name)?;
+            f.set_attribute(MAX_DYN_SMEM, smem as i32).map_err(driver_err(&format!("{name}: raising its shared memory to {smem} bytes")))?;
+            Ok(f)
+        };
+        let (ps, ss) = (prepare_smem(MAX_CHUNK_HEAD_DIM, MAX_CHUNK_HEAD_DIM), state_smem(MAX_CHUNK_HEAD_DIM));
+        let chunk_prepare = [f("tern_gdn_chunk_prepare_f32", ps)?, f("tern_gdn_chunk_prepare_f64", ps)?];
+        let chunk_state = [f("tern_gdn_chunk_state_f32", ss)?, f("tern_gdn_chunk_state_f64", ss)?];
+        Ok(GatedDeltaCuda {
+            chunk_prepare,
+            chunk_state,
+            chunk_scratch: Mutex::new(None),
+            chunk_prepare_only: false,
+            gates: gpu.function(&GATES, "tern_gdn_gates")?,
+            normalize_qk: gpu.function(&NORM, "tern_gdn_normalize_qk")?,
+            gated_norm: gpu.function(&NORM, "tern_gdn_gated_rms_norm")?,
+            conv,
+            recurrence,
+            recurrence_rows: RECURRENCE_ROWS,
+            gpu,
+        })
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// Benchmark aid: with `true`, [`Self::delta_rule_chunked`] runs only its parallel
+    /// per-chunk pass and leaves outputs and states unfinished.
+    #[doc(hidden)]
+    pub fn set_chunk_prepare_only(&mut self, on: bool) {
+        self.chunk_prepare_only = on;
+    }
+
+    /// Selects how many state rows one warp of the recurrence advances (one of
+    /// [`RECURRENCE_ROW_VARIANTS`]); results are bit-identical for every choice.
+    pub fn set_recurrence_rows(&mut self, rows: usize) -> Result<()> {
+        if !RECURRENCE_ROW_VARIANTS.contains(&rows) {
+            return Err(Error::Input(format!("recurrence rows per warp {rows}: expected one of {RECURRENCE_ROW_VARIANTS:?}")));
+        }
+        self.recurrence_rows = rows;
+        Ok(())
+    }
+
+    /// `g = a·softplus(alpha + dt_bias)` and `β = sigmoid(b)` in one pass; `alpha`, `b`, `g`,
+    /// `beta` are `[rows][n_heads]`, `dt_bias` and `a` `[n_heads]`. CPU twins:
+    /// [`super::decay_gate`], [`super::beta_gate`].
+    pub fn gates(
+        &self,
+        alpha: &CudaSlice<f32>,
+        b: &CudaSlice<f32>,
+        dt_bias: &CudaSlice<f32>,
+        a: &CudaSlice<f32>,
+        g: &mut CudaSlice<f32>,
+        beta: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let n_heads = a.len();
+        check_len("gates dt_bias", dt_bias.len(), n_heads)?;
+        if n_heads == 0 || alpha.len() % n_heads != 0 {
+            return Err(Error::Shape(format!("gates: {} elements are not rows of {n_heads} heads", alpha.len())));
+        }
+        check_len("gates b", b.len(), alpha.len())?;
+        check_len("gates g", g.len(), alpha.len())?;
+        check_len("gates beta", beta.len(), alpha.len())?;
+        let total = alpha.len() as i64;
+        let nh = i32_of("gates heads", n_heads)?;
+        let cfg = LaunchConfig { grid_dim: (grid_1d(alpha.len(), ELEMENT_BLOCK)?, 1, 1), block_dim: (ELEMENT_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        if total == 0 {
+            return Ok(());
+        }
+        let mut l = self.gpu.stream().launch_builder(&self.gates);
+        l.arg(alpha).arg(b).arg(dt_bias).arg(a).arg(g).arg(beta).arg(&nh).arg(&total);
+        // SAFETY: argument types match tern_gdn_gates; every index is < total (checked lengths).
+        unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_gates"))?;
+        Ok(())
+    }
+
+    /// Causal conv1d + SiLU over a packed batch (decode: [`GpuSegments::decode`]). `x` and
+    /// `out` are `[tokens][channels]`, `weight` `[channels][K]`, `conv_states` a pool of
+    /// `[channels][K − 1]` raw-input histories. CPU twins: [`super::conv1d_silu_scan`],
+    /// [`super::conv1d_silu_step`].
+    pub fn conv1d_silu(
+        &self,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        kernel_width: usize,
+        segs: &GpuSegments,
+        conv_states: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        if kernel_width == 0 || kernel_width > MAX_CONV_WIDTH || weight.is_empty() || weight.len() % kernel_width != 0 {
+            return Err(Error::Shape(format!(
+                "conv1d_silu weight: {} elements are not channels of width {kernel_width} (1..={MAX_CONV_WIDTH})",
+                weight.len()
+            )));
+        }
+        let channels = weight.len() / kernel_width;
+        check_len("conv1d_silu input", x.len(), segs.tokens * channels)?;
+        check_len("conv1d_silu output", out.len(), x.len())?;
+        let taps = kernel_width - 1;
+        if taps > 0 {
+            segs.check_pool("conv1d_silu conv states", conv_states.len(), channels * taps)?;
+        }
+        if segs.n_seqs() == 0 {
+            return Ok(());
+        }
+        let ch = i32_of("conv channels", channels)?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid_1d(channels, 128)?, segs.n_seqs() as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = &self.conv[kernel_width - 1];
+        let mut l = self.gpu.stream().launch_builder(f);
+        l.arg(x).arg(weight).arg(conv_states).arg(out).arg(&segs.start).arg(&segs.len).arg(&segs.slot).arg(&ch);
+        // SAFETY: argument types match tern_gdn_conv_k*; segments lie inside the rows and slots
+        // inside the pool (checked), and with K = 1 the kernel never touches the state.
+        unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_conv"))?;
+        Ok(())
+    }
+
+    /// In place on `[rows][d_k]` buffers: both L2-normalised (eps 1e−6), q scaled by `1/√d_k`.
+    /// CPU twin: [`super::normalize_qk`].
+    pub fn normalize_qk(&self, q: &mut CudaSlice<f32>, k: &mut CudaSlice<f32>, d_k: usize) -> Result<()> {
+        check_len("normalize_qk k", k.len(), q.len())?;
+        if d_k == 0 || q.len() % d_k != 0 {
+            return Err(Error::Shape(format!("normalize_qk: {} elements are not rows of {d_k}", q.len())));
+        }
+        let rows = (q.len() / d_k) as i64;
+        if rows == 0 {
+            return Ok(());
+        }
+        let d = i32_of("normalize_qk d_k", d_k)?;
+        let (eps, scale) = (L2_NORM_EPS, (1.0 / (d_k as f64).sqrt()) as f32);
+        let cfg = LaunchConfig {
+            grid_dim: (grid_1d(rows as usize, ROW_WARPS)?, 2, 1),
+            block_dim: (32 * ROW_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = self.gpu.stream().launch_builder(&self.normalize_qk);
+        l.arg(q).arg(k).arg(&rows).arg(&d).arg(&eps).arg(&scale);
+        // SAFETY: argument types match; rows × d_k elements in both buffers (checked).
+        unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_normalize_qk"))?;
+        Ok(())
+    }
+
+    /// `out = rms(y)·w·silu(z)` per row of `w.len()`, w shared by every head. CPU twin:
+    /// [`super::gated_rms_norm`].
+    pub fn gated_rms_norm(
+        &self,
+        y: &CudaSlice<f32>,
+        z: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let d = w.len();
+        if d == 0 || y.len() % d != 0 {
+            return Err(Error::Shape(format!("gated_rms_norm: {} elements are not rows of {d}", y.len())));
+        }
+        check_len("gated_rms_norm gate", z.len(), y.len())?;
+        check_len("gated_rms_norm output", out.len(), y.len())?;
+        let rows = (y.len() / d) as i64;
+        if rows == 0 {
+            return Ok(());
+        }
+        let di = i32_of("gated_rms_norm width", d)?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid_1d(rows as usize, ROW_WARPS)?, 1, 1),
+            block_dim: (32 * ROW_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = self.gpu.stream().launch_builder(&self.gated_norm);
+        l.arg(y).arg(z).arg(w).arg(out).arg(&rows).arg(&di).arg(&eps);
+        // SAFETY: argument types match; rows × d elements in y, z, out and d in w (checked).
+        unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_gated_rms_norm"))?;
+        Ok(())
+    }
+
+    fn check_inputs(&self, what: &str, heads: &DeltaRuleHeads, x: &GpuDeltaRuleInputs, segs: &GpuSegments, states: &CudaSlice<f32>, out: &CudaSlice<f32>) -> Result<()> {
+        heads.validate()?;
+        let t = segs.tokens;
+        x.q.check(&format!("{what} q"), t, heads.n_k_heads * heads.d_k)?;
+        x.k.check(&format!("{what} k"), t, heads.n_k_heads * heads.d_k)?;
+        x.v.check(&format!("{what} v"), t, heads.n_v_heads * heads.d_v)?;
+        check_len(&format!("{what} g"), x.g.len(), t * heads.n_v_heads)?;
+        check_len(&format!("{what} beta"), x.beta.len(), t * heads.n_v_heads)?;
+        check_len(&format!("{what} output"), out.len(), t * heads.n_v_heads * heads.d_v)?;
+        segs.check_pool(&format!("{what} states"), states.len(), heads.state_len())?;
+        Ok(())
+    }
+
+    /// The delta-rule recurrence over a packed batch: the sequential scan, and with
+    /// [`GpuSegments::decode`] the decode step, through this one launcher and one kernel.
+    /// `states` is a pool of transposed states (`[n_slots][n_v_heads][d_v][d_k]`); d_k must be
+    /// 32, 64, 128 or 256 (the state row is split over a warp's registers). CPU twins:
+    /// [`super::delta_rule_scan`], [`super::delta_rule_step`].
+    pub fn delta_rule(
+        &self,
+        heads: &DeltaRuleHeads,
+        x: &GpuDeltaRuleInputs,
+        segs: &GpuSegments,
+        states: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.check_inputs("delta_rule", heads, x, segs, states, out)?;
+        let rows = self.recurrence_rows;
+        let f = self.recurrence.iter().find(|(d, r, _)| *d == heads.d_k && *r == rows).map(|(_, _, f)| f).ok_or_else(|| {
+            Error::Shape(format!("delta_rule on CUDA: d_k = {} (supported: 32, 64, 128, 256)", heads.d_k))
+        })?;
+        if segs.n_seqs() == 0 {
+            return Ok(());
+        }
+        let groups = heads.n_v_heads * heads.d_v.div_ceil(rows);
+        let cfg = LaunchConfig {
+            grid_dim: (grid_1d(groups, ROW_WARPS)?, segs.n_seqs() as u32, 1),
+            block_dim: (32 * ROW_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (qv, kv, vv) = (x.q.buf.slice(x.q.offset..), x.k.buf.slice(x.k.offset..), x.v.buf.slice(x.v.offset..));
+        let (qs, ks, vs) = (x.q.stride as i64, x.k.stride as i64, x.v.stride as i64);
+        let nk = i32_of("key heads", heads.n_k_heads)?;
+        let nv = i32_of("value heads", heads.n_v_heads)?;
+        let dv = i32_of("d_v", heads.d_v)?;
+        let grouped = (heads.key_head == KeyHeadMap::Grouped) as i32;
+        let l2 = x.normalize_qk as i32;
+        let (eps, scale) = (L2_NORM_EPS, (1.0 / (heads.d_k as f64).sqrt()) as f32);
+        let mut l = self.gpu.stream().launch_builder(f);
+        l.arg(states).arg(&qv).arg(&qs).arg(&kv).arg(&ks).arg(&vv).arg(&vs).arg(x.g).arg(x.beta).arg(out);
+        l.arg(&segs.start).arg(&segs.len).arg(&segs.slot).arg(&nk).arg(&nv).arg(&dv).arg(&grouped).arg(&l2).arg(&eps).arg(&scale);
+        // SAFETY: argument types match tern_gdn_recurrence_dk*; every row, slot and segment
+        // index lies inside its buffer (checked above).
+        unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_recurrence"))?;
+        Ok(())
+    }
+}
+
+impl GatedDeltaCuda {
+    /// The chunked prefill (chunk 64, UT transform) over a packed batch, with the operands,
+    /// segments and state pool of [`Self::delta_rule`] and the same results to f32 rounding
+    /// (its sequential scan is the oracle). `g` must be ≤ 0. d_k and d_v up to 256. CPU twin:
+    /// [`super::delta_rule_chunked`].
+    pub fn delta_rule_chunked(
+        &self,
+        heads: &DeltaRuleHeads,
+        x: &GpuDeltaRuleInputs,
+        segs: &GpuSegments,
+        states: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        acc: ChunkAccumulate,
+    ) -> Result<()> {
+        self.check_inputs("delta_rule_chunked", heads, x, segs, states, out)?;
+        let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
+        if d_k > MAX_CHUNK_HEAD_DIM || d_v > MAX_CHUNK_HEAD_DIM {
+            return Err(Error::Shape(format!("delta_rule_chunked on CUDA: d_k {d_k}, d_v {d_v} (at most {MAX_CHUNK_HEAD_DIM})")));
+        }
+        // The chunk table: every segment cut into chunks of 64 from its start.
+        let (mut seg_chunk0, mut seg_nchunks, mut chunk_t0, mut chunk_len) = (vec![], vec![], vec![], vec![]);
+        for seg in segs.segments() {
+            seg_chunk0.push(chunk_t0.len() as u32);
+            let mut t = seg.start;
+            while t < seg.start + seg.len {
+                let len = CHUNK.min(seg.start + seg.len - t);
+                chunk_t0.push(t as u32);
+                chunk_len.push(len as u32);
+                t += len;
+            }
+            seg_nchunks.push(chunk_t0.len() as u32 - seg_chunk0.last().unwrap());
+        }
+        let n_chunks = chunk_t0.len();
+        if n_chunks == 0 {
+            return Ok(());
+        }
+        let gpu = &self.gpu;
+        let (seg_chunk0, seg_nchunks) = (gpu.upload(&seg_chunk0)?, gpu.upload(&seg_nchunks)?);
+        let (chunk_t0, chunk_len) = (gpu.upload(&chunk_t0)?, gpu.upload(&chunk_len)?);
+
+        let per = n_chunks * n_v_heads;
+        let (w_len, u_len, qk_len, dec_len) = (per * CHUNK * d_k, per * CHUNK * d_v, per * CHUNK * CHUNK, per * 2 * CHUNK);
+        let need = w_len + u_len + qk_len + dec_len;
+        let mut scratch = self.chunk_scratch.lock().unwrap_or_else(|p| p.into_inner());
+        if scratch.as_ref().is_none_or(|s| s.len() < need) {
+            *scratch = None; // free the old buffer before taking the larger one
+            *scratch = Some(gpu.zeros::<f32>(need)?);
+        }
+        let scratch = scratch.as_mut().expect("allocated above");
+        let stream = gpu.stream();
+        let (base, _g0) = scratch.device_ptr_mut(stream);
+        let (w_s, u_s, qk_s, dec_s) = (base, base + 4 * w_len as u64, base + 4 * (w_len + u_len) as u64, base + 4 * (w_len + u_len + qk_len) as u64);
+        let ptr = |r: &Rows| r.buf.device_ptr(stream).0 + 4 * r.offset as u64;
+        let (nk, nv, dk, dv) = (i32_of("key heads", n_k_heads)?, i32_of("value heads", n_v_heads)?, i32_of("d_k", d_k)?, i32_of("d_v", d_v)?);
+        let grouped = (key_head == KeyHeadMap::Grouped) as i32;
+        let l2qk = x.normalize_qk as i32;
+        let (eps, q_scale) = (L2_NORM_EPS, (1.0 / (d_k as f64).sqrt()) as f32);
+        let which = (acc == ChunkAccumulate::F64) as usize;
+
+        let args = ChunkArgs {
+            q: ptr(&x.q),
+            q_stride: x.q.stride as i64,
+            k: ptr(&x.k),
+            k_stride: x.k.stride as i64,
+            v: ptr(&x.v),
+            v_stride: x.v.stride as i64,
+            g: x.g.device_ptr(stream).0,
+            beta: x.beta.device_ptr(stream).0,
+            chunk_t0: chunk_t0.device_ptr(stream).0,
+            chunk_len: chunk_len.device_ptr(stream).0,
+            w_s,
+            u_s,
+            qk_s,
+            dec_s,
+            nk,
+            nv,
+            dk,
+            dv,
+            grouped,
+            l2qk,
+            eps,
+            q_scale,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of("chunks", n_chunks)?, n_v_heads as u32, 1),
+            block_dim: (CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: prepare_smem(d_k, d_v) as u32,
+        };
+        let mut l = stream.launch_builder(&self.chunk_prepare[which]);
+        l.arg(&args);
+        // SAFETY: ChunkArgs mirrors the kernel's struct; every pointer is a live buffer of the
+        // length the shape checks above established, and the scratch holds every chunk-head.
+        unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_chunk_prepare"))?;
+        if self.chunk_prepare_only {
+            return Ok(());
+        }
+
+        let args = StateArgs {
+            states: states.device_ptr_mut(stream).0,
+            q: args.q,
+            q_stride: args.q_stride,
+            k: args.k,
+            k_stride: args.k_stride,
+            w_s,
+            u_s,
+            qk_s,
+            dec_s,
+            out: out.device_ptr_mut(stream).0,
+            seg_chunk0: seg_chunk0.device_ptr(stream).0,
+            seg_nchunks: seg_nchunks.device_ptr(stream).0,
+            chunk_t0: args.chunk_t0,
+            chunk_len: args.chunk_len,
+            slot: segs.slot.device_ptr(stream).0,
+            nk,
+            nv,
+            dk,
+            dv,
+            grouped,
+            l2qk,
+            eps,
+            q_scale,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (n_v_heads as u32, d_v.div_ceil(CHUNK_BV) as u32, segs.n_seqs() as u32),
+            block_dim: (CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: state_smem(d_k) as u32,
+        };
+        let mut l = stream.launch_builder(&self.chunk_state[which]);
+        l.arg(&args);
+        // SAFETY: as above; slots lie inside the state pool (checked).
+        unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_chunk_state"))?;
+        // The chunk tables are freed when this returns; the stream orders that free after the
+        // launches that read them.
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,433 @@
+//! Device tests: every CUDA kernel of the family against its CPU twin, on fresh random inputs
+//! (the seed is printed, so a failure can be replayed with TERN_TEST_SEED), several shapes,
+//! outputs poisoned with NaN before each launch (an unwritten element then fails the
+//! comparison, and so does any NaN the kernel makes). They need a GPU and are ignored
+//! elsewhere; scripts/device-test.sh runs them with `--ignored`.
+
+use std::sync::Arc;
+
+use super::*;
+use crate::cuda::Gpu;
+use crate::kernels::gated_delta::recurrence::tests::Operands;
+use crate::kernels::gated_delta::test_util::{assert_bits_eq, rel_err, Lcg};
+use crate::kernels::gated_delta as cpu;
+use crate::kernels::pack;
+
+const BOUND: f64 = 1e-5;
+
+fn gpu() -> Arc<Gpu> {
+    Gpu::new(0).unwrap_or_else(|e| panic!("device tests need a CUDA GPU: {e}"))
+}
+
+fn rng(test: &str) -> Lcg {
+    let seed = std::env::var("TERN_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    });
+    eprintln!("{test}: seed {seed}");
+    Lcg(seed)
+}
+
+fn nan(gpu: &Gpu, n: usize) -> CudaSlice<f32> {
+    gpu.upload(&vec![f32::NAN; n]).unwrap()
+}
+
+fn check(what: &str, got: &[f32], want: &[f32], bound: f64) -> f64 {
+    let e = rel_err(got, want);
+    assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite element (unwritten or overflow)");
+    assert!(e <= bound, "{what}: ‖Δ‖/‖ref‖ = {e:e} > {bound:e}");
+    e
+}
+
+/// Slots for `n` sequences scattered over a pool of `2n + 1`, so a kernel that ignored the
+/// slot table would read and write the wrong states.
+fn scattered_slots(n: usize) -> Vec<usize> {
+    (0..n).map(|s| (2 * s + 1) % (2 * n + 1)).collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_gates_match_cpu() {
+    let gpu = gpu();
+    let k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    let mut rng = rng("cuda_gates_match_cpu");
+    for &(rows, heads) in &[(1usize, 32usize), (7, 48), (4096, 32), (3, 1)] {
+        let alpha = rng.vec(rows * heads, -40.0, 40.0);
+        let b = rng.vec(rows * heads, -30.0, 30.0);
+        let dt = rng.vec(heads, -2.0, 2.0);
+        let a: Vec<f32> = (0..heads).map(|_| -rng.range(-3.0, 2.0).exp()).collect();
+        let (mut g_cpu, mut beta_cpu) = (vec![0.0; alpha.len()], vec![0.0; alpha.len()]);
+        cpu::decay_gate(&alpha, &dt, &a, &mut g_cpu).unwrap();
+        cpu::beta_gate(&b, &mut beta_cpu).unwrap();
+        let (mut g, mut beta) = (nan(&gpu, alpha.len()), nan(&gpu, alpha.len()));
+        let (da, db, ddt, daa) = (gpu.upload(&alpha).unwrap(), gpu.upload(&b).unwrap(), gpu.upload(&dt).unwrap(), gpu.upload(&a).unwrap());
+        k.gates(&da, &db, &ddt, &daa, &mut g, &mut beta).unwrap();
+        let eg = check("g", &gpu.download(&g).unwrap(), &g_cpu, BOUND);
+        let eb = check("beta", &gpu.download(&beta).unwrap(), &beta_cpu, BOUND);
+        eprintln!("gates rows {rows} heads {heads}: g {eg:.2e}, beta {eb:.2e}");
+    }
+    // Bad shapes are errors, not launches.
+    let (x, mut y, mut z) = (gpu.upload(&[0.0f32; 6]).unwrap(), nan(&gpu, 6), nan(&gpu, 6));
+    let four = gpu.upload(&[0.0f32; 4]).unwrap();
+    assert!(matches!(k.gates(&x, &x, &four, &four, &mut y, &mut z), Err(Error::Shape(_))));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_conv_matches_cpu_and_scan_equals_steps() {
+    let gpu = gpu();
+    let k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    let mut rng = rng("cuda_conv_matches_cpu_and_scan_equals_steps");
+    for &(channels, kw) in &[(8192usize, 4usize), (300, 4), (40, 2), (17, 1), (64, 5), (96, 8)] {
+        let taps = kw - 1;
+        let lengths = [13usize, 1, 0, 6, 300];
+        let n = lengths.len();
+        let segments = pack(lengths);
+        let tokens: usize = lengths.iter().sum();
+        let slots = scattered_slots(n);
+        let x = rng.vec(tokens * channels, -3.0, 3.0);
+        let w = rng.vec(channels * kw, -1.0, 1.0);
+        let pool = rng.vec((2 * n + 1) * channels * taps, -2.0, 2.0);
+
+        // CPU reference on the pool's slots.
+        let mut cpu_pool = pool.clone();
+        let mut cpu_out = vec![f32::NAN; x.len()];
+        {
+            let per = channels * taps;
+            let mut states: Vec<Vec<f32>> = slots.iter().map(|&s| cpu_pool[s * per..(s + 1) * per].to_vec()).collect();
+            let mut refs: Vec<&mut [f32]> = states.iter_mut().map(|v| &mut v[..]).collect();
+            cpu::conv1d_silu_scan(&x, &segments, &w, kw, &mut refs, &mut cpu_out).unwrap();
+            for (i, &s) in slots.iter().enumerate() {
+                cpu_pool[s * per..(s + 1) * per].copy_from_slice(&states[i]);
+            }
+        }
+
+        let segs = GpuSegments::new(&gpu, &segments, &slots, tokens).unwrap();
+        let (dx, dw) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap());
+        let mut dpool = gpu.upload(&pool).unwrap();
+        let mut dout = nan(&gpu, x.len());
+        k.conv1d_silu(&dx, &dw, kw, &segs, &mut dpool, &mut dout).unwrap();
+        let scan_out = gpu.download(&dout).unwrap();
+        let scan_pool = gpu.download(&dpool).unwrap();
+        let eo = check("conv output", &scan_out, &cpu_out, BOUND);
+        // The state holds raw inputs: exactly the CPU's values, and untouched slots unchanged.
+        assert_bits_eq("conv states", &scan_pool, &cpu_pool);
+
+        // Decode: every position through one-token launches, sequences batched per step.
+        let mut dpool = gpu.upload(&pool).unwrap();
+        let mut step_out = vec![f32::NAN; x.len()];
+        for p in 0..*lengths.iter().max().unwrap() {
+            let active: Vec<usize> = (0..n).filter(|&s| p < lengths[s]).collect();
+            let xs: Vec<f32> = active.iter().flat_map(|&s| x[(segments[s].start + p) * channels..][..channels].iter().copied()).collect();
+            let step_slots: Vec<usize> = active.iter().map(|&s| slots[s]).collect();
+            let segs = GpuSegments::decode(&gpu, &step_slots).unwrap();
+            let mut o = nan(&gpu, xs.len());
+            k.conv1d_silu(&gpu.upload(&xs).unwrap(), &dw, kw, &segs, &mut dpool, &mut o).unwrap();
+            let o = gpu.download(&o).unwrap();
+            for (i, &s) in active.iter().enumerate() {
+                step_out[(segments[s].start + p) * channels..][..channels].copy_from_slice(&o[i * channels..(i + 1) * channels]);
+            }
+        }
+        assert_bits_eq("conv steps vs scan (outputs)", &step_out, &scan_out);
+        assert_bits_eq("conv steps vs scan (states)", &gpu.download(&dpool).unwrap(), &scan_pool);
+        eprintln!("conv channels {channels} K {kw}: output {eo:.2e}; states exact; steps == scan");
+    }
+    let segs = GpuSegments::new(&gpu, &pack([2]), &[0], 2).unwrap();
+    let (x, w) = (gpu.upload(&[0.0f32; 16]).unwrap(), gpu.upload(&[0.0f32; 32]).unwrap());
+    let (mut st, mut out) = (nan(&gpu, 8 * 3), nan(&gpu, 16));
+    assert!(matches!(k.conv1d_silu(&x, &w, 9, &segs, &mut st, &mut out), Err(Error::Shape(_))));
+    let mut short = nan(&gpu, 20);
+    assert!(matches!(k.conv1d_silu(&x, &w, 4, &segs, &mut short, &mut out), Err(Error::Shape(_))));
+    assert!(matches!(GpuSegments::new(&gpu, &pack([1, 1]), &[3, 3], 2), Err(Error::Shape(_))));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_norms_match_cpu() {
+    let gpu = gpu();
+    let k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    let mut rng = rng("cuda_norms_match_cpu");
+    for &(rows, d) in &[(1usize, 64usize), (33, 128), (4096, 128), (5, 256), (7, 48)] {
+        let (q0, k0) = (rng.vec(rows * d, -2.0, 2.0), rng.vec(rows * d, -2.0, 2.0));
+        let (mut q, mut kk) = (q0.clone(), k0.clone());
+        cpu::normalize_qk(&mut q, &mut kk, d).unwrap();
+        let (mut dq, mut dk) = (gpu.upload(&q0).unwrap(), gpu.upload(&k0).unwrap());
+        k.normalize_qk(&mut dq, &mut dk, d).unwrap();
+        let eq = check("q", &gpu.download(&dq).unwrap(), &q, BOUND);
+        let ek = check("k", &gpu.download(&dk).unwrap(), &kk, BOUND);
+
+        let y = rng.vec(rows * d, -3.0, 3.0);
+        let z = rng.vec(rows * d, -8.0, 8.0);
+        let w = rng.vec(d, 0.5, 1.5);
+        let mut want = vec![f32::NAN; y.len()];
+        cpu::gated_rms_norm(&y, &z, &w, 1e-6, &mut want).unwrap();
+        let mut out = nan(&gpu, y.len());
+        k.gated_rms_norm(&gpu.upload(&y).unwrap(), &gpu.upload(&z).unwrap(), &gpu.upload(&w).unwrap(), 1e-6, &mut out).unwrap();
+        let en = check("gated norm", &gpu.download(&out).unwrap(), &want, BOUND);
+        eprintln!("norms rows {rows} d {d}: q {eq:.2e}, k {ek:.2e}, gated {en:.2e}");
+    }
+}
+
+/// One recurrence case: CPU scan vs the device launcher, from non-zero states in scattered
+/// slots, pre-normalised q/k in separate buffers or raw q/k/v inside one fused
+/// `[tokens][q | k | v]` buffer with in-kernel normalisation. Returns (output, state) errors.
+fn recurrence_case(k: &GatedDeltaCuda, rng: &mut Lcg, heads: &DeltaRuleHeads, lengths: &[usize], fused: bool) -> (f64, f64) {
+    device_vs_cpu_scan(k, rng, heads, lengths, fused, None, BOUND)
+}
+
+/// CPU sequential scan vs the device recurrence (`chunked` None) or the device chunked prefill
+/// with the given accumulator; asserts `bound` on every sequence's output and state.
+fn device_vs_cpu_scan(
+    k: &GatedDeltaCuda,
+    rng: &mut Lcg,
+    heads: &DeltaRuleHeads,
+    lengths: &[usize],
+    fused: bool,
+    chunked: Option<ChunkAccumulate>,
+    bound: f64,
+) -> (f64, f64) {
+    let gpu = k.gpu().clone();
+    let n = lengths.len();
+    let segments = pack(lengths.iter().copied());
+    let tokens: usize = lengths.iter().sum();
+    let slots = scattered_slots(n);
+    let (qk_row, v_row, sl) = (heads.n_k_heads * heads.d_k, heads.n_v_heads * heads.d_v, heads.state_len());
+    let mut x = Operands::random(rng, heads, tokens);
+    let (raw_q, raw_k) = (rng.vec(tokens * qk_row, -1.0, 1.0), rng.vec(tokens * qk_row, -1.0, 1.0));
+    if fused {
+        x.q = raw_q.clone();
+        x.k = raw_k.clone();
+        cpu::normalize_qk(&mut x.q, &mut x.k, heads.d_k).unwrap();
+    }
+    let pool = rng.vec((2 * n + 1) * sl, -0.5, 0.5);
+
+    let mut want_pool = pool.clone();
+    let mut want_out = vec![f32::NAN; tokens * v_row];
+    {
+        let mut states: Vec<Vec<f32>> = slots.iter().map(|&s| pool[s * sl..(s + 1) * sl].to_vec()).collect();
+        let mut refs: Vec<&mut [f32]> = states.iter_mut().map(|v| &mut v[..]).collect();
+        cpu::delta_rule_scan(heads, x.inputs(), &segments, &mut refs, &mut want_out).unwrap();
+        for (i, &s) in slots.iter().enumerate() {
+            want_pool[s * sl..(s + 1) * sl].copy_from_slice(&states[i]);
+        }
+    }
+
+    let segs = GpuSegments::new(&gpu, &segments, &slots, tokens).unwrap();
+    let (dg, db) = (gpu.upload(&x.g).unwrap(), gpu.upload(&x.beta).unwrap());
+    let mut dpool = gpu.upload(&pool).unwrap();
+    let mut dout = nan(&gpu, tokens * v_row);
+    if fused {
+        let row = 2 * qk_row + v_row;
+        let mut qkv = Vec::with_capacity(tokens * row);
+        for t in 0..tokens {
+            qkv.extend_from_slice(&raw_q[t * qk_row..(t + 1) * qk_row]);
+            qkv.extend_from_slice(&raw_k[t * qk_row..(t + 1) * qk_row]);
+            qkv.extend_from_slice(&x.v[t * v_row..(t + 1) * v_row]);
+        }
+        let buf = gpu.upload(&qkv).unwrap();
+        let inputs = GpuDeltaRuleInputs {
+            q: Rows { buf: &buf, offset: 0, stride: row },
+            k: Rows { buf: &buf, offset: qk_row, stride: row },
+            v: Rows { buf: &buf, offset: 2 * qk_row, stride: row },
+            g: &dg,
+            beta: &db,
+            normalize_qk: true,
+        };
+        match chunked {
+            None => k.delta_rule(heads, &inputs, &segs, &mut dpool, &mut dout).unwrap(),
+            Some(acc) => k.delta_rule_chunked(heads, &inputs, &segs, &mut dpool, &mut dout, acc).unwrap(),
+        }
+    } else {
+        let (dq, dk, dv) = (gpu.upload(&x.q).unwrap(), gpu.upload(&x.k).unwrap(), gpu.upload(&x.v).unwrap());
+        let inputs = GpuDeltaRuleInputs {
+            q: Rows::contiguous(&dq, qk_row),
+            k: Rows::contiguous(&dk, qk_row),
+            v: Rows::contiguous(&dv, v_row),
+            g: &dg,
+            beta: &db,
+            normalize_qk: false,
+        };
+        match chunked {
+            None => k.delta_rule(heads, &inputs, &segs, &mut dpool, &mut dout).unwrap(),
+            Some(acc) => k.delta_rule_chunked(heads, &inputs, &segs, &mut dpool, &mut dout, acc).unwrap(),
+        }
+    }
+    let got_out = gpu.download(&dout).unwrap();
+    let got_pool = gpu.download(&dpool).unwrap();
+    let (mut eo, mut es) = (0.0f64, 0.0f64);
+    for (s, seg) in segments.iter().enumerate() {
+        let o = seg.start * v_row..(seg.start + seg.len) * v_row;
+        eo = eo.max(check(&format!("{heads:?} {lengths:?} seq {s} output"), &got_out[o.clone()], &want_out[o], bound));
+        let st = slots[s] * sl..(slots[s] + 1) * sl;
+        es = es.max(check(&format!("{heads:?} {lengths:?} seq {s} state"), &got_pool[st.clone()], &want_pool[st], bound));
+    }
+    // Slots no sequence owns are untouched.
+    for slot in (0..2 * n + 1).filter(|s| !slots.contains(s)) {
+        assert_bits_eq("unused state slot", &got_pool[slot * sl..(slot + 1) * sl], &pool[slot * sl..(slot + 1) * sl]);
+    }
+    (eo, es)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_recurrence_matches_cpu_scan() {
+    let gpu = gpu();
+    let k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    let mut rng = rng("cuda_recurrence_matches_cpu_scan");
+    use KeyHeadMap::{Grouped, Tiled};
+    let cases: &[(usize, usize, usize, usize, KeyHeadMap, &[usize])] = &[
+        (2, 4, 64, 64, Grouped, &[1, 7, 64, 65, 300]),
+        (2, 6, 128, 128, Tiled, &[1, 200, 4096]),
+        (1, 2, 256, 256, Grouped, &[33, 1000]),
+        (2, 4, 256, 256, Tiled, &[2, 130]),
+        (16, 32, 128, 128, Grouped, &[1, 2, 100]),
+        (16, 32, 128, 128, Tiled, &[17]),
+        (2, 4, 128, 64, Grouped, &[50, 3]),
+        (1, 3, 32, 48, Tiled, &[5, 40]),
+    ];
+    for &(nk, nv, dk, dv, key_head, lengths) in cases {
+        let heads = DeltaRuleHeads { n_k_heads: nk, n_v_heads: nv, d_k: dk, d_v: dv, key_head };
+        for fused in [false, true] {
+            let (eo, es) = recurrence_case(&k, &mut rng, &heads, lengths, fused);
+            eprintln!("recurrence nk {nk} nv {nv} dk {dk} dv {dv} {key_head:?} {lengths:?} fused {fused}: output {eo:.2e}, state {es:.2e}");
+        }
+    }
+    // d_k the kernel has no registers for is a clear error.
+    let heads = DeltaRuleHeads { n_k_heads: 1, n_v_heads: 1, d_k: 48, d_v: 48, key_head: Grouped };
+    let segs = GpuSegments::new(&gpu, &pack([1]), &[0], 1).unwrap();
+    let b = nan(&gpu, 48);
+    let one = nan(&gpu, 1);
+    let mut st = nan(&gpu, 48 * 48);
+    let mut out = nan(&gpu, 48);
+    let x = GpuDeltaRuleInputs { q: Rows::contiguous(&b, 48), k: Rows::contiguous(&b, 48), v: Rows::contiguous(&b, 48), g: &one, beta: &one, normalize_qk: false };
+    assert!(matches!(k.delta_rule(&heads, &x, &segs, &mut st, &mut out), Err(Error::Shape(_))));
+}
+
+/// On the device too, n decode steps and one scan of n tokens agree bit for bit (outputs and
+/// states), with sequences of different lengths dropping out of the decode batch.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
+    let gpu = gpu();
+    let k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    let mut rng = rng("cuda_recurrence_scan_equals_decode_steps_bit_for_bit");
+    for &(nk, nv, d, key_head) in &[(16usize, 32usize, 128usize, KeyHeadMap::Grouped), (2, 4, 64, KeyHeadMap::Tiled), (1, 2, 256, KeyHeadMap::Grouped)] {
+        let heads = DeltaRuleHeads { n_k_heads: nk, n_v_heads: nv, d_k: d, d_v: d, key_head };
+        let lengths = [9usize, 4, 12];
+        let n = lengths.len();
+        let segments = pack(lengths);
+        let tokens: usize = lengths.iter().sum();
+        let slots = scattered_slots(n);
+        let (qk_row, v_row, sl) = (nk * d, nv * d, heads.state_len());
+        let x = Operands::random(&mut rng, &heads, tokens);
+        let pool = rng.vec((2 * n + 1) * sl, -0.5, 0.5);
+        let up = |v: &[f32]| gpu.upload(v).unwrap();
+
+        let segs = GpuSegments::new(&gpu, &segments, &slots, tokens).unwrap();
+        let (dq, dk, dv, dg, db) = (up(&x.q), up(&x.k), up(&x.v), up(&x.g), up(&x.beta));
+        let mut scan_pool = up(&pool);
+        let mut scan_out = nan(&gpu, tokens * v_row);
+        let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, qk_row), k: Rows::contiguous(&dk, qk_row), v: Rows::contiguous(&dv, v_row), g: &dg, beta: &db, normalize_qk: false };
+        k.delta_rule(&heads, &inputs, &segs, &mut scan_pool, &mut scan_out).unwrap();
+        let scan_out = gpu.download(&scan_out).unwrap();
+
+        let mut step_pool = up(&pool);
+        let mut step_out = vec![f32::NAN; tokens * v_row];
+        for p in 0..*lengths.iter().max().unwrap() {
+            let active: Vec<usize> = (0..n).filter(|&s| p < lengths[s]).collect();
+            let rows: Vec<usize> = active.iter().map(|&s| segments[s].start + p).collect();
+            let gather = |v: &[f32], w: usize| rows.iter().flat_map(|&t| v[t * w..(t + 1) * w].iter().copied()).collect::<Vec<f32>>();
+            let (sq, sk, sv, sg, sb) = (up(&gather(&x.q, qk_row)), up(&gather(&x.k, qk_row)), up(&gather(&x.v, v_row)), up(&gather(&x.g, nv)), up(&gather(&x.beta, nv)));
+            let step_slots: Vec<usize> = active.iter().map(|&s| slots[s]).collect();
+            let segs = GpuSegments::decode(&gpu, &step_slots).unwrap();
+            let mut o = nan(&gpu, rows.len() * v_row);
+            let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&sq, qk_row), k: Rows::contiguous(&sk, qk_row), v: Rows::contiguous(&sv, v_row), g: &sg, beta: &sb, normalize_qk: false };
+            k.delta_rule(&heads, &inputs, &segs, &mut step_pool, &mut o).unwrap();
+            let o = gpu.download(&o).unwrap();
+            for (i, &t) in rows.iter().enumerate() {
+                step_out[t * v_row..(t + 1) * v_row].copy_from_slice(&o[i * v_row..(i + 1) * v_row]);
+            }
+        }
+        assert_bits_eq("decode steps vs scan (outputs)", &step_out, &scan_out);
+        let scan_pool = gpu.download(&scan_pool).unwrap();
+        assert_bits_eq("decode steps vs scan (states)", &gpu.download(&step_pool).unwrap(), &scan_pool);
+        // Every rows-per-warp variant computes the same bits.
+        for rows in RECURRENCE_ROW_VARIANTS {
+            let mut kr = GatedDeltaCuda::new(gpu.clone()).unwrap();
+            kr.set_recurrence_rows(rows).unwrap();
+            let mut p = up(&pool);
+            let mut o = nan(&gpu, tokens * v_row);
+            kr.delta_rule(&heads, &inputs, &segs, &mut p, &mut o).unwrap();
+            assert_bits_eq(&format!("{rows} rows per warp (outputs)"), &gpu.download(&o).unwrap(), &scan_out);
+            assert_bits_eq(&format!("{rows} rows per warp (states)"), &gpu.download(&p).unwrap(), &scan_pool);
+        }
+        eprintln!("recurrence nk {nk} nv {nv} d {d} {key_head:?}: {tokens} decode steps == scan, bit for bit");
+    }
+}
+
+/// The chunked prefill on the device against the CPU sequential scan (its oracle): lengths
+/// around the chunk size up to 4096, several sequences with scattered state slots, both key-head
+/// maps, pre-normalised and fused raw q/k, both accumulators. Every error is printed before the
+/// bound is asserted, so one run reports all of them.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_chunked_matches_cpu_scan() {
+    let gpu = gpu();
+    let k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    let mut rng = rng("cuda_chunked_matches_cpu_scan");
+    use KeyHeadMap::{Grouped, Tiled};
+    let cases: &[(usize, usize, usize, usize, KeyHeadMap, &[usize])] = &[
+        (2, 4, 64, 64, Grouped, &[1, 2, 63, 64, 65]),
+        (2, 6, 128, 128, Tiled, &[127, 128, 300]),
+        (16, 32, 128, 128, Grouped, &[1, 100, 4096]),
+        (1, 2, 256, 256, Grouped, &[65, 1000]),
+        (2, 4, 128, 64, Tiled, &[70, 5]),
+        (1, 3, 32, 48, Grouped, &[200]),
+    ];
+    let mut failures = Vec::new();
+    for acc in [ChunkAccumulate::F64, ChunkAccumulate::F32] {
+        let mut worst = (0.0f64, 0.0f64);
+        for &(nk, nv, dk, dv, key_head, lengths) in cases {
+            let heads = DeltaRuleHeads { n_k_heads: nk, n_v_heads: nv, d_k: dk, d_v: dv, key_head };
+            for fused in [false, true] {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    device_vs_cpu_scan(&k, &mut rng, &heads, lengths, fused, Some(acc), f64::INFINITY)
+                }));
+                match r {
+                    Ok((eo, es)) => {
+                        eprintln!("chunked {acc:?} nk {nk} nv {nv} dk {dk} dv {dv} {key_head:?} {lengths:?} fused {fused}: output {eo:.2e}, state {es:.2e}");
+                        worst = (worst.0.max(eo), worst.1.max(es));
+                        if eo > BOUND || es > BOUND {
+                            failures.push(format!("{acc:?} {heads:?} {lengths:?} fused {fused}: output {eo:e}, state {es:e}"));
+                        }
+                    }
+                    Err(_) => failures.push(format!("{acc:?} {heads:?} {lengths:?} fused {fused}: non-finite output")),
+                }
+            }
+        }
+        eprintln!("chunked {acc:?} worst vs CPU scan: output {:.2e}, state {:.2e}", worst.0, worst.1);
+    }
+    // Strong decays (g = -100 every third token) stay finite and accurate.
+    let heads = DeltaRuleHeads { n_k_heads: 1, n_v_heads: 2, d_k: 64, d_v: 64, key_head: Grouped };
+    let tokens = 150;
+    let mut x = Operands::random(&mut rng, &heads, tokens);
+    x.g.iter_mut().enumerate().for_each(|(i, g)| *g = if i % 3 == 0 { -100.0 } else { -5.0 });
+    let init = rng.vec(heads.state_len(), -0.5, 0.5);
+    let mut want_state = init.clone();
+    let mut want = vec![0.0f32; tokens * 128];
+    cpu::delta_rule_scan(&heads, x.inputs(), &pack([tokens]), &mut [&mut want_state[..]], &mut want).unwrap();
+    let up = |v: &[f32]| gpu.upload(v).unwrap();
+    let (dq, dk, dv, dg, db) = (up(&x.q), up(&x.k), up(&x.v), up(&x.g), up(&x.beta));
+    let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 64), k: Rows::contiguous(&dk, 64), v: Rows::contiguous(&dv, 128), g: &dg, beta: &db, normalize_qk: false };
+    for acc in [ChunkAccumulate::F64, ChunkAccumulate::F32] {
+        let mut st = up(&init);
+        let mut out = nan(&gpu, tokens * 128);
+        let segs = GpuSegments::new(&gpu, &pack([tokens]), &[0], tokens).unwrap();
+        k.delta_rule_chunked(&heads, &inputs, &segs, &mut st, &mut out, acc).unwrap();
+        let (eo, es) = (rel_err(&gpu.download(&out).unwrap(), &want), rel_err(&gpu.download(&st).unwrap(), &want_state));
+        eprintln!("chunked {acc:?} strong decay: output {eo:.2e}, state {es:.2e}");
+        if !(eo <= BOUND && es <= BOUND) {
+            failures.push(format!("{acc:?} strong decay: output {eo:e}, state {es:e}"));
+        }
+    }
+    assert!(failures.is_empty(), "chunked prefill over the bound {BOUND:e}:\n{}", failures.join("\n"));
+}
