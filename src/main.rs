@@ -12,6 +12,7 @@ use tern::runtime::embed::{EmbedOptions, Embedder, Embeddings, LoadOptions};
 use tern::runtime::generate::{ChatSession, GenerateOptions, Llm};
 use tern::runtime::resolve::{resolve_model, resolve_model_or_file};
 use tern::runtime::sampler::SamplingOptions;
+use tern::cuda::DeviceSpec;
 
 #[derive(Parser)]
 #[command(name = "tern", version, about = "Embeddings (EmbeddingGemma) and Qwen3.5 generation, on CPU and NVIDIA GPUs")]
@@ -42,13 +43,6 @@ enum Command {
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
-enum Device {
-    Auto,
-    Cpu,
-    Cuda,
-}
-
-#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
 enum Format {
     Jsonl,
     Npy,
@@ -59,9 +53,9 @@ struct ModelArgs {
     /// Model directory or hub id (org/name) in the local Hugging Face cache.
     #[arg(long)]
     model: String,
-    /// Where to run: auto picks a GPU when one can be used, else the CPU.
-    #[arg(long, value_enum, default_value = "auto")]
-    device: Device,
+    /// Where to run: auto, cpu, cuda or cuda:N (auto picks a GPU when the model can use one).
+    #[arg(long, default_value = "auto")]
+    device: DeviceSpec,
     /// Worker threads (default: one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -110,9 +104,9 @@ struct LlmArgs {
     /// Model: a Hugging Face directory, a .gguf file, or a hub id in the local cache.
     #[arg(long)]
     model: String,
-    /// Where to run: auto picks a GPU when one can be used, else the CPU.
-    #[arg(long, value_enum, default_value = "auto")]
-    device: Device,
+    /// Where to run: auto, cpu, cuda or cuda:N (auto picks a GPU when the model can use one).
+    #[arg(long, default_value = "auto")]
+    device: DeviceSpec,
     /// Worker threads (default: one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -286,12 +280,21 @@ fn main() -> ExitCode {
     }
 }
 
-fn load_embedder(args: &ModelArgs) -> Result<Embedder> {
-    if args.device == Device::Cuda {
-        return Err(Error::Input(
-            "--device cuda: this build runs embeddings on the CPU only; use --device cpu or auto".into(),
-        ));
+/// The model forwards run on the CPU so far (the CUDA backend holds the gated-delta kernels
+/// only): `auto` means the CPU, an explicit CUDA device is refused rather than ignored.
+fn refuse_cuda(device: DeviceSpec, family: &str) -> Result<()> {
+    if let DeviceSpec::Cuda(n) = device {
+        let found = tern::cuda::device_count();
+        let gpu = if found == 0 { "no CUDA device is present, and ".to_string() } else { format!("{found} CUDA device(s) found, but ") };
+        return Err(Error::Input(format!(
+            "--device cuda:{n}: {gpu}the {family} forward runs on the CPU in this version; use --device cpu or auto"
+        )));
     }
+    Ok(())
+}
+
+fn load_embedder(args: &ModelArgs) -> Result<Embedder> {
+    refuse_cuda(args.device, "EmbeddingGemma")?;
     let dir = resolve_model(&args.model)?;
     Embedder::load(&dir, &LoadOptions { threads: args.threads, max_tokens: args.max_tokens })
 }
@@ -389,11 +392,7 @@ fn write_embeddings(mut w: impl Write, out: &Embeddings, format: Format) -> std:
 }
 
 fn load_llm(args: &LlmArgs) -> Result<Llm> {
-    if args.device == Device::Cuda {
-        return Err(Error::Input(
-            "--device cuda: this build runs Qwen3.5 on the CPU only; use --device cpu or auto".into(),
-        ));
-    }
+    refuse_cuda(args.device, "Qwen3.5")?;
     let path = resolve_model_or_file(&args.model)?;
     Llm::load(&path, args.threads)
 }

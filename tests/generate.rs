@@ -366,6 +366,8 @@ fn bad_input_is_a_clear_error() {
     expect_failure(&["generate", "--model", &m, "--prompt", "hi", "--top-p", "0"], "top-p 0 must be in (0, 1]");
     expect_failure(&["generate", "--model", &m, "--prompt", "hi", "--temperature=-1"], "temperature -1");
     expect_failure(&["generate", "--model", &g(&dir.join("absent.gguf")), "--prompt", "hi"], "absent.gguf");
+    // An explicit GPU is refused, not silently replaced by the CPU.
+    expect_failure(&["generate", "--model", &m, "--prompt", "hi", "--device", "cuda:0"], "the Qwen3.5 forward runs on the CPU");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
