@@ -18,8 +18,10 @@ use rayon::prelude::*;
 
 use crate::kernels::SharedMut;
 
-/// Up to this many rows of X take the fused kernel.
-pub(super) const FUSED_MAX_ROWS: usize = 8;
+/// Up to this many rows of X take the fused kernel, which widens W again for every X row: it is
+/// bound by memory reads at one or two rows; from three, widening each W block once for four X
+/// rows wins (Qwen3.5-0.8B decode rounds of 4 and 8 sequences: 155 → 115 ms, 255 → 172 ms).
+pub(super) const FUSED_MAX_ROWS: usize = 2;
 /// Up to this many (and more than FUSED_MAX_ROWS) take the tiled kernel; more take widen + GEMM
 /// (measured on Qwen3.5-0.8B shapes: the tiled form is ahead at 64 rows, the GEMM at 128).
 pub(super) const TILED_MAX_ROWS: usize = 96;
@@ -101,6 +103,7 @@ fn fused(x: &[f32], rows: usize, w: &[u16], out: usize, inp: usize, y: &mut [f32
 
 fn tiled(x: &[f32], rows: usize, w: &[u16], out: usize, inp: usize, y: &mut [f32]) {
     let kernel = tile_kernel();
+    let in_registers = tile_bf16_kernel();
     let rows_per_task = (TASK_BYTES / (2 * inp.max(1))).next_multiple_of(4).max(4);
     let tasks = out.div_ceil(rows_per_task);
     debug_assert!(y.len() >= rows * out);
@@ -110,16 +113,22 @@ fn tiled(x: &[f32], rows: usize, w: &[u16], out: usize, inp: usize, y: &mut [f32
         let o1 = (o0 + rows_per_task).min(out);
         // SAFETY: as in `fused`: this task writes only Y[t][o0..o1], inside the checked Y.
         let put = |t: usize, o: usize, v: f32| unsafe { *yp.ptr().add(t * out + o) = v };
-        let mut wf = vec![0.0f32; 4 * inp];
+        let mut wf = if in_registers.is_some() { Vec::new() } else { vec![0.0f32; 4 * inp] };
         let mut o = o0;
         while o + 4 <= o1 {
-            widen_into(&w[o * inp..(o + 4) * inp], &mut wf);
+            let wb = &w[o * inp..(o + 4) * inp];
+            if in_registers.is_none() {
+                widen_into(wb, &mut wf);
+            }
             let mut t = 0;
             while t < rows {
                 // Past the last row, the last row stands in; those results are dropped.
                 let ts: [usize; 4] = std::array::from_fn(|i| (t + i).min(rows - 1));
                 let xs = ts.map(|r| &x[r * inp..(r + 1) * inp]);
-                let d = kernel(xs, &wf, inp);
+                let d = match in_registers {
+                    Some(k) => k(xs, wb, inp),
+                    None => kernel(xs, &wf, inp),
+                };
                 for (i, &tr) in ts.iter().enumerate() {
                     if tr == t + i {
                         for (r, dr) in d.iter().enumerate() {
@@ -217,6 +226,20 @@ fn tile_kernel() -> Tile {
     tile_portable
 }
 
+/// Four X rows against four consecutive W rows as stored (bf16), where the CPU has a form that
+/// widens in registers.
+type TileBf16 = fn([&[f32]; 4], &[u16], usize) -> [[f32; 4]; 4];
+
+fn tile_bf16_kernel() -> Option<TileBf16> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Some(|xs, w, n| unsafe { x86::tile_bf16_avx512(xs, w, n) });
+        }
+    }
+    None
+}
+
 fn tile_portable(xs: [&[f32]; 4], w: &[f32], n: usize) -> [[f32; 4]; 4] {
     let dot = |x: &[f32], r: usize| x[..n].iter().zip(&w[r * n..(r + 1) * n]).map(|(&p, &q)| p * q).sum::<f32>();
     std::array::from_fn(|r| xs.map(|x| dot(x, r)))
@@ -310,6 +333,47 @@ mod x86 {
                 out[r][i] = _mm512_reduce_add_ps(acc[r][i]);
                 for j in k..n {
                     out[r][i] += *xp[i].add(j) * *wp.add(r * n + j);
+                }
+            }
+        }
+        out
+    }
+
+    /// Like [`tile_avx512`], but reading the four W rows as stored (bf16) and widening them in
+    /// registers: no widened copy goes through memory, and the loads of the next block are in
+    /// flight while this block's 16 FMAs per step run.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; every `xs[i]` holds n values and `w` 4·n.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn tile_bf16_avx512(xs: [&[f32]; 4], w: &[u16], n: usize) -> [[f32; 4]; 4] {
+        debug_assert!(xs.iter().all(|x| x.len() >= n) && w.len() >= 4 * n);
+        let xp = xs.map(|x| x.as_ptr());
+        let wp = w.as_ptr();
+        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+        let mut k = 0;
+        while k + 16 <= n {
+            if k % 32 == 0 {
+                for r in 4..8 {
+                    _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(r * n + k) as *const i8);
+                }
+            }
+            let xv = xp.map(|p| _mm512_loadu_ps(p.add(k)));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let h = _mm256_loadu_si256(wp.add(r * n + k) as *const __m256i);
+                let wv = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+                for i in 0..4 {
+                    acc[i] = _mm512_fmadd_ps(wv, xv[i], acc[i]);
+                }
+            }
+            k += 16;
+        }
+        let mut out = [[0.0f32; 4]; 4];
+        for r in 0..4 {
+            for i in 0..4 {
+                out[r][i] = _mm512_reduce_add_ps(acc[r][i]);
+                for j in k..n {
+                    out[r][i] += *xp[i].add(j) * widen(*wp.add(r * n + j));
                 }
             }
         }
@@ -479,6 +543,7 @@ mod tests {
             {
                 if std::arch::is_x86_feature_detected!("avx512f") {
                     tiles.push(("tile avx512", unsafe { x86::tile_avx512(xs, &wf, n) }));
+                    tiles.push(("tile bf16 avx512", unsafe { x86::tile_bf16_avx512(xs, &w, n) }));
                 }
                 if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
                     tiles.push(("tile avx2", unsafe { x86::tile_avx2(xs, &wf, n) }));
