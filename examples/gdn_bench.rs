@@ -10,7 +10,7 @@
 //! one sequence, with its error against the device's sequential scan (the oracle).
 
 use tern::cuda::Gpu;
-use tern::kernels::gated_delta::cuda::{ChunkAccumulate, RECURRENCE_ROWS, RECURRENCE_ROW_VARIANTS, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
+use tern::kernels::gated_delta::cuda::{ChunkAccumulate, CHUNK_STATE_ROWS, RECURRENCE_VARIANT, RECURRENCE_VARIANTS, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
@@ -111,8 +111,8 @@ fn main() -> Result<()> {
         let x = inputs(&heads, &l);
         let mut out = gpu.zeros::<f32>(b * heads.n_v_heads * heads.d_v)?;
         let inner = 50;
-        for rows in RECURRENCE_ROW_VARIANTS {
-            k.set_recurrence_rows(rows)?;
+        for rows in RECURRENCE_VARIANTS {
+            k.set_recurrence_variant(rows)?;
             let ms = time_ms(&gpu, 2, 15, |i| {
                 for s in 0..inner {
                     k.delta_rule(&heads, &x, &segs[(i * inner + s) % rot], &mut pool, &mut out)?;
@@ -120,12 +120,12 @@ fn main() -> Result<()> {
                 Ok(())
             })? / inner as f64;
             let bw = 2.0 * (b * state_bytes) as f64 / (ms * 1e-3);
-            println!("{:>6} {:>5} {:>10.2} {:>12.0} {:>9.1}%", b, rows, ms * 1e3, bw / 1e9, 100.0 * bw / copy_bw);
-            println!("RESULT decode batch={b} rows={rows} us={:.3} state_gbps={:.1} copy_fraction={:.4}", ms * 1e3, bw / 1e9, bw / copy_bw);
+            println!("{:>6} {:>5} {:>10.2} {:>12.0} {:>9.1}%", b, format!("{}x{}", rows.0, rows.1), ms * 1e3, bw / 1e9, 100.0 * bw / copy_bw);
+            println!("RESULT decode batch={b} rows={}x{} us={:.3} state_gbps={:.1} copy_fraction={:.4}", rows.0, rows.1, ms * 1e3, bw / 1e9, bw / copy_bw);
         }
     }
 
-    k.set_recurrence_rows(RECURRENCE_ROWS)?;
+    k.set_recurrence_variant(RECURRENCE_VARIANT)?;
     println!("\nprefill (one sequence, one layer, fused L2 norm of q/k; error vs the device sequential scan)");
     println!("{:>6} {:>12} {:>12} {:>12} {:>11} {:>11} {:>11} {:>11}", "tokens", "scan ms", "chunk32 ms", "chunk64 ms", "c32 out", "c32 state", "c64 out", "c64 state");
     for &t in &[2048usize, 8192, 32768] {
@@ -148,6 +148,10 @@ fn main() -> Result<()> {
             let prep = time_ms(&gpu, 2, 10, |_| k.delta_rule_chunked(&heads, &x, &segs, &mut st, &mut out, acc))?;
             k.set_chunk_prepare_only(false);
             println!("RESULT prefill_split tokens={t} acc={acc:?} total_ms={ms:.4} parallel_pass_ms={prep:.4} state_pass_ms={:.4}", ms - prep);
+            k.set_chunk_state_rows(8)?;
+            let ms8 = time_ms(&gpu, 2, 10, |_| k.delta_rule_chunked(&heads, &x, &segs, &mut st, &mut out, acc))?;
+            k.set_chunk_state_rows(CHUNK_STATE_ROWS)?;
+            println!("RESULT prefill_state_rows8 tokens={t} acc={acc:?} total_ms={ms8:.4}");
             gpu.write(&init, &mut st)?;
             k.delta_rule_chunked(&heads, &x, &segs, &mut st, &mut out, acc)?;
             res.push((ms, rel_err(&gpu.download(&out)?, &want_out), rel_err(&gpu.download(&st)?, &want_st)));

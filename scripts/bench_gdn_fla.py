@@ -34,7 +34,7 @@ for B in (1, 16, 64, 256):
         return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=s, output_final_state=True,
                                                 use_qk_l2norm_in_kernel=True, state_v_first=True)
 
-    ms = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
+    ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
     print(f"RESULT fla_decode batch={B} us={ms * 1e3:.3f}")
 
 print("fla prefill (chunk_gated_delta_rule, one sequence, state f32 V-first)")
@@ -44,5 +44,5 @@ for T in (2048, 8192, 32768):
         h0 = torch.rand(1, HV, D, D, device=dev) - 0.5
         f = lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
                                            use_qk_l2norm_in_kernel=True, state_v_first=True)
-        ms = triton.testing.do_bench(f, warmup=50, rep=300, return_mode="median")
+        ms = triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")
         print(f"RESULT fla_prefill tokens={T} dtype={str(dtype).split('.')[-1]} ms={ms:.4f}")

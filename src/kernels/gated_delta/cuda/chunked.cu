@@ -10,7 +10,7 @@
 //     A = beta_r (k_r.k_c) exp(G_r - G_c) (strictly lower), T = (I + A)^-1 by forward
 //     substitution, W = T diag(beta exp(G)) K, U = T diag(beta) V, and the read-out weights
 //     (q_r.k_c) exp(G_r - G_c), c <= r. These go to a scratch buffer.
-//  2. tern_gdn_chunk_state_*: one block per (sequence, value head, block of 16 state rows),
+//  2. tern_gdn_chunk_state_*: one block per (sequence, value head, block of 8 or 16 state rows),
 //     walking the sequence's chunks in order with its slice of the state in shared memory:
 //     Delta = U - W S0, o_r = exp(G_r) S0^T q_r + sum_{c<=r} qk[r][c] Delta_c,
 //     S = exp(G_{L-1}) S0 + sum_c exp(G_{L-1} - G_c) k_c Delta_c^T.
@@ -21,7 +21,6 @@
 // across rows touches 32 different banks.
 
 #define TERN_GDN_CHUNK 64
-#define TERN_GDN_BV 16
 
 struct tern_gdn_chunk_args {
     const float* q; long long q_stride;
@@ -238,13 +237,15 @@ struct tern_gdn_state_args {
     float eps, q_scale;
 };
 
-// Thread layout of the state pass (256 threads, BV = 16 state rows): for the [64][BV]
-// products (Delta, outputs) a thread owns column jj = tid % 16 and chunk rows rg + 16m (m < 4),
-// so one load of a state element serves four rows; for the [BV][dk] update it owns state row
-// jj = tid / 16 and key columns cg + 16n (n < 8) of each 128-column block.
-template <typename Acc>
+// Thread layout of the state pass (256 threads, BV state rows per block): for the [64][BV]
+// products (Delta, outputs) a thread owns column jc = tid % BV and chunk rows rg + RS*m
+// (m < RM), so one load of a state element serves RM rows; for the [BV][dk] update it owns
+// state row ju = tid / TPR and key columns cg + TPR*n (n < NC) of each 128-column block.
+// BV only changes how the work is split over blocks, never the order of any sum.
+template <typename Acc, int BV>
 __device__ void tern_gdn_chunk_state_body(const tern_gdn_state_args& a) {
-    constexpr int C = TERN_GDN_CHUNK, BV = TERN_GDN_BV;
+    constexpr int C = TERN_GDN_CHUNK;
+    constexpr int RS = 256 / BV, RM = C / RS, TPR = 256 / BV, NC = 128 / TPR;
     const int h = blockIdx.x, j0 = blockIdx.y * BV, s = blockIdx.z, tid = threadIdx.x;
     const int dk = a.dk, dv = a.dv, nv = a.nv;
     const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
@@ -261,8 +262,8 @@ __device__ void tern_gdn_chunk_state_body(const tern_gdn_state_args& a) {
         const int jj = idx / dk, i = idx % dk;
         Ss[jj * ld + i] = j0 + jj < dv ? state[(size_t)(j0 + jj) * dk + i] : 0.0f;
     }
-    const int jc = tid % 16, rg = tid / 16;  // [64][BV] products
-    const int ju = tid / 16, cg = tid % 16;  // [BV][dk] update
+    const int jc = tid % BV, rg = tid / BV;    // [64][BV] products
+    const int ju = tid / TPR, cg = tid % TPR;  // [BV][dk] update
     const int c0 = (int)a.seg_chunk0[s], nc = (int)a.seg_nchunks[s];
     for (int chunk = c0; chunk < c0 + nc; chunk++) {
         const size_t t0 = a.chunk_t0[chunk];
@@ -274,15 +275,17 @@ __device__ void tern_gdn_chunk_state_body(const tern_gdn_state_args& a) {
         __syncthreads();
         // Delta = U - W S0 (columns j0 .. j0 + BV).
         {
-            Acc acc[4] = {0, 0, 0, 0};
+            Acc acc[RM];
+#pragma unroll
+            for (int m = 0; m < RM; m++) acc[m] = 0;
             for (int i = 0; i < dk; i++) {
                 const Acc sv = (Acc)Ss[jc * ld + i];
 #pragma unroll
-                for (int m = 0; m < 4; m++) acc[m] += (Acc)Xs[(rg + 16 * m) * ld + i] * sv;
+                for (int m = 0; m < RM; m++) acc[m] += (Acc)Xs[(rg + RS * m) * ld + i] * sv;
             }
 #pragma unroll
-            for (int m = 0; m < 4; m++) {
-                const int r = rg + 16 * m;
+            for (int m = 0; m < RM; m++) {
+                const int r = rg + RS * m;
                 float d = 0.0f;
                 if (r < len && j0 + jc < dv) d = (float)((Acc)a.u_s[(ch * C + r) * dv + j0 + jc] - acc[m]);
                 Ds[r * (BV + 1) + jc] = d;
@@ -298,23 +301,25 @@ __device__ void tern_gdn_chunk_state_body(const tern_gdn_state_args& a) {
         // o_r = exp(G_r) S0^T q_r + sum_{c<=r} qk[r][c] Delta_c, from the chunk's starting state
         // (the read-out weights are zero above the diagonal and past len).
         {
-            Acc o[4] = {0, 0, 0, 0};
+            Acc o[RM];
+#pragma unroll
+            for (int m = 0; m < RM; m++) o[m] = 0;
             for (int i = 0; i < dk; i++) {
                 const Acc sv = (Acc)Ss[jc * ld + i];
 #pragma unroll
-                for (int m = 0; m < 4; m++) o[m] += (Acc)Xs[(rg + 16 * m) * ld + i] * sv;
+                for (int m = 0; m < RM; m++) o[m] += (Acc)Xs[(rg + RS * m) * ld + i] * sv;
             }
 #pragma unroll
-            for (int m = 0; m < 4; m++) o[m] *= (Acc)Dec[rg + 16 * m];
-            const int cmax = min(rg + 48, len - 1);
+            for (int m = 0; m < RM; m++) o[m] *= (Acc)Dec[rg + RS * m];
+            const int cmax = min(rg + RS * (RM - 1), len - 1);
             for (int c = 0; c <= cmax; c++) {
                 const Acc dc = (Acc)Ds[c * (BV + 1) + jc];
 #pragma unroll
-                for (int m = 0; m < 4; m++) o[m] += (Acc)Qk[(rg + 16 * m) * (C + 1) + c] * dc;
+                for (int m = 0; m < RM; m++) o[m] += (Acc)Qk[(rg + RS * m) * (C + 1) + c] * dc;
             }
 #pragma unroll
-            for (int m = 0; m < 4; m++) {
-                const int r = rg + 16 * m;
+            for (int m = 0; m < RM; m++) {
+                const int r = rg + RS * m;
                 if (r < len && j0 + jc < dv) a.out[((t0 + r) * nv + h) * dv + j0 + jc] = (float)o[m];
             }
         }
@@ -328,25 +333,25 @@ __device__ void tern_gdn_chunk_state_body(const tern_gdn_state_args& a) {
         // S = exp(G_{L-1}) S0 + sum_c exp(G_{L-1} - G_c) k_c Delta_c^T.
         const Acc keep = (Acc)Dec[len - 1];
         for (int ib = 0; ib < dk; ib += 128) {
-            Acc acc[8];
+            Acc acc[NC];
 #pragma unroll
-            for (int n = 0; n < 8; n++) {
-                const int i = ib + cg + 16 * n;
+            for (int n = 0; n < NC; n++) {
+                const int i = ib + cg + TPR * n;
                 acc[n] = i < dk ? keep * (Acc)Ss[ju * ld + i] : (Acc)0;
             }
             for (int c = 0; c < len; c++) {
                 const Acc f = (Acc)Dec[C + c] * (Acc)Ds[c * (BV + 1) + ju];
 #pragma unroll
-                for (int n = 0; n < 8; n++) {
-                    const int i = ib + cg + 16 * n;
+                for (int n = 0; n < NC; n++) {
+                    const int i = ib + cg + TPR * n;
                     if (i < dk) acc[n] += f * (Acc)Xs[c * ld + i];
                 }
             }
             // Every thread has read Ss for this block before any writes it: the Delta and
             // output loops ended at the barriers above, and this block's reads are its own.
 #pragma unroll
-            for (int n = 0; n < 8; n++) {
-                const int i = ib + cg + 16 * n;
+            for (int n = 0; n < NC; n++) {
+                const int i = ib + cg + TPR * n;
                 if (i < dk) Ss[ju * ld + i] = (float)acc[n];
             }
         }
@@ -360,7 +365,8 @@ __device__ void tern_gdn_chunk_state_body(const tern_gdn_state_args& a) {
 
 extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_prepare_f32(tern_gdn_chunk_args a) { tern_gdn_chunk_prepare_body<float>(a); }
 extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_prepare_f64(tern_gdn_chunk_args a) { tern_gdn_chunk_prepare_body<double>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f32(tern_gdn_state_args a) { tern_gdn_chunk_state_body<float>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f64(tern_gdn_state_args a) { tern_gdn_chunk_state_body<double>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f32_bv16(tern_gdn_state_args a) { tern_gdn_chunk_state_body<float, 16>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f64_bv16(tern_gdn_state_args a) { tern_gdn_chunk_state_body<double, 16>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f32_bv8(tern_gdn_state_args a) { tern_gdn_chunk_state_body<float, 8>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f64_bv8(tern_gdn_state_args a) { tern_gdn_chunk_state_body<double, 8>(a); }
 #undef TERN_GDN_CHUNK
-#undef TERN_GDN_BV

@@ -42,11 +42,13 @@ pub const SOURCES: &[KernelSource] = &[GATES, CONV, NORM, RECURRENCE, CHUNKED];
 const ELEMENT_BLOCK: u32 = 256;
 /// Warps per block of the one-warp-per-row kernels: 4 rows of a head share its k and q in L1.
 const ROW_WARPS: u32 = 4;
-/// State rows one warp of the recurrence advances together, by default.
-pub const RECURRENCE_ROWS: usize = 4;
-/// The rows-per-warp variants compiled: the arithmetic of each row is the same in all of them,
-/// so they agree bit for bit (a device test checks it); only the speed differs.
-pub const RECURRENCE_ROW_VARIANTS: [usize; 4] = [1, 2, 4, 8];
+/// How the recurrence spreads state rows over warps: `(rows, groups)` means a warp advances
+/// `rows` rows of a head together, for `groups` consecutive row groups (the next group's state
+/// requested before the current group's tokens). The default.
+pub const RECURRENCE_VARIANT: (usize, usize) = (4, 1);
+/// The variants compiled: the arithmetic of each row is the same in all of them, so they agree
+/// bit for bit (a device test checks it); only the speed differs.
+pub const RECURRENCE_VARIANTS: [(usize, usize); 6] = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2)];
 
 fn grid_1d(n: usize, block: u32) -> Result<u32> {
     u32::try_from(n.div_ceil(block as usize)).map_err(|_| Error::Shape(format!("{n} elements: too many for one launch")))
@@ -187,12 +189,14 @@ pub struct GatedDeltaCuda {
     conv: Vec<CudaFunction>, // kernel widths 1..=8
     normalize_qk: CudaFunction,
     gated_norm: CudaFunction,
-    /// (d_k, rows per warp, kernel).
-    recurrence: Vec<(usize, usize, CudaFunction)>,
-    recurrence_rows: usize,
+    /// (d_k, (rows, groups) per warp, kernel).
+    recurrence: Vec<(usize, (usize, usize), CudaFunction)>,
+    recurrence_variant: (usize, usize),
     /// Chunk-prepare and chunk-state kernels with f32 and f64 accumulators.
     chunk_prepare: [CudaFunction; 2],
-    chunk_state: [CudaFunction; 2],
+    /// Indexed [accumulator][8 or 16 rows].
+    chunk_state: [[CudaFunction; 2]; 2],
+    chunk_state_rows: usize,
     /// Benchmark aid: stop the chunked prefill after its parallel pass (the result is then
     /// incomplete), so that the two passes can be timed apart.
     chunk_prepare_only: bool,
@@ -213,15 +217,16 @@ pub enum ChunkAccumulate {
 pub const MAX_CHUNK_HEAD_DIM: usize = 256;
 
 const CHUNK: usize = crate::kernels::gated_delta::DELTA_RULE_CHUNK;
-const CHUNK_BV: usize = 16;
+/// State rows per block of the chunked state pass, by default; 8 and 16 are compiled.
+pub const CHUNK_STATE_ROWS: usize = 16;
 const CHUNK_THREADS: u32 = 256;
 
 fn prepare_smem(d_k: usize, d_v: usize) -> usize {
     8 * CHUNK + 4 * (2 * CHUNK + CHUNK * (CHUNK + 1) + CHUNK * (d_k + 1) + CHUNK * (d_k.max(d_v) + 1))
 }
 
-fn state_smem(d_k: usize) -> usize {
-    4 * (CHUNK * (d_k + 1) + CHUNK_BV * (d_k + 1) + CHUNK * (CHUNK_BV + 1) + CHUNK * (CHUNK + 1) + 2 * CHUNK)
+fn state_smem(d_k: usize, bv: usize) -> usize {
+    4 * (CHUNK * (d_k + 1) + bv * (d_k + 1) + CHUNK * (bv + 1) + CHUNK * (CHUNK + 1) + 2 * CHUNK)
 }
 
 /// Mirrors `tern_gdn_chunk_args` in chunked.cu field for field (C layout).
@@ -294,8 +299,8 @@ impl GatedDeltaCuda {
         let conv = (1..=MAX_CONV_WIDTH).map(|kw| gpu.function(&CONV, &format!("tern_gdn_conv_k{kw}"))).collect::<Result<_>>()?;
         let mut recurrence = Vec::new();
         for d in [32usize, 64, 128, 256] {
-            for r in RECURRENCE_ROW_VARIANTS {
-                recurrence.push((d, r, gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_dk{d}_r{r}"))?));
+            for (r, g) in RECURRENCE_VARIANTS {
+                recurrence.push((d, (r, g), gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_dk{d}_r{r}_g{g}"))?));
             }
         }
         let f = |name: &str, smem: usize| -> Result<CudaFunction> {
@@ -303,20 +308,24 @@ impl GatedDeltaCuda {
             f.set_attribute(MAX_DYN_SMEM, smem as i32).map_err(driver_err(&format!("{name}: raising its shared memory to {smem} bytes")))?;
             Ok(f)
         };
-        let (ps, ss) = (prepare_smem(MAX_CHUNK_HEAD_DIM, MAX_CHUNK_HEAD_DIM), state_smem(MAX_CHUNK_HEAD_DIM));
+        let (ps, ss) = (prepare_smem(MAX_CHUNK_HEAD_DIM, MAX_CHUNK_HEAD_DIM), state_smem(MAX_CHUNK_HEAD_DIM, 16));
         let chunk_prepare = [f("tern_gdn_chunk_prepare_f32", ps)?, f("tern_gdn_chunk_prepare_f64", ps)?];
-        let chunk_state = [f("tern_gdn_chunk_state_f32", ss)?, f("tern_gdn_chunk_state_f64", ss)?];
+        let chunk_state = [
+            [f("tern_gdn_chunk_state_f32_bv8", ss)?, f("tern_gdn_chunk_state_f32_bv16", ss)?],
+            [f("tern_gdn_chunk_state_f64_bv8", ss)?, f("tern_gdn_chunk_state_f64_bv16", ss)?],
+        ];
         Ok(GatedDeltaCuda {
             chunk_prepare,
             chunk_state,
             chunk_scratch: Mutex::new(None),
             chunk_prepare_only: false,
+            chunk_state_rows: CHUNK_STATE_ROWS,
             gates: gpu.function(&GATES, "tern_gdn_gates")?,
             normalize_qk: gpu.function(&NORM, "tern_gdn_normalize_qk")?,
             gated_norm: gpu.function(&NORM, "tern_gdn_gated_rms_norm")?,
             conv,
             recurrence,
-            recurrence_rows: RECURRENCE_ROWS,
+            recurrence_variant: RECURRENCE_VARIANT,
             gpu,
         })
     }
@@ -332,13 +341,23 @@ impl GatedDeltaCuda {
         self.chunk_prepare_only = on;
     }
 
-    /// Selects how many state rows one warp of the recurrence advances (one of
-    /// [`RECURRENCE_ROW_VARIANTS`]); results are bit-identical for every choice.
-    pub fn set_recurrence_rows(&mut self, rows: usize) -> Result<()> {
-        if !RECURRENCE_ROW_VARIANTS.contains(&rows) {
-            return Err(Error::Input(format!("recurrence rows per warp {rows}: expected one of {RECURRENCE_ROW_VARIANTS:?}")));
+    /// State rows per block of the chunked prefill's state pass: 8 or 16. Only the split of
+    /// the work over blocks changes (bit-identical results); fewer rows give more blocks.
+    pub fn set_chunk_state_rows(&mut self, rows: usize) -> Result<()> {
+        if rows != 8 && rows != 16 {
+            return Err(Error::Input(format!("chunk state rows {rows}: expected 8 or 16")));
         }
-        self.recurrence_rows = rows;
+        self.chunk_state_rows = rows;
+        Ok(())
+    }
+
+    /// Selects how the recurrence spreads state rows over warps (one of
+    /// [`RECURRENCE_VARIANTS`]); results are bit-identical for every choice.
+    pub fn set_recurrence_variant(&mut self, variant: (usize, usize)) -> Result<()> {
+        if !RECURRENCE_VARIANTS.contains(&variant) {
+            return Err(Error::Input(format!("recurrence variant {variant:?}: expected one of {RECURRENCE_VARIANTS:?}")));
+        }
+        self.recurrence_variant = variant;
         Ok(())
     }
 
@@ -504,16 +523,16 @@ impl GatedDeltaCuda {
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
         self.check_inputs("delta_rule", heads, x, segs, states, out)?;
-        let rows = self.recurrence_rows;
-        let f = self.recurrence.iter().find(|(d, r, _)| *d == heads.d_k && *r == rows).map(|(_, _, f)| f).ok_or_else(|| {
+        let (rows, per_warp) = self.recurrence_variant;
+        let f = self.recurrence.iter().find(|(d, v, _)| *d == heads.d_k && *v == (rows, per_warp)).map(|(_, _, f)| f).ok_or_else(|| {
             Error::Shape(format!("delta_rule on CUDA: d_k = {} (supported: 32, 64, 128, 256)", heads.d_k))
         })?;
         if segs.n_seqs() == 0 {
             return Ok(());
         }
-        let groups = heads.n_v_heads * heads.d_v.div_ceil(rows);
+        let warps = (heads.n_v_heads * heads.d_v.div_ceil(rows)).div_ceil(per_warp);
         let cfg = LaunchConfig {
-            grid_dim: (grid_1d(groups, ROW_WARPS)?, segs.n_seqs() as u32, 1),
+            grid_dim: (grid_1d(warps, ROW_WARPS)?, segs.n_seqs() as u32, 1),
             block_dim: (32 * ROW_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -658,11 +677,11 @@ impl GatedDeltaCuda {
             q_scale,
         };
         let cfg = LaunchConfig {
-            grid_dim: (n_v_heads as u32, d_v.div_ceil(CHUNK_BV) as u32, segs.n_seqs() as u32),
+            grid_dim: (n_v_heads as u32, d_v.div_ceil(self.chunk_state_rows) as u32, segs.n_seqs() as u32),
             block_dim: (CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: state_smem(d_k) as u32,
+            shared_mem_bytes: state_smem(d_k, self.chunk_state_rows) as u32,
         };
-        let mut l = stream.launch_builder(&self.chunk_state[which]);
+        let mut l = stream.launch_builder(&self.chunk_state[which][(self.chunk_state_rows == 16) as usize]);
         l.arg(&args);
         // SAFETY: as above; slots lie inside the state pool (checked).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_chunk_state"))?;

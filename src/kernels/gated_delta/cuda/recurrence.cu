@@ -67,9 +67,11 @@ __device__ __forceinline__ void tern_gdn_l2_regs(float (&x)[DK / 32], float eps,
 // A warp advances ROWS consecutive rows of one head together: their loads are all in flight
 // before the first use (the state stream needs many bytes in flight per multiprocessor to
 // reach the memory bandwidth), and the token's k, q, g, beta and their normalisation are
-// shared by the ROWS rows. Each row's arithmetic is exactly the one-row form's, so how many
-// rows a warp holds changes no bit of the result.
-template <int DK, int ROWS>
+// shared by the ROWS rows. With GPW > 1 the warp then takes the next row group, whose state it
+// has already requested before the current group's tokens, so its loads overlap this group's
+// arithmetic. Each row's arithmetic is exactly the one-row form's, so neither choice changes a
+// bit of the result.
+template <int DK, int ROWS, int GPW>
 __device__ void tern_gdn_recurrence_body(float* __restrict__ states, const float* __restrict__ q, long long q_stride,
                                          const float* __restrict__ k, long long k_stride, const float* __restrict__ v,
                                          long long v_stride, const float* __restrict__ g,
@@ -80,79 +82,99 @@ __device__ void tern_gdn_recurrence_body(float* __restrict__ states, const float
     constexpr int E = DK / 32;
     const int lane = threadIdx.x % 32;
     const int groups = (dv + ROWS - 1) / ROWS;  // row groups per head
-    const long long grp = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const long long total = (long long)nv * groups;
+    const long long first = ((long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * GPW;
     // Uniform per warp, so an early exit never splits a warp before its shuffles.
-    if (grp >= (long long)nv * groups) return;
+    if (first >= total) return;
     const int s = blockIdx.y;
-    const int h = (int)(grp / groups), j0 = (int)(grp % groups) * ROWS;
-    const int kh = tern_gdn_key_head(h, nk, nv, grouped);
-    float* head = states + ((size_t)slot[s] * nv + h) * dv * DK;
-
-    float r[ROWS][E];
-#pragma unroll
-    for (int m = 0; m < ROWS; m++) {
-        if (j0 + m < dv) tern_gdn_load_row<DK>(head + (size_t)(j0 + m) * DK + lane * E, r[m]);
-    }
+    float* seq_state = states + (size_t)slot[s] * nv * dv * DK;
     const size_t start = seg_start[s], end = start + seg_len[s];
-    for (size_t t = start; t < end; t++) {
-        float kk[E], qq[E];
-        tern_gdn_load_row<DK>(k + t * k_stride + (size_t)kh * DK + lane * E, kk);
-        tern_gdn_load_row<DK>(q + t * q_stride + (size_t)kh * DK + lane * E, qq);
-        const float decay = expf(g[t * nv + h]);
-        const float b = beta[t * nv + h];
-        float vj[ROWS];
+
+    float r[ROWS][E], next[ROWS][E];
+    {
+        const int h = (int)(first / groups), j0 = (int)(first % groups) * ROWS;
 #pragma unroll
-        for (int m = 0; m < ROWS; m++) vj[m] = j0 + m < dv ? v[t * v_stride + (size_t)h * dv + j0 + m] : 0.0f;
-        if (l2qk) {
-            tern_gdn_l2_regs<DK>(kk, eps, 1.0f);
-            tern_gdn_l2_regs<DK>(qq, eps, q_scale);
-        }
-        float part[ROWS];
-#pragma unroll
-        for (int m = 0; m < ROWS; m++) {
-            part[m] = 0.0f;
-#pragma unroll
-            for (int e = 0; e < E; e++) {
-                r[m][e] *= decay;
-                part[m] += r[m][e] * kk[e];
-            }
-        }
-        float o[ROWS];
-#pragma unroll
-        for (int m = 0; m < ROWS; m++) {
-            const float delta = (vj[m] - tern_gdn_warp_sum(part[m])) * b;
-            o[m] = 0.0f;
-#pragma unroll
-            for (int e = 0; e < E; e++) {
-                r[m][e] += kk[e] * delta;
-                o[m] += r[m][e] * qq[e];
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < ROWS; m++) {
-            o[m] = tern_gdn_warp_sum(o[m]);
-            if (lane == 0 && j0 + m < dv) out[(t * nv + h) * dv + j0 + m] = o[m];
-        }
+        for (int m = 0; m < ROWS; m++)
+            if (j0 + m < dv) tern_gdn_load_row<DK>(seq_state + ((size_t)h * dv + j0 + m) * DK + lane * E, r[m]);
     }
 #pragma unroll
-    for (int m = 0; m < ROWS; m++) {
-        if (j0 + m < dv) tern_gdn_store_row<DK>(head + (size_t)(j0 + m) * DK + lane * E, r[m]);
+    for (int p = 0; p < GPW; p++) {
+        const long long grp = first + p;
+        if (grp >= total) break;
+        if (p + 1 < GPW && grp + 1 < total) {
+            const int hn = (int)((grp + 1) / groups), jn = (int)((grp + 1) % groups) * ROWS;
+#pragma unroll
+            for (int m = 0; m < ROWS; m++)
+                if (jn + m < dv) tern_gdn_load_row<DK>(seq_state + ((size_t)hn * dv + jn + m) * DK + lane * E, next[m]);
+        }
+        const int h = (int)(grp / groups), j0 = (int)(grp % groups) * ROWS;
+        const int kh = tern_gdn_key_head(h, nk, nv, grouped);
+        for (size_t t = start; t < end; t++) {
+            float kk[E], qq[E];
+            tern_gdn_load_row<DK>(k + t * k_stride + (size_t)kh * DK + lane * E, kk);
+            tern_gdn_load_row<DK>(q + t * q_stride + (size_t)kh * DK + lane * E, qq);
+            const float decay = expf(g[t * nv + h]);
+            const float b = beta[t * nv + h];
+            float vj[ROWS];
+#pragma unroll
+            for (int m = 0; m < ROWS; m++) vj[m] = j0 + m < dv ? v[t * v_stride + (size_t)h * dv + j0 + m] : 0.0f;
+            if (l2qk) {
+                tern_gdn_l2_regs<DK>(kk, eps, 1.0f);
+                tern_gdn_l2_regs<DK>(qq, eps, q_scale);
+            }
+            float part[ROWS];
+#pragma unroll
+            for (int m = 0; m < ROWS; m++) {
+                part[m] = 0.0f;
+#pragma unroll
+                for (int e = 0; e < E; e++) {
+                    r[m][e] *= decay;
+                    part[m] += r[m][e] * kk[e];
+                }
+            }
+            float o[ROWS];
+#pragma unroll
+            for (int m = 0; m < ROWS; m++) {
+                const float delta = (vj[m] - tern_gdn_warp_sum(part[m])) * b;
+                o[m] = 0.0f;
+#pragma unroll
+                for (int e = 0; e < E; e++) {
+                    r[m][e] += kk[e] * delta;
+                    o[m] += r[m][e] * qq[e];
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < ROWS; m++) {
+                o[m] = tern_gdn_warp_sum(o[m]);
+                if (lane == 0 && j0 + m < dv) out[(t * nv + h) * dv + j0 + m] = o[m];
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < ROWS; m++) {
+            if (j0 + m < dv) tern_gdn_store_row<DK>(seq_state + ((size_t)h * dv + j0 + m) * DK + lane * E, r[m]);
+#pragma unroll
+            for (int e = 0; e < E; e++) r[m][e] = next[m][e];
+        }
     }
 }
 
-// One kernel per (d_k, rows per warp). Rows per warp only trade registers against bytes in
-// flight; the launcher's default is RECURRENCE_ROWS in mod.rs.
-#define TERN_GDN_RECURRENCE(D, R)                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) tern_gdn_recurrence_dk##D##_r##R(                    \
+// One kernel per (d_k, rows per warp, row groups per warp). These only trade registers
+// against bytes in flight; the launcher's default is RECURRENCE_VARIANT in mod.rs.
+#define TERN_GDN_RECURRENCE(D, R, P)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) tern_gdn_recurrence_dk##D##_r##R##_g##P(              \
         float* states, const float* q, long long q_stride, const float* k, long long k_stride, const float* v, \
         long long v_stride, const float* g, const float* beta, float* out, const tern_gdn_u32* seg_start,  \
         const tern_gdn_u32* seg_len, const tern_gdn_u32* slot, int nk, int nv, int dv, int grouped, int l2qk, \
         float eps, float q_scale) {                                                                        \
-        tern_gdn_recurrence_body<D, R>(states, q, q_stride, k, k_stride, v, v_stride, g, beta, out, seg_start, \
-                                       seg_len, slot, nk, nv, dv, grouped, l2qk, eps, q_scale);           \
+        tern_gdn_recurrence_body<D, R, P>(states, q, q_stride, k, k_stride, v, v_stride, g, beta, out,     \
+                                          seg_start, seg_len, slot, nk, nv, dv, grouped, l2qk, eps, q_scale); \
     }
-TERN_GDN_RECURRENCE(32, 1) TERN_GDN_RECURRENCE(32, 2) TERN_GDN_RECURRENCE(32, 4) TERN_GDN_RECURRENCE(32, 8)
-TERN_GDN_RECURRENCE(64, 1) TERN_GDN_RECURRENCE(64, 2) TERN_GDN_RECURRENCE(64, 4) TERN_GDN_RECURRENCE(64, 8)
-TERN_GDN_RECURRENCE(128, 1) TERN_GDN_RECURRENCE(128, 2) TERN_GDN_RECURRENCE(128, 4) TERN_GDN_RECURRENCE(128, 8)
-TERN_GDN_RECURRENCE(256, 1) TERN_GDN_RECURRENCE(256, 2) TERN_GDN_RECURRENCE(256, 4) TERN_GDN_RECURRENCE(256, 8)
+#define TERN_GDN_RECURRENCE_D(D)                                                                          \
+    TERN_GDN_RECURRENCE(D, 1, 1) TERN_GDN_RECURRENCE(D, 2, 1) TERN_GDN_RECURRENCE(D, 4, 1)              \
+    TERN_GDN_RECURRENCE(D, 8, 1) TERN_GDN_RECURRENCE(D, 2, 2) TERN_GDN_RECURRENCE(D, 4, 2)
+TERN_GDN_RECURRENCE_D(32)
+TERN_GDN_RECURRENCE_D(64)
+TERN_GDN_RECURRENCE_D(128)
+TERN_GDN_RECURRENCE_D(256)
+#undef TERN_GDN_RECURRENCE_D
 #undef TERN_GDN_RECURRENCE

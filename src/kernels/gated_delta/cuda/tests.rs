@@ -351,14 +351,14 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
         let scan_pool = gpu.download(&scan_pool).unwrap();
         assert_bits_eq("decode steps vs scan (states)", &gpu.download(&step_pool).unwrap(), &scan_pool);
         // Every rows-per-warp variant computes the same bits.
-        for rows in RECURRENCE_ROW_VARIANTS {
+        for rows in RECURRENCE_VARIANTS {
             let mut kr = GatedDeltaCuda::new(gpu.clone()).unwrap();
-            kr.set_recurrence_rows(rows).unwrap();
+            kr.set_recurrence_variant(rows).unwrap();
             let mut p = up(&pool);
             let mut o = nan(&gpu, tokens * v_row);
             kr.delta_rule(&heads, &inputs, &segs, &mut p, &mut o).unwrap();
-            assert_bits_eq(&format!("{rows} rows per warp (outputs)"), &gpu.download(&o).unwrap(), &scan_out);
-            assert_bits_eq(&format!("{rows} rows per warp (states)"), &gpu.download(&p).unwrap(), &scan_pool);
+            assert_bits_eq(&format!("variant {rows:?} (outputs)"), &gpu.download(&o).unwrap(), &scan_out);
+            assert_bits_eq(&format!("variant {rows:?} (states)"), &gpu.download(&p).unwrap(), &scan_pool);
         }
         eprintln!("recurrence nk {nk} nv {nv} d {d} {key_head:?}: {tokens} decode steps == scan, bit for bit");
     }
@@ -429,5 +429,25 @@ fn cuda_chunked_matches_cpu_scan() {
             failures.push(format!("{acc:?} strong decay: output {eo:e}, state {es:e}"));
         }
     }
+    // The 8-row split of the state pass computes the same bits as the default 16-row split.
+    let heads = DeltaRuleHeads { n_k_heads: 2, n_v_heads: 4, d_k: 128, d_v: 128, key_head: Tiled };
+    let lengths = [300usize, 64, 1];
+    let tokens: usize = lengths.iter().sum();
+    let x = Operands::random(&mut rng, &heads, tokens);
+    let pool = rng.vec(3 * heads.state_len(), -0.5, 0.5);
+    let segs = GpuSegments::new(&gpu, &pack(lengths), &[2, 0, 1], tokens).unwrap();
+    let (dq, dk, dv, dg, db) = (up(&x.q), up(&x.k), up(&x.v), up(&x.g), up(&x.beta));
+    let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 256), k: Rows::contiguous(&dk, 256), v: Rows::contiguous(&dv, 512), g: &dg, beta: &db, normalize_qk: false };
+    let mut k8 = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    k8.set_chunk_state_rows(8).unwrap();
+    for acc in [ChunkAccumulate::F64, ChunkAccumulate::F32] {
+        let (mut p16, mut p8) = (up(&pool), up(&pool));
+        let (mut o16, mut o8) = (nan(&gpu, tokens * 512), nan(&gpu, tokens * 512));
+        k.delta_rule_chunked(&heads, &inputs, &segs, &mut p16, &mut o16, acc).unwrap();
+        k8.delta_rule_chunked(&heads, &inputs, &segs, &mut p8, &mut o8, acc).unwrap();
+        assert_bits_eq("8-row state pass (outputs)", &gpu.download(&o8).unwrap(), &gpu.download(&o16).unwrap());
+        assert_bits_eq("8-row state pass (states)", &gpu.download(&p8).unwrap(), &gpu.download(&p16).unwrap());
+    }
+    eprintln!("chunked: 8- and 16-row state passes agree bit for bit");
     assert!(failures.is_empty(), "chunked prefill over the bound {BOUND:e}:\n{}", failures.join("\n"));
 }
