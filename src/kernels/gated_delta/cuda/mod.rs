@@ -48,7 +48,7 @@ const ROW_WARPS: u32 = 4;
 pub const RECURRENCE_VARIANT: (usize, usize) = (4, 1);
 /// The variants compiled: the arithmetic of each row is the same in all of them, so they agree
 /// bit for bit (a device test checks it); only the speed differs.
-pub const RECURRENCE_VARIANTS: [(usize, usize); 6] = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2)];
+pub const RECURRENCE_VARIANTS: [(usize, usize); 8] = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4), (4, 4)];
 
 fn grid_1d(n: usize, block: u32) -> Result<u32> {
     u32::try_from(n.div_ceil(block as usize)).map_err(|_| Error::Shape(format!("{n} elements: too many for one launch")))

@@ -171,7 +171,8 @@ __device__ void tern_gdn_recurrence_body(float* __restrict__ states, const float
     }
 #define TERN_GDN_RECURRENCE_D(D)                                                                          \
     TERN_GDN_RECURRENCE(D, 1, 1) TERN_GDN_RECURRENCE(D, 2, 1) TERN_GDN_RECURRENCE(D, 4, 1)              \
-    TERN_GDN_RECURRENCE(D, 8, 1) TERN_GDN_RECURRENCE(D, 2, 2) TERN_GDN_RECURRENCE(D, 4, 2)
+    TERN_GDN_RECURRENCE(D, 8, 1) TERN_GDN_RECURRENCE(D, 2, 2) TERN_GDN_RECURRENCE(D, 4, 2)              \
+    TERN_GDN_RECURRENCE(D, 2, 4) TERN_GDN_RECURRENCE(D, 4, 4)
 TERN_GDN_RECURRENCE_D(32)
 TERN_GDN_RECURRENCE_D(64)
 TERN_GDN_RECURRENCE_D(128)
