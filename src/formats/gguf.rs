@@ -35,7 +35,7 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 use rayon::prelude::*;
 
-use super::{Bf16Tensor, Matrix, Tensor};
+use super::{Bf16Tensor, Matrix, Q8Tensor, Tensor};
 use crate::error::{Error, Result};
 
 /// The alignment of the data section and of every tensor's offset when `general.alignment` is absent.
@@ -766,6 +766,12 @@ impl GgufFile {
             let raw = self.raw(name)?;
             if let Some(t) = Bf16Tensor::mapped(name.to_string(), info.shape(), self.map.clone(), raw.file_offset) {
                 return Matrix::Bf16(t).expect_shape(shape);
+            }
+        }
+        if info.ggml_type == GgmlType::Q8_0 && shape.len() == 2 {
+            let raw = self.raw(name)?;
+            if let Some(t) = Q8Tensor::mapped(name.to_string(), info.shape(), self.map.clone(), raw.file_offset) {
+                return Matrix::Q8_0(t).expect_shape(shape);
             }
         }
         Ok(Matrix::F32(self.load_shaped(name, shape)?))

@@ -6,4 +6,4 @@ pub mod npy;
 pub mod safetensors;
 pub mod tensor;
 
-pub use tensor::{Bf16Tensor, Matrix, Tensor};
+pub use tensor::{Bf16Tensor, Matrix, Q8Tensor, Tensor};

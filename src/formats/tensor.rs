@@ -101,10 +101,37 @@ impl Bf16Tensor {
     }
 }
 
-/// A weight matrix as a model keeps it: f32 (mapped or decoded) or bf16 as stored.
+/// Q8_0 blocks kept as stored: a zero-copy view of the 34-byte blocks (f16 scale, 32 i8 quants)
+/// of a [rows][cols] matrix whose rows are whole blocks.
+pub struct Q8Tensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    map: Arc<Mmap>,
+    offset: usize,
+}
+
+impl Q8Tensor {
+    /// A view of `shape` at `offset`, or None when the rows are not whole blocks or the bytes
+    /// are out of the map (the caller then decodes instead).
+    pub(crate) fn mapped(name: String, shape: Vec<usize>, map: Arc<Mmap>, offset: usize) -> Option<Q8Tensor> {
+        let cols = *shape.last()?;
+        let len: usize = shape.iter().product();
+        let fits = offset.checked_add(len / 32 * 34).is_some_and(|end| end <= map.len());
+        (cols % 32 == 0 && fits).then_some(Q8Tensor { name, shape, map, offset })
+    }
+
+    /// The raw blocks.
+    pub fn data(&self) -> &[u8] {
+        let len: usize = self.shape.iter().product();
+        &self.map[self.offset..self.offset + len / 32 * 34]
+    }
+}
+
+/// A weight matrix as a model keeps it: f32 (mapped or decoded), or bf16 or Q8_0 as stored.
 pub enum Matrix {
     F32(Tensor),
     Bf16(Bf16Tensor),
+    Q8_0(Q8Tensor),
 }
 
 impl Matrix {
@@ -112,6 +139,7 @@ impl Matrix {
         match self {
             Matrix::F32(t) => &t.name,
             Matrix::Bf16(t) => &t.name,
+            Matrix::Q8_0(t) => &t.name,
         }
     }
 
@@ -119,6 +147,7 @@ impl Matrix {
         match self {
             Matrix::F32(t) => &t.shape,
             Matrix::Bf16(t) => &t.shape,
+            Matrix::Q8_0(t) => &t.shape,
         }
     }
 

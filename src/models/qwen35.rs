@@ -300,7 +300,7 @@ impl Source {
         }
     }
 
-    /// A weight matrix: bf16 GGUF tensors stay as stored, everything else is f32.
+    /// A weight matrix: bf16 and Q8_0 GGUF tensors stay as stored, everything else is f32.
     fn matrix(&self, prefix: &str, hf: &str, shape: &[usize]) -> Result<Matrix> {
         match self {
             Source::Hf(_) => Ok(Matrix::F32(self.get(prefix, hf, shape)?)),
@@ -355,6 +355,7 @@ fn wts(m: &Matrix) -> Weights<'_> {
     match m {
         Matrix::F32(t) => Weights::F32(t.data()),
         Matrix::Bf16(t) => Weights::Bf16(t.data()),
+        Matrix::Q8_0(t) => Weights::Q8_0(t.data()),
     }
 }
 

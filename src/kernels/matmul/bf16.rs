@@ -12,8 +12,6 @@
 //! - many rows (prefill): panels of W widened into a reused f32 buffer, then the f32 GEMM; the
 //!   widening and packing are O(out·in) against the GEMM's O(rows·out·in).
 
-use std::cell::RefCell;
-
 use rayon::prelude::*;
 
 use crate::kernels::SharedMut;
@@ -28,10 +26,7 @@ pub(super) const TILED_MAX_ROWS: usize = 96;
 /// Weight bytes per fused task: long contiguous runs keep the hardware prefetchers streaming
 /// (a decode step is bound by memory reads), while enough tasks remain for rayon to balance
 /// threads that another process slows down.
-const TASK_BYTES: usize = 512 << 10;
-/// Widened panel size in f32 values (16 MiB): bounds the scratch buffer when a large matrix
-/// (the 248k-row LM head) meets a batch.
-const PANEL_VALUES: usize = 4 << 20;
+pub(super) const TASK_BYTES: usize = 512 << 10;
 
 #[inline(always)]
 pub(crate) fn widen(b: u16) -> f32 {
@@ -154,39 +149,10 @@ fn tiled(x: &[f32], rows: usize, w: &[u16], out: usize, inp: usize, y: &mut [f32
     }
 }
 
-thread_local! {
-    /// The widened panel, kept between calls so a prefill does not fault in fresh pages for
-    /// every projection.
-    static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
 fn widened_gemm(x: &[f32], rows: usize, w: &[u16], out: usize, inp: usize, y: &mut [f32]) {
-    let panel_rows = (PANEL_VALUES / inp.max(1)).clamp(1, out);
-    PANEL.with(|cell| {
-        let mut panel = cell.borrow_mut();
-        let mut o0 = 0;
-        while o0 < out {
-            let p = panel_rows.min(out - o0);
-            // Grow only: shrinking and growing again between projections would zero-fill the
-            // buffer each time.
-            if panel.len() < p * inp {
-                panel.resize(p * inp, 0.0);
-            }
-            let src = &w[o0 * inp..(o0 + p) * inp];
-            panel[..p * inp].par_chunks_mut(16 * 1024).zip(src.par_chunks(16 * 1024)).for_each(|(d, s)| widen_into(s, d));
-            // SAFETY: X is [rows][inp], the panel [p][inp] (read as its transpose), and the
-            // destination the columns o0..o0+p of Y [rows][out], all inside the checked buffers.
-            unsafe {
-                super::gemm_f32(
-                    rows, p, inp,
-                    y.as_mut_ptr().add(o0), out as isize, 1,
-                    x.as_ptr(), inp as isize, 1,
-                    panel.as_ptr(), 1, inp as isize,
-                    true,
-                );
-            }
-            o0 += p;
-        }
+    super::panel_gemm(x, rows, out, inp, y, |o0, p, panel| {
+        let src = &w[o0 * inp..(o0 + p) * inp];
+        panel.par_chunks_mut(16 * 1024).zip(src.par_chunks(16 * 1024)).for_each(|(d, s)| widen_into(s, d));
     });
 }
 

@@ -4,23 +4,35 @@
 //! a batch member equal to the same text embedded alone.
 
 mod bf16;
+mod q8_0;
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
 
 use super::check_len;
 use crate::error::{Error, Result};
 
 /// A weight matrix [out][in] in the dtype it is stored in. bf16 weights stay bf16 in memory (a
 /// decode step reads half the bytes) and are widened, exactly, inside the product.
+///
+/// Q8_0 weights (GGUF blocks of an f16 scale and 32 i8 quants, 34 bytes) stay quantized too:
+/// each weight d·q is formed in f32, exactly as decoding at load would give it, inside the
+/// product.
 #[derive(Clone, Copy, Debug)]
 pub enum Weights<'a> {
     F32(&'a [f32]),
     Bf16(&'a [u16]),
+    Q8_0(&'a [u8]),
 }
 
 impl Weights<'_> {
+    /// Number of weights.
     pub fn len(&self) -> usize {
         match self {
             Weights::F32(w) => w.len(),
             Weights::Bf16(w) => w.len(),
+            Weights::Q8_0(b) => b.len() / q8_0::BLOCK_BYTES * q8_0::BLOCK,
         }
     }
 
@@ -33,6 +45,7 @@ impl Weights<'_> {
         match self {
             Weights::F32(w) => 4 * w.len(),
             Weights::Bf16(w) => 2 * w.len(),
+            Weights::Q8_0(b) => b.len(),
         }
     }
 
@@ -45,6 +58,13 @@ impl Weights<'_> {
         match self {
             Weights::F32(w) => out.copy_from_slice(&w[r * cols..(r + 1) * cols]),
             Weights::Bf16(w) => bf16::widen_into(&w[r * cols..(r + 1) * cols], out),
+            Weights::Q8_0(b) => {
+                if cols % q8_0::BLOCK != 0 {
+                    return Err(Error::Shape(format!("Q8_0 rows of {cols} columns are not whole blocks of {}", q8_0::BLOCK)));
+                }
+                let per_row = cols / q8_0::BLOCK * q8_0::BLOCK_BYTES;
+                q8_0::dequantize_into(&b[r * per_row..(r + 1) * per_row], out);
+            }
         }
         Ok(())
     }
@@ -77,6 +97,75 @@ pub fn linear_w_into(
             }
             Ok(())
         }
+        Weights::Q8_0(b) => {
+            check_len("linear input", x.len(), rows * in_features)?;
+            if in_features % q8_0::BLOCK != 0 {
+                return Err(Error::Shape(format!("Q8_0 rows of {in_features} columns are not whole blocks of {}", q8_0::BLOCK)));
+            }
+            check_len("linear weight", b.len(), out_features * in_features / q8_0::BLOCK * q8_0::BLOCK_BYTES)?;
+            check_len("linear output", y.len(), rows * out_features)?;
+            if rows > 0 {
+                q8_0::linear_q8_0_into(x, rows, b, out_features, in_features, y);
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Widened panel size in f32 values (16 MiB): bounds the scratch buffer when a large matrix
+/// (the 248k-row LM head) meets a batch.
+const PANEL_VALUES: usize = 4 << 20;
+
+thread_local! {
+    /// The widened panel, kept between calls so a prefill does not fault in fresh pages for
+    /// every projection.
+    static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Y = X·Wᵀ for weights stored in another dtype: `fill(o0, p, panel)` writes W rows o0..o0+p as
+/// f32 into `panel` ([p][inp]), and the f32 GEMM runs on each panel in turn.
+pub(super) fn panel_gemm(
+    x: &[f32],
+    rows: usize,
+    out: usize,
+    inp: usize,
+    y: &mut [f32],
+    fill: impl Fn(usize, usize, &mut [f32]),
+) {
+    let panel_rows = (PANEL_VALUES / inp.max(1)).clamp(1, out.max(1));
+    PANEL.with(|cell| {
+        let mut panel = cell.borrow_mut();
+        let mut o0 = 0;
+        while o0 < out {
+            let p = panel_rows.min(out - o0);
+            // Grow only: shrinking and growing again between projections would zero-fill the
+            // buffer each time.
+            if panel.len() < p * inp {
+                panel.resize(p * inp, 0.0);
+            }
+            fill(o0, p, &mut panel[..p * inp]);
+            // SAFETY: X is [rows][inp], the panel [p][inp] (read as its transpose), and the
+            // destination the columns o0..o0+p of Y [rows][out], all inside the checked buffers.
+            unsafe {
+                gemm_f32(
+                    rows, p, inp,
+                    y.as_mut_ptr().add(o0), out as isize, 1,
+                    x.as_ptr(), inp as isize, 1,
+                    panel.as_ptr(), 1, inp as isize,
+                    true,
+                );
+            }
+            o0 += p;
+        }
+    });
+}
+
+/// Runs `task(i)` for i in 0..tasks on the rayon pool when there is more than one of each.
+pub(super) fn for_each_task(tasks: usize, task: impl Fn(usize) + Sync + Send) {
+    if tasks > 1 && rayon::current_num_threads() > 1 {
+        (0..tasks).into_par_iter().for_each(task);
+    } else {
+        (0..tasks).for_each(task);
     }
 }
 
