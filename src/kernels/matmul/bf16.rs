@@ -177,9 +177,9 @@ fn dot_kernel() -> Dot4 {
 }
 
 /// Four X rows against four consecutive widened W rows (`w` holds 4·inp f32): `[W row][X row]`.
-type Tile = fn([&[f32]; 4], &[f32], usize) -> [[f32; 4]; 4];
+pub(super) type Tile = fn([&[f32]; 4], &[f32], usize) -> [[f32; 4]; 4];
 
-fn tile_kernel() -> Tile {
+pub(super) fn tile_kernel() -> Tile {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
