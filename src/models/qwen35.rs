@@ -241,9 +241,9 @@ impl Qwen35Config {
 
 /// Where the weights come from; names are asked for in the Hugging Face spelling (without the
 /// model prefix) and mapped to llama.cpp's for GGUF files.
-enum Source {
+enum Source<'f> {
     Hf(SafetensorsWeights),
-    Gguf(GgufFile),
+    Gguf(&'f GgufFile),
 }
 
 fn gguf_name(hf: &str) -> Option<String> {
@@ -289,7 +289,7 @@ fn gguf_name(hf: &str) -> Option<String> {
     Some(format!("blk.{layer}.{g}"))
 }
 
-impl Source {
+impl Source<'_> {
     fn get(&self, prefix: &str, hf: &str, shape: &[usize]) -> Result<Tensor> {
         match self {
             Source::Hf(w) => w.get(&format!("{prefix}{hf}"), shape),
@@ -486,12 +486,18 @@ impl Qwen35 {
     pub fn load(path: &Path) -> Result<Qwen35> {
         // A missing path is named as given, not as the config.json a directory would hold.
         std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
-        let (cfg, w) = if path.is_file() {
-            let f = GgufFile::open(path)?;
-            (Qwen35Config::from_gguf(&f)?, Source::Gguf(f))
-        } else {
-            (Qwen35Config::from_dir(path)?, Source::Hf(SafetensorsWeights::open_dir(path)?))
-        };
+        if path.is_file() {
+            return Self::from_gguf(&GgufFile::open(path)?);
+        }
+        Self::build(Qwen35Config::from_dir(path)?, Source::Hf(SafetensorsWeights::open_dir(path)?))
+    }
+
+    /// The model of an opened GGUF file (whose tokenizer the caller may read too).
+    pub fn from_gguf(f: &GgufFile) -> Result<Qwen35> {
+        Self::build(Qwen35Config::from_gguf(f)?, Source::Gguf(f))
+    }
+
+    fn build(cfg: Qwen35Config, w: Source) -> Result<Qwen35> {
         let gguf = matches!(w, Source::Gguf(_));
         let p = cfg.prefix.clone();
         let h = cfg.hidden;

@@ -130,9 +130,10 @@ impl Llm {
     /// A Hugging Face checkpoint directory (`qwen3_5_text`, `qwen3_5_moe_text` or a wrapper) or a
     /// llama.cpp GGUF file (`qwen35`, `qwen35moe`) with its embedded tokenizer.
     pub fn load(path: &Path, threads: usize) -> Result<Llm> {
-        let model = Qwen35::load(path)?;
-        let (tokenizer, template, mut stop_ids, default_sampling) = if path.is_file() {
+        let (model, tokenizer, template, mut stop_ids, default_sampling) = if path.is_file() {
+            // One parse of the header (a 248k-entry vocabulary) serves the weights and tokenizer.
             let f = GgufFile::open(path)?;
+            let model = Qwen35::from_gguf(&f)?;
             let tokenizer = Tokenizer::from_gguf(&f)?;
             let mut stops: Vec<u32> = Vec::new();
             for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
@@ -141,11 +142,12 @@ impl Llm {
             // llama.cpp also ends a turn at these control tokens when the vocabulary has them.
             let special = tokenizer.special_tokens();
             stops.extend(["<|im_end|>", "<|endoftext|>"].iter().filter_map(|t| special.get(*t).copied()));
-            (tokenizer, ChatTemplate::from_gguf(&f)?, stops, SamplingOptions::default())
+            (model, tokenizer, ChatTemplate::from_gguf(&f)?, stops, SamplingOptions::default())
         } else {
+            let model = Qwen35::load(path)?;
             let tokenizer = Tokenizer::load_file(path)?;
             let (stops, sampling) = generation_config(path)?;
-            (tokenizer, ChatTemplate::from_dir(path)?, stops, sampling)
+            (model, tokenizer, ChatTemplate::from_dir(path)?, stops, sampling)
         };
         stop_ids.extend(&model.cfg.eos_ids);
         stop_ids.sort_unstable();
