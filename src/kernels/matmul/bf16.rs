@@ -14,7 +14,6 @@
 
 use rayon::prelude::*;
 
-use crate::kernels::SharedMut;
 
 /// Up to this many rows of X take the fused kernel, which widens W again for every X row: it is
 /// bound by memory reads at one or two rows; from three, widening each W block once for four X
@@ -23,9 +22,8 @@ pub(super) const FUSED_MAX_ROWS: usize = 2;
 /// Up to this many (and more than FUSED_MAX_ROWS) take the tiled kernel; more take widen + GEMM
 /// (measured on Qwen3.5-0.8B shapes: the tiled form is ahead at 64 rows, the GEMM at 128).
 pub(super) const TILED_MAX_ROWS: usize = 96;
-/// Weight bytes per fused task: long contiguous runs keep the hardware prefetchers streaming
-/// (a decode step is bound by memory reads), while enough tasks remain for rayon to balance
-/// threads that another process slows down.
+/// Weight bytes per task of the small products (see `over_row_blocks`; a decode step is bound by
+/// memory reads).
 pub(super) const TASK_BYTES: usize = 512 << 10;
 
 #[inline(always)]
@@ -61,16 +59,7 @@ pub(super) fn linear_bf16_into(x: &[f32], rows: usize, w: &[u16], out: usize, in
 
 fn fused(x: &[f32], rows: usize, w: &[u16], out: usize, inp: usize, y: &mut [f32]) {
     let kernel = dot_kernel();
-    let rows_per_task = (TASK_BYTES / (2 * inp.max(1))).next_multiple_of(4).max(4);
-    let tasks = out.div_ceil(rows_per_task);
-    debug_assert!(y.len() >= rows * out);
-    let yp = SharedMut(y.as_mut_ptr());
-    let run = |task: usize| {
-        let o0 = task * rows_per_task;
-        let o1 = (o0 + rows_per_task).min(out);
-        // SAFETY: task `task` writes only Y[t][o0..o1] for every t: disjoint across tasks, and
-        // inside Y, whose length the caller checked to be rows·out.
-        let put = |t: usize, o: usize, v: f32| unsafe { *yp.ptr().add(t * out + o) = v };
+    super::over_row_blocks(out, 2 * inp, y, |o0, o1, put| {
         let mut o = o0;
         while o + 4 <= o1 {
             let wr = &w[o * inp..(o + 4) * inp];
@@ -82,70 +71,38 @@ fn fused(x: &[f32], rows: usize, w: &[u16], out: usize, inp: usize, y: &mut [f32
             }
             o += 4;
         }
-        for o in o..o1 {
-            let wr = &w[o * inp..(o + 1) * inp];
-            for t in 0..rows {
-                put(t, o, dot_scalar(&x[t * inp..(t + 1) * inp], wr));
-            }
-        }
-    };
-    if tasks > 1 && rayon::current_num_threads() > 1 {
-        (0..tasks).into_par_iter().for_each(run);
-    } else {
-        (0..tasks).for_each(run);
-    }
+        scalar_tail(x, rows, w, inp, o, o1, put);
+    });
 }
 
 fn tiled(x: &[f32], rows: usize, w: &[u16], out: usize, inp: usize, y: &mut [f32]) {
     let kernel = tile_kernel();
     let in_registers = tile_bf16_kernel();
-    let rows_per_task = (TASK_BYTES / (2 * inp.max(1))).next_multiple_of(4).max(4);
-    let tasks = out.div_ceil(rows_per_task);
-    debug_assert!(y.len() >= rows * out);
-    let yp = SharedMut(y.as_mut_ptr());
-    let run = |task: usize| {
-        let o0 = task * rows_per_task;
-        let o1 = (o0 + rows_per_task).min(out);
-        // SAFETY: as in `fused`: this task writes only Y[t][o0..o1], inside the checked Y.
-        let put = |t: usize, o: usize, v: f32| unsafe { *yp.ptr().add(t * out + o) = v };
+    super::over_row_blocks(out, 2 * inp, y, |o0, o1, put| {
         let mut wf = if in_registers.is_some() { Vec::new() } else { vec![0.0f32; 4 * inp] };
         let mut o = o0;
         while o + 4 <= o1 {
             let wb = &w[o * inp..(o + 4) * inp];
-            if in_registers.is_none() {
-                widen_into(wb, &mut wf);
-            }
-            let mut t = 0;
-            while t < rows {
-                // Past the last row, the last row stands in; those results are dropped.
-                let ts: [usize; 4] = std::array::from_fn(|i| (t + i).min(rows - 1));
-                let xs = ts.map(|r| &x[r * inp..(r + 1) * inp]);
-                let d = match in_registers {
-                    Some(k) => k(xs, wb, inp),
-                    None => kernel(xs, &wf, inp),
-                };
-                for (i, &tr) in ts.iter().enumerate() {
-                    if tr == t + i {
-                        for (r, dr) in d.iter().enumerate() {
-                            put(tr, o + r, dr[i]);
-                        }
-                    }
+            match in_registers {
+                Some(k) => super::tile_x_rows(x, rows, inp, o, put, |xs| k(xs, wb, inp)),
+                None => {
+                    widen_into(wb, &mut wf);
+                    super::tile_x_rows(x, rows, inp, o, put, |xs| kernel(xs, &wf, inp));
                 }
-                t += 4;
             }
             o += 4;
         }
-        for o in o..o1 {
-            let wr = &w[o * inp..(o + 1) * inp];
-            for t in 0..rows {
-                put(t, o, dot_scalar(&x[t * inp..(t + 1) * inp], wr));
-            }
+        scalar_tail(x, rows, w, inp, o, o1, put);
+    });
+}
+
+/// The W rows o..o1 left over after the blocks of four.
+fn scalar_tail(x: &[f32], rows: usize, w: &[u16], inp: usize, o: usize, o1: usize, put: super::Put) {
+    for o in o..o1 {
+        let wr = &w[o * inp..(o + 1) * inp];
+        for t in 0..rows {
+            put(t, o, dot_scalar(&x[t * inp..(t + 1) * inp], wr));
         }
-    };
-    if tasks > 1 && rayon::current_num_threads() > 1 {
-        (0..tasks).into_par_iter().for_each(run);
-    } else {
-        (0..tasks).for_each(run);
     }
 }
 

@@ -119,36 +119,14 @@ pub fn linear_w_into(
 /// through the GEMM).
 const F32_TILED_MAX_ROWS: usize = 16;
 
-/// Y = X·Wᵀ for a few rows: tasks over blocks of W rows, each block of four W rows against the
-/// X rows four at a time.
+/// Y = X·Wᵀ for a few rows: each block of four W rows against the X rows four at a time.
 fn f32_tiled(x: &[f32], rows: usize, w: &[f32], out: usize, inp: usize, y: &mut [f32]) {
     let kernel = bf16::tile_kernel();
-    let rows_per_task = (bf16::TASK_BYTES / (4 * inp.max(1))).next_multiple_of(4).max(4);
-    let tasks = out.div_ceil(rows_per_task);
-    let yp = super::SharedMut(y.as_mut_ptr());
-    for_each_task(tasks, |task| {
-        let o0 = task * rows_per_task;
-        let o1 = (o0 + rows_per_task).min(out);
-        // SAFETY: this task writes only Y[t][o0..o1] for every t: disjoint across tasks, inside
-        // Y, whose length the caller checked to be rows·out.
-        let put = |t: usize, o: usize, v: f32| unsafe { *yp.ptr().add(t * out + o) = v };
+    over_row_blocks(out, 4 * inp, y, |o0, o1, put| {
         let mut o = o0;
         while o + 4 <= o1 {
             let wb = &w[o * inp..(o + 4) * inp];
-            let mut t = 0;
-            while t < rows {
-                // Past the last row, the last row stands in; those results are dropped.
-                let ts: [usize; 4] = std::array::from_fn(|i| (t + i).min(rows - 1));
-                let d = kernel(ts.map(|r| &x[r * inp..(r + 1) * inp]), wb, inp);
-                for (i, &tr) in ts.iter().enumerate() {
-                    if tr == t + i {
-                        for (r, dr) in d.iter().enumerate() {
-                            put(tr, o + r, dr[i]);
-                        }
-                    }
-                }
-                t += 4;
-            }
+            tile_x_rows(x, rows, inp, o, put, |xs| kernel(xs, wb, inp));
             o += 4;
         }
         for o in o..o1 {
@@ -158,6 +136,50 @@ fn f32_tiled(x: &[f32], rows: usize, w: &[f32], out: usize, inp: usize, y: &mut 
             }
         }
     });
+}
+
+/// Writes one element of Y: `put(t, o, v)` sets Y[t][o].
+pub(super) type Put<'a> = &'a (dyn Fn(usize, usize, f32) + Sync);
+
+/// Splits the W rows into tasks of about `TASK_BYTES` of weights (whole blocks of four rows)
+/// and runs `body(o0, o1, put)` for each, on the rayon pool when there is more than one task.
+/// Long contiguous runs keep the hardware prefetchers streaming, while enough tasks remain for
+/// rayon to balance threads that another process slows down.
+pub(super) fn over_row_blocks(out: usize, row_bytes: usize, y: &mut [f32], body: impl Fn(usize, usize, Put) + Sync + Send) {
+    let rows_per_task = (bf16::TASK_BYTES / row_bytes.max(1)).next_multiple_of(4).max(4);
+    let tasks = out.div_ceil(rows_per_task);
+    let yp = super::SharedMut(y.as_mut_ptr());
+    let len = y.len();
+    for_each_task(tasks, |task| {
+        let o0 = task * rows_per_task;
+        let o1 = (o0 + rows_per_task).min(out);
+        let put = |t: usize, o: usize, v: f32| {
+            debug_assert!(t * out + o < len && (o0..o1).contains(&o));
+            // SAFETY: a task writes only Y[t][o0..o1] for every t (the callers' bodies keep o in
+            // their o0..o1): disjoint across tasks, and inside Y, whose length the products'
+            // entry points check to be rows·out.
+            unsafe { *yp.ptr().add(t * out + o) = v }
+        };
+        body(o0, o1, &put);
+    });
+}
+
+/// The X rows four at a time against one block of four W rows starting at row `o`: `tile(xs)`
+/// gives `[W row][X row]`. Past the last X row the last one stands in; those results are dropped.
+pub(super) fn tile_x_rows(x: &[f32], rows: usize, inp: usize, o: usize, put: Put, mut tile: impl FnMut([&[f32]; 4]) -> [[f32; 4]; 4]) {
+    let mut t = 0;
+    while t < rows {
+        let ts: [usize; 4] = std::array::from_fn(|i| (t + i).min(rows - 1));
+        let d = tile(ts.map(|r| &x[r * inp..(r + 1) * inp]));
+        for (i, &tr) in ts.iter().enumerate() {
+            if tr == t + i {
+                for (r, dr) in d.iter().enumerate() {
+                    put(tr, o + r, dr[i]);
+                }
+            }
+        }
+        t += 4;
+    }
 }
 
 /// Widened panel size in f32 values (16 MiB): bounds the scratch buffer when a large matrix

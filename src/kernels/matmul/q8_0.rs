@@ -8,8 +8,6 @@
 use half::f16;
 use rayon::prelude::*;
 
-use crate::kernels::SharedMut;
-
 pub(super) const BLOCK: usize = 32;
 pub(super) const BLOCK_BYTES: usize = 34;
 /// Up to this many X rows take the fused kernel.
@@ -40,19 +38,11 @@ pub(super) fn linear_q8_0_into(x: &[f32], rows: usize, w: &[u8], out: usize, inp
         return;
     }
     let dot = dot_kernel();
-    let rows_per_task = (super::bf16::TASK_BYTES / row_bytes.max(1)).max(1);
-    let tasks = out.div_ceil(rows_per_task);
-    let yp = SharedMut(y.as_mut_ptr());
-    super::for_each_task(tasks, |task| {
-        let o0 = task * rows_per_task;
-        let o1 = (o0 + rows_per_task).min(out);
+    super::over_row_blocks(out, row_bytes, y, |o0, o1, put| {
         for o in o0..o1 {
             let wr = &w[o * row_bytes..(o + 1) * row_bytes];
             for t in 0..rows {
-                let v = dot(&x[t * inp..(t + 1) * inp], wr);
-                // SAFETY: task `task` writes only Y[t][o0..o1] for every t: disjoint across
-                // tasks, inside Y, whose length the caller checked to be rows·out.
-                unsafe { *yp.ptr().add(t * out + o) = v };
+                put(t, o, dot(&x[t * inp..(t + 1) * inp], wr));
             }
         }
     });
