@@ -20,18 +20,6 @@ fn root() -> PathBuf {
     fixtures().join("qwen35")
 }
 
-fn index() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(root().join("index.json")).unwrap()).unwrap()
-}
-
-fn model_path(index: &Value, name: &str, gguf: Option<&str>) -> PathBuf {
-    let entry = &index["models"][name];
-    match gguf {
-        None => root().join(entry["hf_dir"].as_str().unwrap()),
-        Some(kind) => root().join(entry["gguf"][kind]["file"].as_str().unwrap()),
-    }
-}
-
 fn tern(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_tern")).args(args).output().unwrap()
 }
@@ -43,10 +31,10 @@ fn csv(ids: &[u32]) -> String {
 /// `tern generate --json --logits-out` equals the goldens: the generated ids, and every logits
 /// row within 1e-4 of transformers' relative to the row's logit scale.
 fn check_cli(name: &str, gguf: Option<&str>, case_i: usize) {
-    let index = index();
+    let index = qwen35_index();
     let case = &index["models"][name]["cases"][case_i];
     let golden = if gguf == Some("q8_0") { &case["q8_0"] } else { case };
-    let model = model_path(&index, name, gguf);
+    let model = qwen35_model(&index, name, gguf);
     let prompt = ids(&case["prompt_ids"]);
     let want_ids = ids(&golden["generated_ids"]);
     let logits_path = std::env::temp_dir().join(format!("tern-gen-{name}-{}-{case_i}-{}.npy", gguf.unwrap_or("st"), std::process::id()));
@@ -75,8 +63,7 @@ fn check_cli(name: &str, gguf: Option<&str>, case_i: usize) {
     assert_eq!(shape[0], got.len());
     for step in 0..got.len() {
         let row = &want[step * vocab..(step + 1) * vocab];
-        let scale = row.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
-        let err = max_abs_diff(&logits[step * vocab..(step + 1) * vocab], row) / scale;
+        let err = relative_to_scale(&logits[step * vocab..(step + 1) * vocab], row);
         assert!(err <= 1e-4, "{name} {gguf:?} step {step}: relative logit error {err:.3e}");
     }
 }
@@ -93,14 +80,14 @@ fn cli_greedy_generation_equals_transformers() {
 /// Every GGUF's embedded vocabulary, rebuilt as a tokenizer, gives tokenizer.json's ids.
 #[test]
 fn gguf_tokenizer_equals_tokenizer_json() {
-    let index = index();
+    let index = qwen35_index();
     let mut texts: Vec<String> =
         index["tokenizer"]["strings"].as_array().unwrap().iter().map(|s| s["text"].as_str().unwrap().to_string()).collect();
     texts.push(index["tokenizer"]["chat_example"]["text"].as_str().unwrap().to_string());
     for name in ["dense-untied", "dense-tied", "moe"] {
-        let reference = Tokenizer::load_file(&model_path(&index, name, None)).unwrap();
+        let reference = Tokenizer::load_file(&qwen35_model(&index, name, None)).unwrap();
         for kind in ["f32", "bf16", "q8_0"] {
-            let f = GgufFile::open(&model_path(&index, name, Some(kind))).unwrap();
+            let f = GgufFile::open(&qwen35_model(&index, name, Some(kind))).unwrap();
             let tok = Tokenizer::from_gguf(&f).unwrap();
             for t in &texts {
                 assert_eq!(tok.encode_text(t).unwrap(), reference.encode_text(t).unwrap(), "{name} {kind}: {t:?}");
@@ -110,7 +97,7 @@ fn gguf_tokenizer_equals_tokenizer_json() {
         }
     }
     let chat = &index["tokenizer"]["chat_example"];
-    let reference = Tokenizer::load_file(&model_path(&index, "dense-untied", None)).unwrap();
+    let reference = Tokenizer::load_file(&qwen35_model(&index, "dense-untied", None)).unwrap();
     assert_eq!(reference.encode_text(chat["text"].as_str().unwrap()).unwrap(), ids(&chat["ids"]));
 }
 
@@ -186,13 +173,13 @@ fn chat_templates_render_like_transformers() {
 
 #[test]
 fn chat_template_comes_from_the_checkpoint_and_the_gguf() {
-    let index = index();
+    let index = qwen35_index();
     let chat = &index["tokenizer"]["chat_example"];
     let messages = chat["messages"].as_array().unwrap();
     let want = chat["text"].as_str().unwrap();
-    let from_dir = ChatTemplate::from_dir(&model_path(&index, "dense-untied", None)).unwrap().unwrap();
+    let from_dir = ChatTemplate::from_dir(&qwen35_model(&index, "dense-untied", None)).unwrap().unwrap();
     assert_eq!(from_dir.render(messages, true, &Default::default()).unwrap(), want);
-    let f = GgufFile::open(&model_path(&index, "moe", Some("bf16"))).unwrap();
+    let f = GgufFile::open(&qwen35_model(&index, "moe", Some("bf16"))).unwrap();
     let from_gguf = ChatTemplate::from_gguf(&f).unwrap().unwrap();
     assert_eq!(from_gguf.render(messages, true, &Default::default()).unwrap(), want);
 }
@@ -206,9 +193,9 @@ fn greedy(max_tokens: usize) -> GenerateOptions {
 /// given every token at once.
 #[test]
 fn chat_turns_run_only_their_new_tokens() {
-    let index = index();
+    let index = qwen35_index();
     for (name, gguf) in [("dense-untied", None), ("moe", Some("bf16"))] {
-        let llm = Llm::load(&model_path(&index, name, gguf), 2).unwrap();
+        let llm = Llm::load(&qwen35_model(&index, name, gguf), 2).unwrap();
         let mut chat = ChatSession::new(&llm).unwrap();
         chat.push_system("You are a test.");
         let g1 = chat.send("Hi there!", &greedy(6), &mut |_| true).unwrap();
@@ -234,16 +221,15 @@ fn chat_turns_run_only_their_new_tokens() {
         let mut fresh = llm.new_session();
         let g = llm.generate(&mut fresh, &all, &greedy(1), &mut |_| true).unwrap();
         let vocab = llm.vocab_size();
-        let scale = g.logits.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
-        let err = max_abs_diff(&g2.logits[..vocab], &g.logits) / scale;
+        let err = relative_to_scale(&g2.logits[..vocab], &g.logits);
         assert!(err <= 1e-5, "{name}: chat state differs from a fresh run: {err:.3e}");
     }
 }
 
 #[test]
 fn seeded_sampling_is_reproducible_and_stop_strings_cut() {
-    let index = index();
-    let model = model_path(&index, "dense-untied", None);
+    let index = qwen35_index();
+    let model = qwen35_model(&index, "dense-untied", None);
     let m = model.to_str().unwrap();
     let run = |extra: &[&str]| -> Value {
         let mut args = vec!["generate", "--model", m, "--prompt", "The model reads a prompt.", "--max-tokens", "24", "--json"];
@@ -276,8 +262,8 @@ fn seeded_sampling_is_reproducible_and_stop_strings_cut() {
 
 #[test]
 fn chat_command_answers_each_line() {
-    let index = index();
-    let model = model_path(&index, "dense-untied", Some("f32"));
+    let index = qwen35_index();
+    let model = qwen35_model(&index, "dense-untied", Some("f32"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_tern"))
         .args(["chat", "--model", model.to_str().unwrap(), "--temperature", "0", "--max-tokens", "5", "--system", "Be brief."])
         .stdin(std::process::Stdio::piped())
@@ -325,8 +311,8 @@ fn expect_failure(args: &[&str], needle: &str) {
 
 #[test]
 fn bad_input_is_a_clear_error() {
-    let index = index();
-    let gguf = model_path(&index, "dense-untied", Some("f32"));
+    let index = qwen35_index();
+    let gguf = qwen35_model(&index, "dense-untied", Some("f32"));
     let dir = scratch("cases");
     // An architecture tern does not run: the string value after the key.
     let unknown = dir.join("unknown-arch.gguf");
@@ -373,8 +359,8 @@ fn bad_input_is_a_clear_error() {
 
 #[test]
 fn library_reports_context_overflow_and_empty_prompts() {
-    let index = index();
-    let llm = Llm::load(&model_path(&index, "dense-tied", None), 1).unwrap();
+    let index = qwen35_index();
+    let llm = Llm::load(&qwen35_model(&index, "dense-tied", None), 1).unwrap();
     let mut s = llm.new_session();
     let e = llm.generate(&mut s, &[], &greedy(1), &mut |_| true).err().unwrap().to_string();
     assert!(e.contains("empty"), "{e}");
@@ -388,9 +374,9 @@ fn library_reports_context_overflow_and_empty_prompts() {
 
 #[test]
 fn inspect_describes_llms() {
-    let index = index();
+    let index = qwen35_index();
     for (name, gguf) in [("moe", Some("q8_0")), ("dense-tied", None)] {
-        let path = model_path(&index, name, gguf);
+        let path = qwen35_model(&index, name, gguf);
         let out = tern(&["inspect", "--model", path.to_str().unwrap()]);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let v: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -409,8 +395,8 @@ fn inspect_describes_llms() {
 /// produces alone, including one that finishes early and one that joins late.
 #[test]
 fn generations_stepped_together_match_alone() {
-    let index = index();
-    let llm = Llm::load(&model_path(&index, "moe", Some("bf16")), 2).unwrap();
+    let index = qwen35_index();
+    let llm = Llm::load(&qwen35_model(&index, "moe", Some("bf16")), 2).unwrap();
     let prompts: Vec<Vec<u32>> = [0, 2, 4].iter().map(|&i| ids(&index["models"]["moe"]["cases"][i]["prompt_ids"])).collect();
     let budgets = [12usize, 5, 12];
     let alone: Vec<Vec<u32>> = prompts

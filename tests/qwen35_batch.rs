@@ -12,20 +12,11 @@ use common::*;
 use serde_json::Value;
 use tern::models::qwen35::Qwen35;
 
-fn relative(a: &[f32], b: &[f32]) -> f64 {
-    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
-    max_abs_diff(a, b) / scale
-}
-
 fn check(name: &str, gguf: Option<&str>) {
     let root = fixtures().join("qwen35");
-    let index: Value = serde_json::from_str(&std::fs::read_to_string(root.join("index.json")).unwrap()).unwrap();
+    let index = qwen35_index();
     let entry = &index["models"][name];
-    let path = match gguf {
-        None => root.join(entry["hf_dir"].as_str().unwrap()),
-        Some(kind) => root.join(entry["gguf"][kind]["file"].as_str().unwrap()),
-    };
-    let model = Qwen35::load(&path).unwrap();
+    let model = Qwen35::load(&qwen35_model(&index, name, gguf)).unwrap();
     // Prompts of 1, 65 and 300 tokens: scan and chunked paths in one batch.
     let cases: Vec<&Value> = [0, 3, 4].iter().map(|&i| &entry["cases"][i]).collect();
     let prompts: Vec<Vec<u32>> = cases.iter().map(|c| ids(&c["prompt_ids"])).collect();
@@ -52,13 +43,12 @@ fn check(name: &str, gguf: Option<&str>) {
         let mut batch: Vec<(&[u32], &mut _)> = inputs.iter().map(|v| v.as_slice()).zip(states.iter_mut()).collect();
         let out = model.forward_batch(&mut batch).unwrap();
         for (i, logits) in out.iter().enumerate() {
-            let vs_alone = relative(logits, &alone[i][step]);
-            let vs_golden = relative(logits, &goldens[i].1[step * vocab..(step + 1) * vocab]);
+            let vs_alone = relative_to_scale(logits, &alone[i][step]);
+            let vs_golden = relative_to_scale(logits, &goldens[i].1[step * vocab..(step + 1) * vocab]);
             worst = (worst.0.max(vs_alone), worst.1.max(vs_golden));
             assert!(vs_alone <= 1e-4, "{name} {gguf:?} seq {i} step {step}: batched vs alone {vs_alone:.3e}");
             assert!(vs_golden <= 1e-4, "{name} {gguf:?} seq {i} step {step}: batched vs transformers {vs_golden:.3e}");
-            let argmax = logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (j, &v)| if v > b.1 { (j, v) } else { b }).0;
-            assert_eq!(argmax as u32, paths[i][step], "{name} seq {i} step {step}: greedy token");
+            assert_eq!(argmax(logits), paths[i][step], "{name} seq {i} step {step}: greedy token");
         }
     }
     eprintln!("{name} {gguf:?}: batched vs alone {:.2e}, vs transformers {:.2e}", worst.0, worst.1);

@@ -8,19 +8,14 @@
 mod common;
 
 use common::*;
-use serde_json::Value;
 use tern::models::qwen35::Qwen35;
 
 /// `gguf`: None for the safetensors directory, else the GGUF variant (f32, bf16).
 fn check_model(name: &str, gguf: Option<&str>) {
     let root = fixtures().join("qwen35");
-    let index: Value = serde_json::from_str(&std::fs::read_to_string(root.join("index.json")).unwrap()).unwrap();
+    let index = qwen35_index();
     let entry = &index["models"][name];
-    let path = match gguf {
-        None => root.join(entry["hf_dir"].as_str().unwrap()),
-        Some(kind) => root.join(entry["gguf"][kind]["file"].as_str().unwrap()),
-    };
-    let model = Qwen35::load(&path).unwrap();
+    let model = Qwen35::load(&qwen35_model(&index, name, gguf)).unwrap();
     let name = &format!("{name} {}", gguf.unwrap_or("safetensors"));
     let mut worst = 0.0f64;
     let cases = entry["cases"].as_array().unwrap();
@@ -38,12 +33,10 @@ fn check_model(name: &str, gguf: Option<&str>) {
         for (step, &want_id) in generated.iter().enumerate() {
             let logits = model.forward(&input, &mut state).unwrap();
             let row = &want[step * vocab..(step + 1) * vocab];
-            let scale = row.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
-            let err = max_abs_diff(&logits, row) / scale;
+            let err = relative_to_scale(&logits, row);
             worst = worst.max(err);
             assert!(err <= 1e-4, "{name} prompt {} step {step}: relative logit error {err:.3e}", prompt.len());
-            let argmax = logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0;
-            assert_eq!(argmax as u32, want_id, "{name} prompt {} step {step}: greedy token", prompt.len());
+            assert_eq!(argmax(&logits), want_id, "{name} prompt {} step {step}: greedy token", prompt.len());
             input = vec![want_id];
         }
     }

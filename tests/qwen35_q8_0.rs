@@ -23,7 +23,6 @@
 mod common;
 
 use common::*;
-use serde_json::Value;
 use tern::formats::gguf::{GgmlType, GgufFile};
 use tern::models::qwen35::Qwen35;
 
@@ -45,17 +44,12 @@ fn weight_error(q8: &GgufFile, f32_file: &GgufFile) -> (f64, usize) {
     ((num / den).sqrt(), n)
 }
 
-fn relative_error(got: &[f32], want: &[f32]) -> f64 {
-    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
-    max_abs_diff(got, want) / scale
-}
-
 fn check(name: &str) {
     let root = fixtures().join("qwen35");
-    let index: Value = serde_json::from_str(&std::fs::read_to_string(root.join("index.json")).unwrap()).unwrap();
+    let index = qwen35_index();
     let entry = &index["models"][name];
-    let q8_path = root.join(entry["gguf"]["q8_0"]["file"].as_str().unwrap());
-    let f32_path = root.join(entry["gguf"]["f32"]["file"].as_str().unwrap());
+    let q8_path = qwen35_model(&index, name, Some("q8_0"));
+    let f32_path = qwen35_model(&index, name, Some("f32"));
     let (eps_w, matrices) = weight_error(&GgufFile::open(&q8_path).unwrap(), &GgufFile::open(&f32_path).unwrap());
     assert!(matrices > 0, "{name}: no Q8_0 tensors");
     // The premise: Q8_0's own rounding, about 0.3-0.6% of a weight's scale.
@@ -74,11 +68,11 @@ fn check(name: &str) {
         for (step, &next) in f32_path_ids.iter().enumerate() {
             let logits = model.forward(&input, &mut state).unwrap();
             let row = |v: &[f32]| v[step * vocab..(step + 1) * vocab].to_vec();
-            let err = relative_error(&logits, &row(&f32_ref));
+            let err = relative_to_scale(&logits, &row(&f32_ref));
             worst = worst.max(err);
             // Both reference runs fed the same tokens up to here.
             if f32_path_ids[..step] == q8_path_ids[..step] {
-                let quantization = relative_error(&row(&q8_ref), &row(&f32_ref));
+                let quantization = relative_to_scale(&row(&q8_ref), &row(&f32_ref));
                 assert!(
                     err <= quantization + 1e-4,
                     "{name} step {step}: tern Q8_0 is {err:.3e} from the F32 reference, the reference's own Q8_0 run {quantization:.3e}"
@@ -86,8 +80,7 @@ fn check(name: &str) {
                 worst_shared = worst_shared.max(err);
                 shared_steps += 1;
             }
-            let argmax = logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0;
-            agree += usize::from(argmax as u32 == next);
+            agree += usize::from(argmax(&logits) == next);
             steps += 1;
             input = vec![next];
         }

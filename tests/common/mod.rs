@@ -52,3 +52,31 @@ pub fn read_npy_f32(path: &std::path::Path) -> (Vec<usize>, Vec<f32>) {
     assert_eq!(data.len(), shape.iter().product::<usize>());
     (shape, data)
 }
+
+/// The Qwen3.5 goldens' index (scripts/make_qwen35_goldens.py).
+pub fn qwen35_index() -> serde_json::Value {
+    let path = fixtures().join("qwen35").join("index.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// A Qwen3.5 golden model: its safetensors directory (`gguf` None) or one of its GGUF files
+/// (`f32`, `bf16`, `q8_0`).
+pub fn qwen35_model(index: &serde_json::Value, name: &str, gguf: Option<&str>) -> PathBuf {
+    let entry = &index["models"][name];
+    let rel = match gguf {
+        None => entry["hf_dir"].as_str(),
+        Some(kind) => entry["gguf"][kind]["file"].as_str(),
+    };
+    fixtures().join("qwen35").join(rel.unwrap())
+}
+
+/// max |got − want| over the row's logit scale (max |want|): the measure of the LLM goldens.
+pub fn relative_to_scale(got: &[f32], want: &[f32]) -> f64 {
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+    max_abs_diff(got, want) / scale
+}
+
+/// Index of the largest value (the first on a tie), as greedy decoding picks it.
+pub fn argmax(v: &[f32]) -> u32 {
+    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
+}
