@@ -93,9 +93,6 @@ fn run_scheduler(llm: &Llm, rx: std::sync::mpsc::Receiver<GenJob>, max_sequences
                 }
             }
         }
-        if active.is_empty() {
-            continue;
-        }
         // A client that went away frees its sequence before the round.
         active.retain(|a| !a.events.is_closed());
         if active.is_empty() {
