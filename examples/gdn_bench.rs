@@ -2,15 +2,20 @@
 //! heads, d = 128, f32 state), printed as a table; the fla peer runs in
 //! scripts/bench_gdn_fla.py on the same shapes in the same device call.
 //!
-//!   cargo run --release --example gdn_bench            (on a machine with an NVIDIA GPU)
+//!   cargo run --release --example gdn_bench [decode] [prefill]   (on a machine with an NVIDIA GPU)
+//!
+//! With no argument both sections run.
 //!
 //! Decode: one token for B sequences, state bytes read + written per second against the copy
 //! bandwidth measured first in the same run. The state pools rotate through more than the L2
 //! holds, so repeated steps are not served from cache. Prefill: one layer's chunked prefill of
-//! one sequence, with its error against the device's sequential scan (the oracle).
+//! one sequence, with its error against the device's sequential scan (the oracle): the f32
+//! mode (f32 and f64 accumulators) and the fast mode (tensor cores, bf16 operands), each also
+//! timed without its sequential pass; the fast mode's time is set against the fewest bytes
+//! the layer must move (q, k, v read and the output written once, f32) at the copy bandwidth.
 
 use tern::cuda::Gpu;
-use tern::kernels::gated_delta::cuda::{ChunkAccumulate, CHUNK_STATE_ROWS, RECURRENCE_VARIANT, RECURRENCE_VARIANTS, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
+use tern::kernels::gated_delta::cuda::{ChunkAccumulate, CHUNK_STATE_ROWS, FAST_VARIANT, FAST_VARIANTS, RECURRENCE_VARIANT, RECURRENCE_VARIANTS, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
@@ -87,7 +92,6 @@ fn main() -> Result<()> {
     let gpu = Gpu::new(0)?;
     let mut k = GatedDeltaCuda::new(gpu.clone())?;
     let heads = DeltaRuleHeads { n_k_heads: 16, n_v_heads: 32, d_k: 128, d_v: 128, key_head: KeyHeadMap::Grouped };
-    let state_bytes = heads.state_len() * 4;
     println!("device: {} ({}, {} SMs)", gpu.name(), gpu.arch(), gpu.multiprocessors()?);
     let mut rng = Lcg(0x5eed);
 
@@ -99,15 +103,27 @@ fn main() -> Result<()> {
     let copy_bw = 2.0 * 4.0 * n as f64 / (copy_ms * 1e-3);
     drop((src, dst));
     println!("copy: {:.3} ms for 2 x {} MiB -> {:.0} GB/s (read + written)", copy_ms, 4 * n >> 20, copy_bw / 1e9);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let section = |name: &str| args.is_empty() || args.iter().any(|a| a == name);
+    if section("decode") {
+        decode(&gpu, &mut k, &heads, &mut rng, copy_bw)?;
+    }
+    if section("prefill") {
+        prefill(&gpu, &mut k, &heads, &mut rng, copy_bw)?;
+    }
+    Ok(())
+}
 
+fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut Lcg, copy_bw: f64) -> Result<()> {
+    let state_bytes = heads.state_len() * 4;
     println!("\ndecode (one token per sequence, fused L2 norm of q/k, state f32 [32][128][128] per sequence)");
     println!("{:>6} {:>5} {:>10} {:>12} {:>10}", "batch", "rows", "us/step", "state GB/s", "of copy");
     for &b in &[1usize, 16, 64, 256] {
         // Rotate through enough slots that the pools exceed the 60 MB L2 several times over.
         let rot = (1024usize * (1 << 20) / (b * state_bytes)).clamp(1, 64);
         let mut pool = gpu.upload(&rng.vec(rot * b * heads.state_len(), -0.5, 0.5))?;
-        let segs: Vec<GpuSegments> = (0..rot).map(|r| GpuSegments::decode(&gpu, &(r * b..(r + 1) * b).collect::<Vec<_>>())).collect::<Result<_>>()?;
-        let l = layer(&gpu, &mut rng, &heads, b)?;
+        let segs: Vec<GpuSegments> = (0..rot).map(|r| GpuSegments::decode(gpu, &(r * b..(r + 1) * b).collect::<Vec<_>>())).collect::<Result<_>>()?;
+        let l = layer(gpu, rng, heads, b)?;
         let x = inputs(&heads, &l);
         let mut out = gpu.zeros::<f32>(b * heads.n_v_heads * heads.d_v)?;
         let inner = 50;
@@ -126,44 +142,75 @@ fn main() -> Result<()> {
     }
 
     k.set_recurrence_variant(RECURRENCE_VARIANT)?;
+    Ok(())
+}
+
+fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut Lcg, copy_bw: f64) -> Result<()> {
     println!("\nprefill (one sequence, one layer, fused L2 norm of q/k; error vs the device sequential scan)");
-    println!("{:>6} {:>12} {:>12} {:>12} {:>11} {:>11} {:>11} {:>11}", "tokens", "scan ms", "chunk32 ms", "chunk64 ms", "c32 out", "c32 state", "c64 out", "c64 state");
+    println!(
+        "{:>6} {:>9} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "tokens", "scan ms", "chunk32 ms", "chunk64 ms", "fast ms", "c32 out", "c32 state", "fast out", "fast st", "fast par", "of floor"
+    );
     for &t in &[2048usize, 8192, 32768] {
-        let l = layer(&gpu, &mut rng, &heads, t)?;
-        let x = inputs(&heads, &l);
+        let l = layer(gpu, rng, heads, t)?;
+        let x = inputs(heads, &l);
         let init = rng.vec(heads.state_len(), -0.5, 0.5);
-        let segs = GpuSegments::new(&gpu, &pack([t]), &[0], t)?;
+        let segs = GpuSegments::new(gpu, &pack([t]), &[0], t)?;
         let n_out = t * heads.n_v_heads * heads.d_v;
         let mut st = gpu.upload(&init)?;
         let mut out = gpu.zeros::<f32>(n_out)?;
-        let scan_ms = time_ms(&gpu, 1, 3, |_| {
+        let scan_ms = time_ms(gpu, 1, 3, |_| {
             gpu.write(&init, &mut st)?;
-            k.delta_rule(&heads, &x, &segs, &mut st, &mut out)
+            k.delta_rule(heads, &x, &segs, &mut st, &mut out)
         })?;
         let (want_out, want_st) = (gpu.download(&out)?, gpu.download(&st)?);
+        // (total ms, parallel pass alone ms, output error, state error) per mode.
         let mut res = vec![];
-        for acc in [ChunkAccumulate::F32, ChunkAccumulate::F64] {
-            let ms = time_ms(&gpu, 2, 10, |_| k.delta_rule_chunked(&heads, &x, &segs, &mut st, &mut out, acc))?;
+        for acc in [Some(ChunkAccumulate::F32), Some(ChunkAccumulate::F64), None] {
+            let run = |k: &GatedDeltaCuda, st: &mut tern::cuda::CudaSlice<f32>, out: &mut tern::cuda::CudaSlice<f32>| match acc {
+                Some(acc) => k.delta_rule_chunked(heads, &x, &segs, st, out, acc),
+                None => k.delta_rule_chunked_fast(heads, &x, &segs, st, out),
+            };
+            let ms = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
             k.set_chunk_prepare_only(true);
-            let prep = time_ms(&gpu, 2, 10, |_| k.delta_rule_chunked(&heads, &x, &segs, &mut st, &mut out, acc))?;
+            let prep = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
             k.set_chunk_prepare_only(false);
-            println!("RESULT prefill_split tokens={t} acc={acc:?} total_ms={ms:.4} parallel_pass_ms={prep:.4} state_pass_ms={:.4}", ms - prep);
-            k.set_chunk_state_rows(8)?;
-            let ms8 = time_ms(&gpu, 2, 10, |_| k.delta_rule_chunked(&heads, &x, &segs, &mut st, &mut out, acc))?;
-            k.set_chunk_state_rows(CHUNK_STATE_ROWS)?;
-            println!("RESULT prefill_state_rows8 tokens={t} acc={acc:?} total_ms={ms8:.4}");
+            let name = acc.map_or("fast".to_string(), |a| format!("{a:?}"));
+            println!("RESULT prefill_split tokens={t} mode={name} total_ms={ms:.4} parallel_pass_ms={prep:.4} state_pass_ms={:.4}", ms - prep);
+            if acc.is_none() {
+                for v in FAST_VARIANTS {
+                    k.set_fast_variant(v)?;
+                    let vms = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
+                    k.set_chunk_prepare_only(true);
+                    let vprep = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
+                    k.set_chunk_prepare_only(false);
+                    println!("RESULT prefill_fast_variant tokens={t} rows={} stages={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}", v.0, v.1, vms - vprep);
+                }
+                k.set_fast_variant(FAST_VARIANT)?;
+            } else {
+                k.set_chunk_state_rows(8)?;
+                let ms8 = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
+                k.set_chunk_state_rows(CHUNK_STATE_ROWS)?;
+                println!("RESULT prefill_state_rows8 tokens={t} acc={name} total_ms={ms8:.4}");
+            }
             gpu.write(&init, &mut st)?;
-            k.delta_rule_chunked(&heads, &x, &segs, &mut st, &mut out, acc)?;
-            res.push((ms, rel_err(&gpu.download(&out)?, &want_out), rel_err(&gpu.download(&st)?, &want_st)));
+            run(k, &mut st, &mut out)?;
+            res.push((ms, prep, rel_err(&gpu.download(&out)?, &want_out), rel_err(&gpu.download(&st)?, &want_st)));
         }
+        // The fewest bytes: q, k, v read and the output written once (f32), the state read and
+        // written once.
+        let floor_bytes = 4 * (t * (2 * heads.n_k_heads * heads.d_k + 2 * heads.n_v_heads * heads.d_v) + 2 * heads.state_len());
+        let floor_ms = floor_bytes as f64 / copy_bw * 1e3;
+        let fast = res[2];
         println!(
-            "{:>6} {:>12.3} {:>12.3} {:>12.3} {:>11.2e} {:>11.2e} {:>11.2e} {:>11.2e}",
-            t, scan_ms, res[0].0, res[1].0, res[0].1, res[0].2, res[1].1, res[1].2
+            "{:>6} {:>9.3} {:>10.3} {:>10.3} {:>9.3} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.3} {:>7.0}%",
+            t, scan_ms, res[0].0, res[1].0, fast.0, res[0].2, res[0].3, fast.2, fast.3, fast.1, 100.0 * floor_ms / fast.0
         );
-        for (name, r) in [("f32acc", res[0]), ("f64acc", res[1])] {
-            println!("RESULT prefill tokens={t} mode=chunk_{name} ms={:.4} out_err={:.3e} state_err={:.3e}", r.0, r.1, r.2);
+        for (name, r) in [("chunk_f32acc", res[0]), ("chunk_f64acc", res[1]), ("fast_bf16", fast)] {
+            println!("RESULT prefill tokens={t} mode={name} ms={:.4} out_err={:.3e} state_err={:.3e}", r.0, r.2, r.3);
         }
         println!("RESULT prefill tokens={t} mode=scan ms={scan_ms:.4}");
+        println!("RESULT prefill_floor tokens={t} bytes={floor_bytes} floor_ms={floor_ms:.4} fast_fraction={:.4}", floor_ms / fast.0);
     }
     Ok(())
 }

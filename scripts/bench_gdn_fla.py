@@ -1,7 +1,13 @@
 """fla's gated-delta kernels on the shapes of examples/gdn_bench.rs (Qwen3.5-35B-A3B: 16 q/k
 heads, 32 v heads, d = 128, f32 state), timed by triton.testing.do_bench (median), in the same
 device call as the tern benchmark. State layout V-first ([V][K], tern's transposed layout), q/k
-L2-normalised in the kernel, as tern's fused path does."""
+L2-normalised in the kernel, as tern's fused path does.
+
+    python3 scripts/bench_gdn_fla.py [decode] [prefill] [bf16] [f32]
+
+Sections and prefill dtypes to run; with none named, all of them."""
+import sys
+
 import torch
 import triton
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -20,8 +26,13 @@ def ops(B, T, dtype):
     return q, k, v, g.to(dtype), beta
 
 
-print("fla decode (fused_recurrent_gated_delta_rule, one token, state f32 V-first)")
-for B in (1, 16, 64, 256):
+args = set(sys.argv[1:])
+sections = args & {"decode", "prefill"} or {"decode", "prefill"}
+dtypes = [d for n, d in (("bf16", torch.bfloat16), ("f32", torch.float32)) if n in args or not args & {"bf16", "f32"}]
+
+if "decode" in sections:
+    print("fla decode (fused_recurrent_gated_delta_rule, one token, state f32 V-first)")
+for B in (1, 16, 64, 256) if "decode" in sections else ():
     q, k, v, g, beta = ops(B, 1, torch.float32)
     # Rotate state pools past the L2, as the tern benchmark does.
     rot = max(1, min(64, (1024 << 20) // (B * HV * D * D * 4)))
@@ -37,12 +48,23 @@ for B in (1, 16, 64, 256):
     ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
     print(f"RESULT fla_decode batch={B} us={ms * 1e3:.3f}")
 
-print("fla prefill (chunk_gated_delta_rule, one sequence, state f32 V-first)")
-for T in (2048, 8192, 32768):
-    for dtype in (torch.bfloat16, torch.float32):
+if "prefill" in sections:
+    print("fla prefill (chunk_gated_delta_rule, one sequence, state f32 V-first)")
+for T in (2048, 8192, 32768) if "prefill" in sections else ():
+    for dtype in dtypes:
         q, k, v, g, beta = ops(1, T, dtype)
         h0 = torch.rand(1, HV, D, D, device=dev) - 0.5
         f = lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
                                            use_qk_l2norm_in_kernel=True, state_v_first=True)
         ms = triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")
-        print(f"RESULT fla_prefill tokens={T} dtype={str(dtype).split('.')[-1]} ms={ms:.4f}")
+        name = str(dtype).split('.')[-1]
+        print(f"RESULT fla_prefill tokens={T} dtype={name} ms={ms:.4f}")
+        # The same call replayed from a CUDA graph: fla's kernels without its host-side cost.
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                f()
+            ms = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+            print(f"RESULT fla_prefill_graph tokens={T} dtype={name} ms={ms:.4f}")
+        except Exception as e:  # noqa: BLE001 - report and go on: the plain timing stands
+            print(f"fla prefill tokens={T} dtype={name}: no CUDA graph ({type(e).__name__}: {e})")

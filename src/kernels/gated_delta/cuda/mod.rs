@@ -34,9 +34,10 @@ pub const CONV: KernelSource = gdn_source!("tern_gdn_conv", "conv.cu");
 pub const NORM: KernelSource = gdn_source!("tern_gdn_norm", "norm.cu");
 pub const RECURRENCE: KernelSource = gdn_source!("tern_gdn_recurrence", "recurrence.cu");
 pub const CHUNKED: KernelSource = gdn_source!("tern_gdn_chunked", "chunked.cu");
+pub const CHUNKED_TC: KernelSource = gdn_source!("tern_gdn_chunked_tc", "chunked_tc.cu");
 
 /// The family's CUDA translation units.
-pub const SOURCES: &[KernelSource] = &[GATES, CONV, NORM, RECURRENCE, CHUNKED];
+pub const SOURCES: &[KernelSource] = &[GATES, CONV, NORM, RECURRENCE, CHUNKED, CHUNKED_TC];
 
 /// Threads per block of the one-thread-per-element kernels.
 const ELEMENT_BLOCK: u32 = 256;
@@ -202,7 +203,11 @@ pub struct GatedDeltaCuda {
     /// Benchmark aid: stop the chunked prefill after its parallel pass (the result is then
     /// incomplete), so that the two passes can be timed apart.
     chunk_prepare_only: bool,
-    /// Per-(chunk, head) intermediates of the chunked prefill, grown on demand.
+    /// Fast mode: prepare kernels by (d_k, d_v, rows) and state kernels by (d_k, stages).
+    tc_prepare: Vec<((usize, usize, usize), CudaFunction)>,
+    tc_state: Vec<((usize, usize), CudaFunction)>,
+    fast_variant: (usize, usize),
+    /// Per-(chunk, head) intermediates of the chunked prefill (either mode), grown on demand.
     chunk_scratch: Mutex<Option<CudaSlice<f32>>>,
 }
 
@@ -229,6 +234,125 @@ fn prepare_smem(d_k: usize, d_v: usize) -> usize {
 
 fn state_smem(d_k: usize, bv: usize) -> usize {
     4 * (CHUNK * (d_k + 1) + bv * (d_k + 1) + CHUNK * (bv + 1) + CHUNK * (CHUNK + 1) + 2 * CHUNK)
+}
+
+/// Head sizes of the fast mode (chunked_tc.cu instantiates each pair).
+pub const FAST_CHUNK_HEAD_DIMS: [usize; 2] = [64, 128];
+/// State rows (value columns) per block of the fast mode's state pass.
+const TC_STATE_ROWS: usize = 32;
+/// How the fast mode's kernels are built, `(rows, stages)`: the prepare pass fetches `rows` rows
+/// of q, k and v per warp at once (1, or 8 with v prefetched into L2), the state pass keeps
+/// `stages` chunks of operands in flight (2 or 3). Every variant computes the same bits (a
+/// device test checks it); only the speed differs.
+pub const FAST_VARIANTS: [(usize, usize); 4] = [(1, 2), (8, 2), (1, 3), (8, 3)];
+/// The default fast variant.
+pub const FAST_VARIANT: (usize, usize) = (8, 3);
+
+/// Bytes of `tern_gdn_tc_prepare_body`'s shared memory: G (f64), beta, e^G, A, T, the block-row
+/// partials (f32), then k, q, v and the two scaled copies of T (bf16 rows padded by 8).
+fn tc_prepare_smem(d_k: usize, d_v: usize) -> usize {
+    8 * CHUNK + 4 * (2 * CHUNK + 2 * CHUNK * (CHUNK + 1) + 3 * 16 * 17) + 2 * (CHUNK * (d_k + 8) * 2 + CHUNK * (d_v + 8) + 2 * CHUNK * 72)
+}
+
+/// `sizeof(tern_gdn_tc_state_smem<d_k, stages>)`: per stage W, Q, K (bf16 rows of d_k + 8), the
+/// read-out weights, the U slice and the decays; then the state copy and the two Delta tiles.
+fn tc_state_smem(d_k: usize, stages: usize) -> usize {
+    let stage = 2 * (3 * CHUNK * (d_k + 8) + CHUNK * 72 + CHUNK * (TC_STATE_ROWS + 8)) + 4 * 2 * CHUNK;
+    stages * stage + 2 * (TC_STATE_ROWS * (d_k + 8) + 2 * TC_STATE_ROWS * 72)
+}
+
+/// Mirrors `tern_gdn_tc_prep_args` in chunked_tc.cu field for field (C layout).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct TcPrepArgs {
+    q: u64,
+    q_stride: i64,
+    k: u64,
+    k_stride: i64,
+    v: u64,
+    v_stride: i64,
+    g: u64,
+    beta: u64,
+    chunk_t0: u64,
+    chunk_len: u64,
+    w_s: u64,
+    u_s: u64,
+    qk_s: u64,
+    dec_s: u64,
+    qn_s: u64,
+    kn_s: u64,
+    nk: i32,
+    nv: i32,
+    grouped: i32,
+    l2qk: i32,
+    eps: f32,
+    q_scale: f32,
+}
+// SAFETY: plain old data of device pointers and scalars, laid out as the C struct.
+unsafe impl DeviceRepr for TcPrepArgs {}
+
+/// Mirrors `tern_gdn_tc_state_args` in chunked_tc.cu field for field (C layout).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct TcStateArgs {
+    states: u64,
+    out: u64,
+    w_s: u64,
+    u_s: u64,
+    qk_s: u64,
+    dec_s: u64,
+    qn_s: u64,
+    kn_s: u64,
+    seg_chunk0: u64,
+    seg_nchunks: u64,
+    chunk_t0: u64,
+    chunk_len: u64,
+    slot: u64,
+    nk: i32,
+    nv: i32,
+    dv: i32,
+    grouped: i32,
+}
+// SAFETY: as TcPrepArgs.
+unsafe impl DeviceRepr for TcStateArgs {}
+
+/// The chunk table of a packed batch on the device: every segment cut into chunks of 64 from
+/// its start; sequence s owns chunks `seg_chunk0[s] ..` (`seg_nchunks[s]` of them).
+struct ChunkTable {
+    n_chunks: usize,
+    seg_chunk0: CudaSlice<u32>,
+    seg_nchunks: CudaSlice<u32>,
+    chunk_t0: CudaSlice<u32>,
+    chunk_len: CudaSlice<u32>,
+}
+
+impl ChunkTable {
+    /// None when the batch has no tokens.
+    fn new(gpu: &Gpu, segs: &GpuSegments) -> Result<Option<Self>> {
+        let (mut seg_chunk0, mut seg_nchunks, mut chunk_t0, mut chunk_len) = (vec![], vec![], vec![], vec![]);
+        for seg in segs.segments() {
+            seg_chunk0.push(chunk_t0.len() as u32);
+            let mut t = seg.start;
+            while t < seg.start + seg.len {
+                let len = CHUNK.min(seg.start + seg.len - t);
+                chunk_t0.push(t as u32);
+                chunk_len.push(len as u32);
+                t += len;
+            }
+            seg_nchunks.push(chunk_t0.len() as u32 - seg_chunk0.last().unwrap());
+        }
+        let n_chunks = chunk_t0.len();
+        if n_chunks == 0 {
+            return Ok(None);
+        }
+        Ok(Some(ChunkTable {
+            n_chunks,
+            seg_chunk0: gpu.upload(&seg_chunk0)?,
+            seg_nchunks: gpu.upload(&seg_nchunks)?,
+            chunk_t0: gpu.upload(&chunk_t0)?,
+            chunk_len: gpu.upload(&chunk_len)?,
+        }))
+    }
 }
 
 /// Mirrors `tern_gdn_chunk_args` in chunked.cu field for field (C layout).
@@ -305,18 +429,34 @@ impl GatedDeltaCuda {
                 recurrence.push((d, (r, g), gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_dk{d}_r{r}_g{g}"))?));
             }
         }
-        let f = |name: &str, smem: usize| -> Result<CudaFunction> {
-            let f = gpu.function(&CHUNKED, name)?;
+        let with_smem = |src: &KernelSource, name: &str, smem: usize| -> Result<CudaFunction> {
+            let f = gpu.function(src, name)?;
             f.set_attribute(MAX_DYN_SMEM, smem as i32).map_err(driver_err(&format!("{name}: raising its shared memory to {smem} bytes")))?;
             Ok(f)
         };
+        let f = |name: &str, smem: usize| with_smem(&CHUNKED, name, smem);
+        let fc = |name: &str, smem: usize| with_smem(&CHUNKED_TC, name, smem);
         let (ps, ss) = (prepare_smem(MAX_CHUNK_HEAD_DIM, MAX_CHUNK_HEAD_DIM), state_smem(MAX_CHUNK_HEAD_DIM, 16));
         let chunk_prepare = [f("tern_gdn_chunk_prepare_f32", ps)?, f("tern_gdn_chunk_prepare_f64", ps)?];
         let chunk_state = [
             [f("tern_gdn_chunk_state_f32_bv8", ss)?, f("tern_gdn_chunk_state_f32_bv16", ss)?],
             [f("tern_gdn_chunk_state_f64_bv8", ss)?, f("tern_gdn_chunk_state_f64_bv16", ss)?],
         ];
+        let (mut tc_prepare, mut tc_state) = (Vec::new(), Vec::new());
+        for dk in FAST_CHUNK_HEAD_DIMS {
+            for rows in [1, 8] {
+                for dv in FAST_CHUNK_HEAD_DIMS {
+                    tc_prepare.push(((dk, dv, rows), fc(&format!("tern_gdn_tc_prepare_dk{dk}_dv{dv}_r{rows}"), tc_prepare_smem(dk, dv))?));
+                }
+            }
+            for stages in [2, 3] {
+                tc_state.push(((dk, stages), fc(&format!("tern_gdn_tc_state_dk{dk}_s{stages}"), tc_state_smem(dk, stages))?));
+            }
+        }
         Ok(GatedDeltaCuda {
+            tc_prepare,
+            tc_state,
+            fast_variant: FAST_VARIANT,
             chunk_prepare,
             chunk_state,
             chunk_scratch: Mutex::new(None),
@@ -350,6 +490,16 @@ impl GatedDeltaCuda {
             return Err(Error::Input(format!("chunk state rows {rows}: expected 8 or 16")));
         }
         self.chunk_state_rows = rows;
+        Ok(())
+    }
+
+    /// Selects how the fast mode's kernels are built (one of [`FAST_VARIANTS`]); results are
+    /// bit-identical for every choice.
+    pub fn set_fast_variant(&mut self, variant: (usize, usize)) -> Result<()> {
+        if !FAST_VARIANTS.contains(&variant) {
+            return Err(Error::Input(format!("fast variant {variant:?}: expected one of {FAST_VARIANTS:?}")));
+        }
+        self.fast_variant = variant;
         Ok(())
     }
 
@@ -575,36 +725,15 @@ impl GatedDeltaCuda {
         if d_k > MAX_CHUNK_HEAD_DIM || d_v > MAX_CHUNK_HEAD_DIM {
             return Err(Error::Shape(format!("delta_rule_chunked on CUDA: d_k {d_k}, d_v {d_v} (at most {MAX_CHUNK_HEAD_DIM})")));
         }
-        // The chunk table: every segment cut into chunks of 64 from its start.
-        let (mut seg_chunk0, mut seg_nchunks, mut chunk_t0, mut chunk_len) = (vec![], vec![], vec![], vec![]);
-        for seg in segs.segments() {
-            seg_chunk0.push(chunk_t0.len() as u32);
-            let mut t = seg.start;
-            while t < seg.start + seg.len {
-                let len = CHUNK.min(seg.start + seg.len - t);
-                chunk_t0.push(t as u32);
-                chunk_len.push(len as u32);
-                t += len;
-            }
-            seg_nchunks.push(chunk_t0.len() as u32 - seg_chunk0.last().unwrap());
-        }
-        let n_chunks = chunk_t0.len();
-        if n_chunks == 0 {
-            return Ok(());
-        }
+        let Some(table) = ChunkTable::new(&self.gpu, segs)? else { return Ok(()) };
+        let ChunkTable { n_chunks, seg_chunk0, seg_nchunks, chunk_t0, chunk_len } = table;
         let gpu = &self.gpu;
-        let (seg_chunk0, seg_nchunks) = (gpu.upload(&seg_chunk0)?, gpu.upload(&seg_nchunks)?);
-        let (chunk_t0, chunk_len) = (gpu.upload(&chunk_t0)?, gpu.upload(&chunk_len)?);
 
         let per = n_chunks * n_v_heads;
         let (w_len, u_len, qk_len, dec_len) = (per * CHUNK * d_k, per * CHUNK * d_v, per * CHUNK * CHUNK, per * 2 * CHUNK);
         let need = w_len + u_len + qk_len + dec_len;
-        let mut scratch = self.chunk_scratch.lock().unwrap_or_else(|p| p.into_inner());
-        if scratch.as_ref().is_none_or(|s| s.len() < need) {
-            *scratch = None; // free the old buffer before taking the larger one
-            *scratch = Some(gpu.zeros::<f32>(need)?);
-        }
-        let scratch = scratch.as_mut().expect("allocated above");
+        let mut scratch = self.scratch(need)?;
+        let scratch = scratch.as_mut().expect("allocated by scratch()");
         let stream = gpu.stream();
         let (base, _g0) = scratch.device_ptr_mut(stream);
         let (w_s, u_s, qk_s, dec_s) = (base, base + 4 * w_len as u64, base + 4 * (w_len + u_len) as u64, base + 4 * (w_len + u_len + qk_len) as u64);
@@ -689,6 +818,132 @@ impl GatedDeltaCuda {
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_chunk_state"))?;
         // The chunk tables are freed when this returns; the stream orders that free after the
         // launches that read them.
+        Ok(())
+    }
+
+    /// The chunk scratch, at least `need` f32 elements long.
+    fn scratch(&self, need: usize) -> Result<std::sync::MutexGuard<'_, Option<CudaSlice<f32>>>> {
+        let mut scratch = self.chunk_scratch.lock().unwrap_or_else(|p| p.into_inner());
+        if scratch.as_ref().is_none_or(|s| s.len() < need) {
+            *scratch = None; // free the old buffer before taking the larger one
+            *scratch = Some(self.gpu.zeros::<f32>(need)?);
+        }
+        Ok(scratch)
+    }
+
+    /// Fast mode of [`Self::delta_rule_chunked`] (DESIGN.md §3): the same chunked algebra with
+    /// every matrix product on the tensor cores, bf16 operands and f32 accumulation; the state
+    /// stays f32 from chunk to chunk and in `states`. Its error against the f32 scan is
+    /// measured by the device tests and the benchmark, not assumed (about 1e-2 relative, from
+    /// the bf16 rounding of the operands). d_k and d_v must each be 64 or 128.
+    pub fn delta_rule_chunked_fast(
+        &self,
+        heads: &DeltaRuleHeads,
+        x: &GpuDeltaRuleInputs,
+        segs: &GpuSegments,
+        states: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.check_inputs("delta_rule_chunked_fast", heads, x, segs, states, out)?;
+        let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
+        let (rows, stages) = self.fast_variant;
+        let prepare = self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows)).map(|(_, f)| f);
+        let state = self.tc_state.iter().find(|(d, _)| *d == (d_k, stages)).map(|(_, f)| f);
+        let (Some(prepare), Some(state)) = (prepare, state) else {
+            return Err(Error::Shape(format!(
+                "delta_rule_chunked_fast on CUDA: d_k {d_k}, d_v {d_v} (each must be one of {FAST_CHUNK_HEAD_DIMS:?})"
+            )));
+        };
+        let Some(table) = ChunkTable::new(&self.gpu, segs)? else { return Ok(()) };
+        if table.n_chunks > 65_535 {
+            return Err(Error::Shape(format!("delta_rule_chunked_fast: {} chunks, at most 65535 per launch", table.n_chunks)));
+        }
+        let (per, per_k) = (table.n_chunks * n_v_heads, table.n_chunks * n_k_heads);
+        // bf16 regions, each a whole number of 16-byte pieces: W, U, read-out weights, q, k;
+        // then the f32 decays.
+        let bytes = [per * CHUNK * d_k * 2, per * CHUNK * d_v * 2, per * CHUNK * CHUNK * 2, per_k * CHUNK * d_k * 2, per_k * CHUNK * d_k * 2, per * 2 * CHUNK * 4];
+        let mut scratch = self.scratch(bytes.iter().sum::<usize>() / 4)?;
+        let scratch = scratch.as_mut().expect("allocated by scratch()");
+        let stream = self.gpu.stream();
+        let (base, _g0) = scratch.device_ptr_mut(stream);
+        let mut at = [0u64; 6];
+        for i in 1..6 {
+            at[i] = at[i - 1] + bytes[i - 1] as u64;
+        }
+        let [w_s, u_s, qk_s, qn_s, kn_s, dec_s] = at.map(|o| base + o);
+        let ptr = |r: &Rows| r.buf.device_ptr(stream).0 + 4 * r.offset as u64;
+        let (nk, nv, dv) = (i32_of("key heads", n_k_heads)?, i32_of("value heads", n_v_heads)?, i32_of("d_v", d_v)?);
+        let grouped = (key_head == KeyHeadMap::Grouped) as i32;
+        let (chunk_t0, chunk_len) = (table.chunk_t0.device_ptr(stream).0, table.chunk_len.device_ptr(stream).0);
+
+        let args = TcPrepArgs {
+            q: ptr(&x.q),
+            q_stride: x.q.stride as i64,
+            k: ptr(&x.k),
+            k_stride: x.k.stride as i64,
+            v: ptr(&x.v),
+            v_stride: x.v.stride as i64,
+            g: x.g.device_ptr(stream).0,
+            beta: x.beta.device_ptr(stream).0,
+            chunk_t0,
+            chunk_len,
+            w_s,
+            u_s,
+            qk_s,
+            dec_s,
+            qn_s,
+            kn_s,
+            nk,
+            nv,
+            grouped,
+            l2qk: x.normalize_qk as i32,
+            eps: L2_NORM_EPS,
+            q_scale: (1.0 / (d_k as f64).sqrt()) as f32,
+        };
+        // The heads of one chunk are neighbours in the grid, so q and k rows read by a key
+        // head's second value head come from L2.
+        let cfg = LaunchConfig {
+            grid_dim: (n_v_heads as u32, table.n_chunks as u32, 1),
+            block_dim: (CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: tc_prepare_smem(d_k, d_v) as u32,
+        };
+        let mut l = stream.launch_builder(prepare);
+        l.arg(&args);
+        // SAFETY: TcPrepArgs mirrors the kernel's struct; every pointer is a live buffer of the
+        // length the shape checks established, and the scratch regions hold every chunk-head.
+        unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_tc_prepare"))?;
+        if self.chunk_prepare_only {
+            return Ok(());
+        }
+
+        let args = TcStateArgs {
+            states: states.device_ptr_mut(stream).0,
+            out: out.device_ptr_mut(stream).0,
+            w_s,
+            u_s,
+            qk_s,
+            dec_s,
+            qn_s,
+            kn_s,
+            seg_chunk0: table.seg_chunk0.device_ptr(stream).0,
+            seg_nchunks: table.seg_nchunks.device_ptr(stream).0,
+            chunk_t0,
+            chunk_len,
+            slot: segs.slot.device_ptr(stream).0,
+            nk,
+            nv,
+            dv,
+            grouped,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (n_v_heads as u32, (d_v / TC_STATE_ROWS) as u32, segs.n_seqs() as u32),
+            block_dim: (CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: tc_state_smem(d_k, stages) as u32,
+        };
+        let mut l = stream.launch_builder(state);
+        l.arg(&args);
+        // SAFETY: as above; slots lie inside the state pool (checked).
+        unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_tc_state"))?;
         Ok(())
     }
 }

@@ -171,18 +171,27 @@ fn cuda_norms_match_cpu() {
 /// slots, pre-normalised q/k in separate buffers or raw q/k/v inside one fused
 /// `[tokens][q | k | v]` buffer with in-kernel normalisation. Returns (output, state) errors.
 fn recurrence_case(k: &GatedDeltaCuda, rng: &mut Lcg, heads: &DeltaRuleHeads, lengths: &[usize], fused: bool) -> (f64, f64) {
-    device_vs_cpu_scan(k, rng, heads, lengths, fused, None, BOUND)
+    device_vs_cpu_scan(k, rng, heads, lengths, fused, Path::Scan, BOUND)
 }
 
-/// CPU sequential scan vs the device recurrence (`chunked` None) or the device chunked prefill
-/// with the given accumulator; asserts `bound` on every sequence's output and state.
+/// Which device form of the delta rule a test runs.
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    Scan,
+    Chunked(ChunkAccumulate),
+    /// The tensor-core fast mode; the f32 operands' decays drawn weak (g in [lo, hi]) when given.
+    Fast(Option<(f32, f32)>),
+}
+
+/// CPU sequential scan vs the device recurrence, the device chunked prefill with the given
+/// accumulator, or its fast mode; asserts `bound` on every sequence's output and state.
 fn device_vs_cpu_scan(
     k: &GatedDeltaCuda,
     rng: &mut Lcg,
     heads: &DeltaRuleHeads,
     lengths: &[usize],
     fused: bool,
-    chunked: Option<ChunkAccumulate>,
+    path: Path,
     bound: f64,
 ) -> (f64, f64) {
     let gpu = k.gpu().clone();
@@ -192,6 +201,9 @@ fn device_vs_cpu_scan(
     let slots = scattered_slots(n);
     let (qk_row, v_row, sl) = (heads.n_k_heads * heads.d_k, heads.n_v_heads * heads.d_v, heads.state_len());
     let mut x = Operands::random(rng, heads, tokens);
+    if let Path::Fast(Some((lo, hi))) = path {
+        x.g = rng.vec(x.g.len(), lo, hi);
+    }
     let (raw_q, raw_k) = (rng.vec(tokens * qk_row, -1.0, 1.0), rng.vec(tokens * qk_row, -1.0, 1.0));
     if fused {
         x.q = raw_q.clone();
@@ -232,10 +244,7 @@ fn device_vs_cpu_scan(
             beta: &db,
             normalize_qk: true,
         };
-        match chunked {
-            None => k.delta_rule(heads, &inputs, &segs, &mut dpool, &mut dout).unwrap(),
-            Some(acc) => k.delta_rule_chunked(heads, &inputs, &segs, &mut dpool, &mut dout, acc).unwrap(),
-        }
+        run_path(k, path, heads, &inputs, &segs, &mut dpool, &mut dout);
     } else {
         let (dq, dk, dv) = (gpu.upload(&x.q).unwrap(), gpu.upload(&x.k).unwrap(), gpu.upload(&x.v).unwrap());
         let inputs = GpuDeltaRuleInputs {
@@ -246,10 +255,7 @@ fn device_vs_cpu_scan(
             beta: &db,
             normalize_qk: false,
         };
-        match chunked {
-            None => k.delta_rule(heads, &inputs, &segs, &mut dpool, &mut dout).unwrap(),
-            Some(acc) => k.delta_rule_chunked(heads, &inputs, &segs, &mut dpool, &mut dout, acc).unwrap(),
-        }
+        run_path(k, path, heads, &inputs, &segs, &mut dpool, &mut dout);
     }
     let got_out = gpu.download(&dout).unwrap();
     let got_pool = gpu.download(&dpool).unwrap();
@@ -265,6 +271,14 @@ fn device_vs_cpu_scan(
         assert_bits_eq("unused state slot", &got_pool[slot * sl..(slot + 1) * sl], &pool[slot * sl..(slot + 1) * sl]);
     }
     (eo, es)
+}
+
+fn run_path(k: &GatedDeltaCuda, path: Path, heads: &DeltaRuleHeads, x: &GpuDeltaRuleInputs, segs: &GpuSegments, pool: &mut CudaSlice<f32>, out: &mut CudaSlice<f32>) {
+    match path {
+        Path::Scan => k.delta_rule(heads, x, segs, pool, out).unwrap(),
+        Path::Chunked(acc) => k.delta_rule_chunked(heads, x, segs, pool, out, acc).unwrap(),
+        Path::Fast(_) => k.delta_rule_chunked_fast(heads, x, segs, pool, out).unwrap(),
+    }
 }
 
 #[test]
@@ -390,7 +404,7 @@ fn cuda_chunked_matches_cpu_scan() {
             let heads = DeltaRuleHeads { n_k_heads: nk, n_v_heads: nv, d_k: dk, d_v: dv, key_head };
             for fused in [false, true] {
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    device_vs_cpu_scan(&k, &mut rng, &heads, lengths, fused, Some(acc), f64::INFINITY)
+                    device_vs_cpu_scan(&k, &mut rng, &heads, lengths, fused, Path::Chunked(acc), f64::INFINITY)
                 }));
                 match r {
                     Ok((eo, es)) => {
@@ -450,4 +464,114 @@ fn cuda_chunked_matches_cpu_scan() {
     }
     eprintln!("chunked: 8- and 16-row state passes agree bit for bit");
     assert!(failures.is_empty(), "chunked prefill over the bound {BOUND:e}:\n{}", failures.join("\n"));
+}
+
+/// Bound of the fast mode against the CPU scan (‖Δ‖/‖ref‖, outputs and final states): bf16
+/// operands carry 2⁻⁹ relative rounding each, and a product sums many of them, so about 3e-3
+/// per product is expected; this bound leaves room for the chain of products per chunk and
+/// for errors carried in the state over thousands of weakly decaying tokens. The measured
+/// errors are printed and recorded in BENCHMARKS.md.
+const FAST_BOUND: f64 = 3e-2;
+
+/// The fast mode (tensor cores, bf16 operands) against the CPU sequential scan: lengths around
+/// the chunk size up to 4096, several sequences with scattered state slots, both key-head maps,
+/// nk < nv, d_k ≠ d_v, pre-normalised and fused raw q/k, trained-like and weak decays (the
+/// state then carries its error across many chunks), and strong decays.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_chunked_fast_matches_cpu_scan() {
+    let gpu = gpu();
+    let k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    let mut rng = rng("cuda_chunked_fast_matches_cpu_scan");
+    use KeyHeadMap::{Grouped, Tiled};
+    let cases: &[(usize, usize, usize, usize, KeyHeadMap, &[usize])] = &[
+        (2, 4, 64, 64, Grouped, &[1, 2, 63, 64, 65]),
+        (2, 6, 128, 128, Tiled, &[127, 128, 300]),
+        (16, 32, 128, 128, Grouped, &[1, 100, 4096]),
+        (16, 32, 128, 128, Tiled, &[33, 700]),
+        (2, 4, 128, 64, Tiled, &[70, 5, 0, 129]),
+        (1, 3, 64, 128, Grouped, &[200]),
+    ];
+    let mut failures = Vec::new();
+    let mut worst = [(0.0f64, 0.0f64); 2];
+    for (wi, decay) in [None, Some((-0.02f32, -0.0001f32))].into_iter().enumerate() {
+        for &(nk, nv, dk, dv, key_head, lengths) in cases {
+            let heads = DeltaRuleHeads { n_k_heads: nk, n_v_heads: nv, d_k: dk, d_v: dv, key_head };
+            for fused in [false, true] {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    device_vs_cpu_scan(&k, &mut rng, &heads, lengths, fused, Path::Fast(decay), f64::INFINITY)
+                }));
+                match r {
+                    Ok((eo, es)) => {
+                        eprintln!("fast decay {decay:?} nk {nk} nv {nv} dk {dk} dv {dv} {key_head:?} {lengths:?} fused {fused}: output {eo:.2e}, state {es:.2e}");
+                        worst[wi] = (worst[wi].0.max(eo), worst[wi].1.max(es));
+                        if eo > FAST_BOUND || es > FAST_BOUND {
+                            failures.push(format!("decay {decay:?} {heads:?} {lengths:?} fused {fused}: output {eo:e}, state {es:e}"));
+                        }
+                    }
+                    Err(_) => failures.push(format!("decay {decay:?} {heads:?} {lengths:?} fused {fused}: non-finite output or a failed launch")),
+                }
+            }
+        }
+        eprintln!("fast decay {decay:?} worst vs CPU scan: output {:.2e}, state {:.2e}", worst[wi].0, worst[wi].1);
+    }
+    // Strong decays (g = -100 every third token) stay finite.
+    let heads = DeltaRuleHeads { n_k_heads: 1, n_v_heads: 2, d_k: 64, d_v: 64, key_head: Grouped };
+    let tokens = 150;
+    let mut x = Operands::random(&mut rng, &heads, tokens);
+    x.g.iter_mut().enumerate().for_each(|(i, g)| *g = if i % 3 == 0 { -100.0 } else { -5.0 });
+    let init = rng.vec(heads.state_len(), -0.5, 0.5);
+    let mut want_state = init.clone();
+    let mut want = vec![0.0f32; tokens * 128];
+    cpu::delta_rule_scan(&heads, x.inputs(), &pack([tokens]), &mut [&mut want_state[..]], &mut want).unwrap();
+    let up = |v: &[f32]| gpu.upload(v).unwrap();
+    let (dq, dk, dv, dg, db) = (up(&x.q), up(&x.k), up(&x.v), up(&x.g), up(&x.beta));
+    let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 64), k: Rows::contiguous(&dk, 64), v: Rows::contiguous(&dv, 128), g: &dg, beta: &db, normalize_qk: false };
+    let mut st = up(&init);
+    let mut out = nan(&gpu, tokens * 128);
+    let segs = GpuSegments::new(&gpu, &pack([tokens]), &[0], tokens).unwrap();
+    k.delta_rule_chunked_fast(&heads, &inputs, &segs, &mut st, &mut out).unwrap();
+    let (got, got_st) = (gpu.download(&out).unwrap(), gpu.download(&st).unwrap());
+    let (eo, es) = (rel_err(&got, &want), rel_err(&got_st, &want_state));
+    eprintln!("fast strong decay: output {eo:.2e}, state {es:.2e}");
+    if !(got.iter().all(|v| v.is_finite()) && eo <= FAST_BOUND && es <= FAST_BOUND) {
+        failures.push(format!("strong decay: output {eo:e}, state {es:e}"));
+    }
+    // Every fast variant computes the same bits (the default one ran above).
+    for (dk, dv) in [(128usize, 128usize), (64, 128)] {
+        let heads = DeltaRuleHeads { n_k_heads: 2, n_v_heads: 4, d_k: dk, d_v: dv, key_head: Tiled };
+        let lengths = [300usize, 64, 1];
+        let tokens: usize = lengths.iter().sum();
+        let x = Operands::random(&mut rng, &heads, tokens);
+        let pool = rng.vec(3 * heads.state_len(), -0.5, 0.5);
+        let segs = GpuSegments::new(&gpu, &pack(lengths), &[2, 0, 1], tokens).unwrap();
+        let (dq, dk_, dv_, dg, db) = (up(&x.q), up(&x.k), up(&x.v), up(&x.g), up(&x.beta));
+        let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 2 * dk), k: Rows::contiguous(&dk_, 2 * dk), v: Rows::contiguous(&dv_, 4 * dv), g: &dg, beta: &db, normalize_qk: false };
+        let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
+        let mut kv = GatedDeltaCuda::new(gpu.clone()).unwrap();
+        for v in FAST_VARIANTS {
+            kv.set_fast_variant(v).unwrap();
+            let mut p = up(&pool);
+            let mut o = nan(&gpu, tokens * 4 * dv);
+            kv.delta_rule_chunked_fast(&heads, &inputs, &segs, &mut p, &mut o).unwrap();
+            let got = (gpu.download(&o).unwrap(), gpu.download(&p).unwrap());
+            match &first {
+                None => first = Some(got),
+                Some((o0, p0)) => {
+                    assert_bits_eq(&format!("fast variant {v:?} (outputs)"), &got.0, o0);
+                    assert_bits_eq(&format!("fast variant {v:?} (states)"), &got.1, p0);
+                }
+            }
+        }
+        eprintln!("fast d_k {dk} d_v {dv}: variants {FAST_VARIANTS:?} agree bit for bit");
+    }
+    // Head sizes without a fast kernel are a clear error, not a launch.
+    let heads = DeltaRuleHeads { n_k_heads: 1, n_v_heads: 1, d_k: 256, d_v: 256, key_head: Grouped };
+    let b = nan(&gpu, 256);
+    let one = nan(&gpu, 1);
+    let mut st = nan(&gpu, 256 * 256);
+    let mut out = nan(&gpu, 256);
+    let x = GpuDeltaRuleInputs { q: Rows::contiguous(&b, 256), k: Rows::contiguous(&b, 256), v: Rows::contiguous(&b, 256), g: &one, beta: &one, normalize_qk: false };
+    assert!(matches!(k.delta_rule_chunked_fast(&heads, &x, &GpuSegments::new(&gpu, &pack([1]), &[0], 1).unwrap(), &mut st, &mut out), Err(Error::Shape(_))));
+    assert!(failures.is_empty(), "fast chunked prefill over the bound {FAST_BOUND:e}:\n{}", failures.join("\n"));
 }

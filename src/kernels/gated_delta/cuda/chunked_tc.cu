@@ -1,0 +1,549 @@
+// Fast mode of the chunked prefill: the algebra of chunked.cu (CPU twin chunked.rs, oracle the
+// sequential scan), with every product on the tensor cores (mma.sync m16n8k16, bf16 operands,
+// f32 accumulation) and the state kept in f32 registers from chunk to chunk. Only the operands
+// are rounded: q/k/v after their L2 norm, the UT-transform matrices, the per-chunk Delta and the
+// copy of the state that the products read; every sum, G, the substitution and the carried
+// state stay f32 (G in f64).
+//
+// Two launches, as the f32 form, but the sequential one does only what depends on the state:
+//
+//  1. tern_gdn_tc_prepare_*: one block per (value head, chunk); the heads of a chunk are
+//     neighbours in the grid, so the second head of a key head finds q and k in L2. Builds
+//     KK^T and QK^T on tensor cores, A, T = (I + A)^-1 in f32 (16 x 16 diagonal blocks by
+//     substitution, then block rows), W = T diag(beta e^G) K and U = T diag(beta) V on tensor
+//     cores, and writes W, U, the decayed read-out weights and the decays (per value head) and
+//     the normalised bf16 q and k (per key head, by the first value head that reads it).
+//  2. tern_gdn_tc_state_*: one block per (value head, 32 state rows, sequence), walking the
+//     chunks in order with the next chunks' operands in flight (cp.async, 2 or 3 stages). Per
+//     chunk: Delta = U - W S and P = Q S (one pass over S), o = e^G P + QKd Delta,
+//     S = e^{G_L} S + K^T (e^{G_L - G_c} Delta). The state's 32 x d_k slice lives in the
+//     accumulators of the update product; a bf16 copy in shared memory feeds the next chunk.
+//
+// Fragment layouts are those of the PTX ISA for mma.m16n8k16 (g = lane / 4, q = lane % 4):
+// A a0 (g, 2q..2q+1) a1 (g+8, 2q..) a2 (g, 2q+8..) a3 (g+8, 2q+8..); B b0 (k 2q..2q+1, n g)
+// b1 (k 2q+8.., n g); C c0,c1 (g, 2q..2q+1) c2,c3 (g+8, 2q..). ldmatrix.x4 fills them from
+// shared memory (.trans where the operand is stored with n contiguous). Shared rows are padded
+// by 8 bf16 (16 bytes), so the eight 16-byte rows of one 8 x 8 matrix fall on distinct banks.
+
+constexpr int tern_gdn_tc_c = 64;     // tokens per chunk
+constexpr int tern_gdn_tc_bv = 32;    // state rows (value columns) per state block
+constexpr int tern_gdn_tc_ldc = 72;   // padded row of a [64][64] bf16 tile
+
+typedef unsigned short tern_gdn_bf16;
+
+// The builtin rather than inline cvta: the compiler sees the conversion and folds the tile
+// offsets into 32-bit shared addresses.
+__device__ __forceinline__ unsigned tern_gdn_tc_saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void tern_gdn_tc_ldm(unsigned (&r)[4], const tern_gdn_bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(tern_gdn_tc_saddr(p)));
+}
+
+__device__ __forceinline__ void tern_gdn_tc_ldm_t(unsigned (&r)[4], const tern_gdn_bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(tern_gdn_tc_saddr(p)));
+}
+
+__device__ __forceinline__ void tern_gdn_tc_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Round to nearest even; `lo` goes to the lower half (the lower column index).
+__device__ __forceinline__ unsigned tern_gdn_tc_pack(float lo, float hi) {
+    unsigned d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+__device__ __forceinline__ tern_gdn_bf16 tern_gdn_tc_bf16(float x) {
+    tern_gdn_bf16 d;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(d) : "f"(x));
+    return d;
+}
+
+__device__ __forceinline__ float tern_gdn_tc_f32(tern_gdn_bf16 x) { return __uint_as_float((unsigned)x << 16); }
+
+__device__ __forceinline__ void tern_gdn_tc_cp16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(tern_gdn_tc_saddr(smem)), "l"(gmem) : "memory");
+}
+
+// A fragment of the 16 x 16 tile at (m0, k0) of a row-major [m][k] array.
+__device__ __forceinline__ void tern_gdn_tc_frag_a(unsigned (&r)[4], const tern_gdn_bf16* x, int ld, int m0, int k0) {
+    const int lane = threadIdx.x & 31;
+    tern_gdn_tc_ldm(r, x + (m0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8);
+}
+
+// B fragments of two n8 tiles (n0 and n0 + 8) over k0 .. k0 + 16, from an array stored [n][k]
+// (k contiguous): r[0], r[1] are b0, b1 of the first tile, r[2], r[3] of the second.
+__device__ __forceinline__ void tern_gdn_tc_frag_b_nk(unsigned (&r)[4], const tern_gdn_bf16* x, int ld, int n0, int k0) {
+    const int lane = threadIdx.x & 31;
+    tern_gdn_tc_ldm(r, x + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + k0 + ((lane >> 3) & 1) * 8);
+}
+
+// The same from an array stored [k][n] (n contiguous), through the transposing load.
+__device__ __forceinline__ void tern_gdn_tc_frag_b_kn(unsigned (&r)[4], const tern_gdn_bf16* x, int ld, int n0, int k0) {
+    const int lane = threadIdx.x & 31;
+    tern_gdn_tc_ldm_t(r, x + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
+}
+
+struct tern_gdn_tc_prep_args {
+    const float* q; long long q_stride;
+    const float* k; long long k_stride;
+    const float* v; long long v_stride;
+    const float* g; const float* beta;
+    const tern_gdn_u32* chunk_t0; const tern_gdn_u32* chunk_len;
+    tern_gdn_bf16* w_s; tern_gdn_bf16* u_s; tern_gdn_bf16* qk_s; float* dec_s;
+    tern_gdn_bf16* qn_s; tern_gdn_bf16* kn_s;
+    int nk, nv, grouped, l2qk;
+    float eps, q_scale;
+};
+
+// Rows of one operand of the chunk into bf16 shared memory, one warp per row (rows r0 + 8u,
+// u < NR, for warp r0 % 8), L2-normalised (times `scale`) when asked, with the arithmetic of
+// tern_gdn_l2_rows_smem; rows past len are zeros. With `out`, the bf16 rows also go to global
+// memory. The fetch issues all NR rows' loads before any is used, so their latencies overlap;
+// the row-to-warp assignment and the arithmetic do not depend on NR.
+template <int D, int NR>
+__device__ void tern_gdn_tc_fetch(float (&x)[NR][D / 32], const float* src, long long stride, size_t t0, int len, size_t col0, int r0) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < NR; u++)
+#pragma unroll
+        for (int e = 0; e < D / 32; e++) {
+            const int r = r0 + 8 * u;
+            x[u][e] = r < len ? src[(t0 + r) * stride + col0 + lane + 32 * e] : 0.0f;
+        }
+}
+
+template <int D, int NR>
+__device__ void tern_gdn_tc_put(tern_gdn_bf16* dst, float (&x)[NR][D / 32], int len, int r0, int norm, float eps, float scale, tern_gdn_bf16* out) {
+    constexpr int E = D / 32;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < NR; u++) {
+        const int r = r0 + 8 * u;
+        if (norm && r < len) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; e++) ss += x[u][e] * x[u][e];
+            const float inv = 1.0f / sqrtf(tern_gdn_warp_sum(ss) + eps);
+#pragma unroll
+            for (int e = 0; e < E; e++) x[u][e] = (x[u][e] * inv) * scale;
+        }
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const tern_gdn_bf16 b = tern_gdn_tc_bf16(x[u][e]);
+            dst[r * (D + 8) + lane + 32 * e] = b;
+            if (out) out[r * D + lane + 32 * e] = b;
+        }
+    }
+}
+
+template <int D, int NR>
+__device__ void tern_gdn_tc_load_rows(tern_gdn_bf16* dst, const float* src, long long stride, size_t t0, int len, size_t col0,
+                                      int norm, float eps, float scale, tern_gdn_bf16* out) {
+    for (int r0 = threadIdx.x >> 5; r0 < tern_gdn_tc_c; r0 += 8 * NR) {
+        float x[NR][D / 32];
+        tern_gdn_tc_fetch<D, NR>(x, src, stride, t0, len, col0, r0);
+        tern_gdn_tc_put<D, NR>(dst, x, len, r0, norm, eps, scale, out);
+    }
+}
+
+// out[r][n] = sum_c X[r][c] Y[c][n] for the chunk's 64 rows and N columns (X [64][64] with the
+// padded row, Y [64][N] row-major with row N + 8), to global bf16 rows of N. Eight warps: warp
+// w owns rows 16 (w % 4).. and half of the columns.
+template <int N>
+__device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y, tern_gdn_bf16* out) {
+    constexpr int NT = N / 16;  // n8 tiles per warp
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    const int m0 = 16 * (warp & 3), nb = (warp >> 2) * (N / 2);
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[n][e] = 0.0f;
+#pragma unroll
+    for (int kt = 0; kt < 4; kt++) {
+        unsigned a[4];
+        tern_gdn_tc_frag_a(a, X, tern_gdn_tc_ldc, m0, 16 * kt);
+#pragma unroll
+        for (int np = 0; np < NT / 2; np++) {
+            unsigned b[4];
+            tern_gdn_tc_frag_b_kn(b, Y, N + 8, nb + 16 * np, 16 * kt);
+            tern_gdn_tc_mma(acc[2 * np], a, b[0], b[1]);
+            tern_gdn_tc_mma(acc[2 * np + 1], a, b[2], b[3]);
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int r = m0 + g + 8 * hf, c = nb + 8 * n + 2 * q;
+            *reinterpret_cast<unsigned*>(out + r * N + c) = tern_gdn_tc_pack(acc[n][2 * hf], acc[n][2 * hf + 1]);
+        }
+}
+
+// NR: rows of q, k and v a warp fetches at once (1 or 8; the results are the same bits).
+template <int DK, int DV, int NR>
+__device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
+    constexpr int C = tern_gdn_tc_c, LDA = C + 1, LDT = tern_gdn_tc_ldc;
+    const int h = blockIdx.x, chunk = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nk = a.nk, nv = a.nv;
+    const int kh = tern_gdn_key_head(h, nk, nv, a.grouped);
+    // The first value head of each key head writes the key head's normalised q and k.
+    const bool writer = a.grouped ? h % (nv / nk) == 0 : h < nk;
+    const size_t t0 = a.chunk_t0[chunk];
+    const int len = (int)a.chunk_len[chunk];
+    const size_t ch = (size_t)chunk * nv + h, chk = (size_t)chunk * nk + kh;
+
+    extern __shared__ __align__(16) unsigned char tern_gdn_tc_smem[];
+    double* G = reinterpret_cast<double*>(tern_gdn_tc_smem);  // [C] cumulative log-decay
+    float* Bt = reinterpret_cast<float*>(G + C);              // [C] beta
+    float* Ex = Bt + C;                                       // [C] exp(G_r)
+    float* As = Ex + C;                                       // [C][C + 1] A (strictly lower)
+    float* Ts = As + C * LDA;                                 // [C][C + 1] T (lower)
+    float* Ps = Ts + C * LDA;                                 // [3][16][17] block-row partials
+    tern_gdn_bf16* Kb = reinterpret_cast<tern_gdn_bf16*>(Ps + 3 * 16 * 17);  // [C][DK + 8]
+    tern_gdn_bf16* Qb = Kb + C * (DK + 8);                                    // [C][DK + 8]
+    tern_gdn_bf16* Vb = Qb + C * (DK + 8);                                    // [C][DV + 8]
+    tern_gdn_bf16* Tw = Vb + C * (DV + 8);                                    // [C][LDT] T diag(beta e^G)
+    tern_gdn_bf16* Tu = Tw + C * LDT;                                         // [C][LDT] T diag(beta)
+
+    tern_gdn_bf16* kn = writer ? a.kn_s + chk * C * DK : nullptr;
+    tern_gdn_bf16* qn = writer ? a.qn_s + chk * C * DK : nullptr;
+    float xk[NR][DK / 32], xq[NR][DK / 32];
+    if constexpr (NR == 8) {
+        // All of a warp's k and q rows requested at once, v's rows fetched into L2 meanwhile.
+        for (int idx = tid; idx < C * (DV / 32); idx += blockDim.x) {
+            const int r = idx / (DV / 32), p = (idx % (DV / 32)) * 32;
+            if (r < len) asm volatile("prefetch.global.L2 [%0];" ::"l"(a.v + (t0 + r) * a.v_stride + (size_t)h * DV + p));
+        }
+        tern_gdn_tc_fetch<DK, NR>(xk, a.k, a.k_stride, t0, len, (size_t)kh * DK, warp);
+        tern_gdn_tc_fetch<DK, NR>(xq, a.q, a.q_stride, t0, len, (size_t)kh * DK, warp);
+    }
+    // G by a warp scan in f64 (differences of nearby prefix sums must keep the small terms);
+    // past len g counts as 0, so G stays at G_{len-1}.
+    if (warp == 0) {
+        const double x0 = 2 * lane < len ? (double)a.g[(t0 + 2 * lane) * nv + h] : 0.0;
+        const double x1 = 2 * lane + 1 < len ? (double)a.g[(t0 + 2 * lane + 1) * nv + h] : 0.0;
+        double s = x0 + x1;
+#pragma unroll
+        for (int off = 1; off < 32; off *= 2) {
+            const double y = __shfl_up_sync(0xffffffffu, s, off);
+            if (lane >= off) s += y;
+        }
+        const double before = s - (x0 + x1);
+        G[2 * lane] = before + x0;
+        G[2 * lane + 1] = before + x0 + x1;
+    } else if (warp == 1) {
+        for (int r = lane; r < C; r += 32) Bt[r] = r < len ? a.beta[(t0 + r) * nv + h] : 0.0f;
+    }
+    if constexpr (NR == 8) {
+        tern_gdn_tc_put<DK, NR>(Kb, xk, len, warp, a.l2qk, a.eps, 1.0f, kn);
+        tern_gdn_tc_put<DK, NR>(Qb, xq, len, warp, a.l2qk, a.eps, a.q_scale, qn);
+    } else {
+        tern_gdn_tc_load_rows<DK, NR>(Kb, a.k, a.k_stride, t0, len, (size_t)kh * DK, a.l2qk, a.eps, 1.0f, kn);
+        tern_gdn_tc_load_rows<DK, NR>(Qb, a.q, a.q_stride, t0, len, (size_t)kh * DK, a.l2qk, a.eps, a.q_scale, qn);
+    }
+    tern_gdn_tc_load_rows<DV, NR>(Vb, a.v, a.v_stride, t0, len, (size_t)h * DV, 0, 0.0f, 1.0f, nullptr);
+    __syncthreads();
+    if (tid < C) {
+        const float e = tid < len ? (float)exp(G[tid]) : 0.0f;
+        Ex[tid] = e;
+        a.dec_s[ch * 2 * C + tid] = e;
+        a.dec_s[ch * 2 * C + C + tid] = tid < len ? (float)exp(G[len - 1] - G[tid]) : 0.0f;
+    }
+
+    // KK^T and QK^T: warp w owns rows 16 (w % 4).. and columns 32 (w / 4)..; tiles wholly
+    // above the diagonal are never read (by the substitution or the state pass) and skipped.
+    {
+        const int g = lane >> 2, q = lane & 3, m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
+        if (n0 <= m0 + 15) {
+            float kk[4][4], qk[4][4];
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) kk[n][e] = qk[n][e] = 0.0f;
+#pragma unroll
+            for (int kt = 0; kt < DK / 16; kt++) {
+                unsigned ak[4], aq[4];
+                tern_gdn_tc_frag_a(ak, Kb, DK + 8, m0, 16 * kt);
+                tern_gdn_tc_frag_a(aq, Qb, DK + 8, m0, 16 * kt);
+#pragma unroll
+                for (int np = 0; np < 2; np++) {
+                    unsigned b[4];
+                    tern_gdn_tc_frag_b_nk(b, Kb, DK + 8, n0 + 16 * np, 16 * kt);
+                    tern_gdn_tc_mma(kk[2 * np], ak, b[0], b[1]);
+                    tern_gdn_tc_mma(kk[2 * np + 1], ak, b[2], b[3]);
+                    tern_gdn_tc_mma(qk[2 * np], aq, b[0], b[1]);
+                    tern_gdn_tc_mma(qk[2 * np + 1], aq, b[2], b[3]);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int r = m0 + g + 8 * hf, c = n0 + 8 * n + 2 * q;
+                    float dq[2];
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int cc = c + e;
+                        const float decay = cc <= r && r < len ? expf((float)(G[r] - G[cc])) : 0.0f;
+                        As[r * LDA + cc] = cc < r ? Bt[r] * kk[n][2 * hf + e] * decay : 0.0f;
+                        dq[e] = qk[n][2 * hf + e] * decay;
+                    }
+                    *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + r * C + c) = tern_gdn_tc_pack(dq[0], dq[1]);
+                }
+        }
+    }
+    __syncthreads();
+
+    // T = (I + A)^-1. Diagonal 16 x 16 blocks first: thread (b, c) walks column c of block b,
+    // T[r][c] = -sum_{m<r} A[r][m] T[m][c] with T[c][c] = 1 and zeros above.
+    if (tid < C) {
+        const int b = tid >> 4, c = tid & 15, o = 16 * b;
+        float t[16];
+#pragma unroll
+        for (int m = 0; m < 16; m++) t[m] = m == c ? 1.0f : 0.0f;
+#pragma unroll
+        for (int r = 1; r < 16; r++) {
+            if (r > c) {
+                float s = 0.0f;
+#pragma unroll
+                for (int m = 0; m < r; m++) s += As[(o + r) * LDA + o + m] * t[m];
+                t[r] = -s;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 16; r++) Ts[(o + r) * LDA + o + c] = t[r];
+    }
+    __syncthreads();
+    // Block rows: T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj for j < i, rows i in order.
+    for (int i = 1; i < 4; i++) {
+        for (int e = tid; e < i * 256; e += blockDim.x) {
+            const int j = e >> 8, rr = (e >> 4) & 15, cc = e & 15;
+            float p = 0.0f;
+            for (int kb = j; kb < i; kb++)
+#pragma unroll
+                for (int m = 0; m < 16; m++) p += As[(16 * i + rr) * LDA + 16 * kb + m] * Ts[(16 * kb + m) * LDA + 16 * j + cc];
+            Ps[(j * 16 + rr) * 17 + cc] = p;
+        }
+        __syncthreads();
+        for (int e = tid; e < i * 256; e += blockDim.x) {
+            const int j = e >> 8, rr = (e >> 4) & 15, cc = e & 15;
+            float t = 0.0f;
+            for (int m = 0; m <= rr; m++) t += Ts[(16 * i + rr) * LDA + 16 * i + m] * Ps[(j * 16 + m) * 17 + cc];
+            Ts[(16 * i + rr) * LDA + 16 * j + cc] = -t;
+        }
+        __syncthreads();
+    }
+    for (int idx = tid; idx < C * C; idx += blockDim.x) {
+        const int r = idx >> 6, c = idx & 63;
+        const float t = c <= r ? Ts[r * LDA + c] : 0.0f;
+        Tw[r * LDT + c] = tern_gdn_tc_bf16(t * Bt[c] * Ex[c]);
+        Tu[r * LDT + c] = tern_gdn_tc_bf16(t * Bt[c]);
+    }
+    __syncthreads();
+    // W = T diag(beta e^G) K and U = T diag(beta) V (rows past len come out 0: beta is 0 there).
+    tern_gdn_tc_apply<DK>(Tw, Kb, a.w_s + ch * C * DK);
+    tern_gdn_tc_apply<DV>(Tu, Vb, a.u_s + ch * C * DV);
+}
+
+struct tern_gdn_tc_state_args {
+    float* states; float* out;
+    const tern_gdn_bf16* w_s; const tern_gdn_bf16* u_s; const tern_gdn_bf16* qk_s; const float* dec_s;
+    const tern_gdn_bf16* qn_s; const tern_gdn_bf16* kn_s;
+    const tern_gdn_u32* seg_chunk0; const tern_gdn_u32* seg_nchunks;
+    const tern_gdn_u32* chunk_t0; const tern_gdn_u32* chunk_len; const tern_gdn_u32* slot;
+    int nk, nv, dv, grouped;
+};
+
+// One pipeline stage of the state pass: the chunk's operands, bf16 unless noted.
+template <int DK>
+struct tern_gdn_tc_stage {
+    tern_gdn_bf16 w[64 * (DK + 8)];
+    tern_gdn_bf16 q[64 * (DK + 8)];
+    tern_gdn_bf16 k[64 * (DK + 8)];
+    tern_gdn_bf16 qk[64 * tern_gdn_tc_ldc];
+    tern_gdn_bf16 u[64 * (tern_gdn_tc_bv + 8)];
+    float dec[128];
+};
+
+template <int DK, int NS>
+struct tern_gdn_tc_state_smem {
+    tern_gdn_tc_stage<DK> st[NS];
+    tern_gdn_bf16 s[tern_gdn_tc_bv * (DK + 8)];      // bf16 copy of the state slice, [j][i]
+    tern_gdn_bf16 d[tern_gdn_tc_bv * tern_gdn_tc_ldc];   // Delta, [j][c]
+    tern_gdn_bf16 dt[tern_gdn_tc_bv * tern_gdn_tc_ldc];  // e^{G_L - G_c} Delta, [j][c]
+};
+
+template <int DK>
+__device__ void tern_gdn_tc_issue(tern_gdn_tc_stage<DK>& st, const tern_gdn_tc_state_args& a, int chunk, int h, int kh, int j0) {
+    constexpr int C = tern_gdn_tc_c, R = DK / 8;  // 16-byte pieces per row
+    const size_t ch = (size_t)chunk * a.nv + h, chk = (size_t)chunk * a.nk + kh;
+    const tern_gdn_bf16 *w = a.w_s + ch * C * DK, *q = a.qn_s + chk * C * DK, *k = a.kn_s + chk * C * DK;
+    for (int idx = threadIdx.x; idx < C * R; idx += blockDim.x) {
+        const int r = idx / R, p = (idx % R) * 8;
+        tern_gdn_tc_cp16(st.w + r * (DK + 8) + p, w + r * DK + p);
+        tern_gdn_tc_cp16(st.q + r * (DK + 8) + p, q + r * DK + p);
+        tern_gdn_tc_cp16(st.k + r * (DK + 8) + p, k + r * DK + p);
+    }
+    for (int idx = threadIdx.x; idx < C * 8; idx += blockDim.x) {
+        const int r = idx >> 3, p = (idx & 7) * 8;
+        tern_gdn_tc_cp16(st.qk + r * tern_gdn_tc_ldc + p, a.qk_s + ch * C * C + r * C + p);
+    }
+    for (int idx = threadIdx.x; idx < C * 4; idx += blockDim.x) {
+        const int r = idx >> 2, p = (idx & 3) * 8;
+        tern_gdn_tc_cp16(st.u + r * (tern_gdn_tc_bv + 8) + p, a.u_s + (ch * C + r) * a.dv + j0 + p);
+    }
+    if (threadIdx.x < 32) tern_gdn_tc_cp16(st.dec + 4 * threadIdx.x, a.dec_s + ch * 2 * C + 4 * threadIdx.x);
+}
+
+__device__ __forceinline__ void tern_gdn_tc_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// NS: pipeline stages (2 or 3): chunk n + NS - 1 is requested while chunk n is computed. The
+// results do not depend on NS.
+template <int DK, int NS>
+__device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
+    constexpr int C = tern_gdn_tc_c, BV = tern_gdn_tc_bv, LDK = DK + 8, LDC = tern_gdn_tc_ldc, NI = DK / 32;
+    const int h = blockIdx.x, j0 = blockIdx.y * BV, seq = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    const int nv = a.nv, dv = a.dv;
+    const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
+    extern __shared__ __align__(16) unsigned char tern_gdn_tc_smem[];
+    tern_gdn_tc_state_smem<DK, NS>& sm = *reinterpret_cast<tern_gdn_tc_state_smem<DK, NS>*>(tern_gdn_tc_smem);
+
+    // The update's tiles: warp w owns state rows 16 (w % 2).. (j) and key columns ib.. (i).
+    const int mj = 16 * (warp & 1), ib = (warp >> 1) * (DK / 4);
+    // The [64][32] products: warp w owns chunk rows 16 (w / 2).. and value columns jn...
+    const int mc = 16 * (warp >> 1), jn = 16 * (warp & 1);
+
+    float* state = a.states + ((size_t)a.slot[seq] * nv + h) * dv * DK + (size_t)j0 * DK;
+    float s[NI][4];
+#pragma unroll
+    for (int n = 0; n < NI; n++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int j = mj + g + 8 * hf, i = ib + 8 * n + 2 * q;
+            const float2 v = *reinterpret_cast<const float2*>(state + (size_t)j * DK + i);
+            s[n][2 * hf] = v.x;
+            s[n][2 * hf + 1] = v.y;
+            *reinterpret_cast<unsigned*>(sm.s + j * LDK + i) = tern_gdn_tc_pack(v.x, v.y);
+        }
+
+    const int c0 = (int)a.seg_chunk0[seq], nc = (int)a.seg_nchunks[seq];
+    // One commit group per chunk slot, empty past the last chunk, so that "all but the newest
+    // NS - 2 groups complete" always means "this chunk's operands are in".
+    for (int p = 0; p < NS - 1; p++) {
+        if (p < nc) tern_gdn_tc_issue<DK>(sm.st[p], a, c0 + p, h, kh, j0);
+        tern_gdn_tc_commit();
+    }
+    for (int n = 0; n < nc; n++) {
+        const int chunk = c0 + n;
+        tern_gdn_tc_stage<DK>& st = sm.st[n % NS];
+        asm volatile("cp.async.wait_group %0;" ::"n"(NS - 2) : "memory");
+        __syncthreads();  // this chunk's operands and the state copy are in; the stage of chunk n - 1 is free
+        if (n + NS - 1 < nc) tern_gdn_tc_issue<DK>(sm.st[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
+        tern_gdn_tc_commit();
+        const size_t t0 = a.chunk_t0[chunk];
+        const int len = (int)a.chunk_len[chunk];
+
+        // Delta = U - W S and P = Q S, one pass over the state copy.
+        float d[2][4], o[2][4];
+#pragma unroll
+        for (int t = 0; t < 2; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) d[t][e] = o[t][e] = 0.0f;
+#pragma unroll
+        for (int kt = 0; kt < DK / 16; kt++) {
+            unsigned aw[4], aq[4], b[4];
+            tern_gdn_tc_frag_a(aw, st.w, LDK, mc, 16 * kt);
+            tern_gdn_tc_frag_a(aq, st.q, LDK, mc, 16 * kt);
+            tern_gdn_tc_frag_b_nk(b, sm.s, LDK, jn, 16 * kt);
+            tern_gdn_tc_mma(d[0], aw, b[0], b[1]);
+            tern_gdn_tc_mma(d[1], aw, b[2], b[3]);
+            tern_gdn_tc_mma(o[0], aq, b[0], b[1]);
+            tern_gdn_tc_mma(o[1], aq, b[2], b[3]);
+        }
+#pragma unroll
+        for (int t = 0; t < 2; t++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int c = mc + g + 8 * hf, j = jn + 8 * t + 2 * q;
+                const float eg = st.dec[c], el = st.dec[C + c];
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float dl = tern_gdn_tc_f32(st.u[c * (BV + 8) + j + e]) - d[t][2 * hf + e];
+                    sm.d[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl);
+                    sm.dt[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl * el);
+                    o[t][2 * hf + e] *= eg;
+                }
+            }
+        __syncthreads();  // Delta complete; every read of the state copy is done
+
+        // o += QKd Delta (the weights are zero above the diagonal: tiles past it are skipped).
+        for (int kt = 0; kt <= (mc >> 4); kt++) {
+            unsigned aw[4], b[4];
+            tern_gdn_tc_frag_a(aw, st.qk, LDC, mc, 16 * kt);
+            tern_gdn_tc_frag_b_nk(b, sm.d, LDC, jn, 16 * kt);
+            tern_gdn_tc_mma(o[0], aw, b[0], b[1]);
+            tern_gdn_tc_mma(o[1], aw, b[2], b[3]);
+        }
+#pragma unroll
+        for (int t = 0; t < 2; t++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int c = mc + g + 8 * hf, j = jn + 8 * t + 2 * q;
+                if (c < len) *reinterpret_cast<float2*>(a.out + ((t0 + c) * nv + h) * dv + j0 + j) = make_float2(o[t][2 * hf], o[t][2 * hf + 1]);
+            }
+
+        // S = e^{G_L} S + sum_c (e^{G_L - G_c} Delta_c) k_c^T, as S^T[j][i] tiles.
+        const float keep = st.dec[len - 1];
+#pragma unroll
+        for (int t = 0; t < NI; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[t][e] *= keep;
+#pragma unroll
+        for (int kt = 0; kt < 4; kt++) {
+            unsigned ad[4];
+            tern_gdn_tc_frag_a(ad, sm.dt, LDC, mj, 16 * kt);
+#pragma unroll
+            for (int np = 0; np < NI / 2; np++) {
+                unsigned b[4];
+                tern_gdn_tc_frag_b_kn(b, st.k, LDK, ib + 16 * np, 16 * kt);
+                tern_gdn_tc_mma(s[2 * np], ad, b[0], b[1]);
+                tern_gdn_tc_mma(s[2 * np + 1], ad, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < NI; t++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int j = mj + g + 8 * hf, i = ib + 8 * t + 2 * q;
+                *reinterpret_cast<unsigned*>(sm.s + j * LDK + i) = tern_gdn_tc_pack(s[t][2 * hf], s[t][2 * hf + 1]);
+            }
+    }
+#pragma unroll
+    for (int n = 0; n < NI; n++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int j = mj + g + 8 * hf, i = ib + 8 * n + 2 * q;
+            *reinterpret_cast<float2*>(state + (size_t)j * DK + i) = make_float2(s[n][2 * hf], s[n][2 * hf + 1]);
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv64_r1(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<64, 64, 1>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv64_r8(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<64, 64, 8>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv128_r1(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<64, 128, 1>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv128_r8(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<64, 128, 8>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv64_r1(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<128, 64, 1>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv64_r8(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<128, 64, 8>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv128_r1(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<128, 128, 1>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv128_r8(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<128, 128, 8>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk64_s2(tern_gdn_tc_state_args a) { tern_gdn_tc_state_body<64, 2>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk64_s3(tern_gdn_tc_state_args a) { tern_gdn_tc_state_body<64, 3>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s2(tern_gdn_tc_state_args a) { tern_gdn_tc_state_body<128, 2>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3(tern_gdn_tc_state_args a) { tern_gdn_tc_state_body<128, 3>(a); }
