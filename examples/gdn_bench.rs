@@ -124,14 +124,14 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
         let mut pool = gpu.upload(&rng.vec(rot * b * heads.state_len(), -0.5, 0.5))?;
         let segs: Vec<GpuSegments> = (0..rot).map(|r| GpuSegments::decode(gpu, &(r * b..(r + 1) * b).collect::<Vec<_>>())).collect::<Result<_>>()?;
         let l = layer(gpu, rng, heads, b)?;
-        let x = inputs(&heads, &l);
+        let x = inputs(heads, &l);
         let mut out = gpu.zeros::<f32>(b * heads.n_v_heads * heads.d_v)?;
         let inner = 50;
         for rows in RECURRENCE_VARIANTS {
             k.set_recurrence_variant(rows)?;
-            let ms = time_ms(&gpu, 2, 15, |i| {
+            let ms = time_ms(gpu, 2, 15, |i| {
                 for s in 0..inner {
-                    k.delta_rule(&heads, &x, &segs[(i * inner + s) % rot], &mut pool, &mut out)?;
+                    k.delta_rule(heads, &x, &segs[(i * inner + s) % rot], &mut pool, &mut out)?;
                 }
                 Ok(())
             })? / inner as f64;
