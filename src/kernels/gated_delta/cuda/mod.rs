@@ -835,7 +835,9 @@ impl GatedDeltaCuda {
     /// every matrix product on the tensor cores, bf16 operands and f32 accumulation; the state
     /// stays f32 from chunk to chunk and in `states`. Its error against the f32 scan is
     /// measured by the device tests and the benchmark, not assumed (about 1e-2 relative, from
-    /// the bf16 rounding of the operands). d_k and d_v must each be 64 or 128.
+    /// the bf16 rounding of the operands). d_k and d_v must each be 64 or 128. The chunk
+    /// scratch holds, per chunk of 64 tokens, W, U, the read-out weights and the decays of every
+    /// value head and q, k of every key head (bf16): 1.8 MiB per chunk at 16/32 heads, d = 128.
     pub fn delta_rule_chunked_fast(
         &self,
         heads: &DeltaRuleHeads,
