@@ -13,6 +13,7 @@ use tern::runtime::generate::{ChatSession, GenerateOptions, Llm};
 use tern::runtime::resolve::{resolve_model, resolve_model_or_file};
 use tern::runtime::sampler::SamplingOptions;
 use tern::cuda::DeviceSpec;
+use tern::kernels::cuda_ops::Precision;
 
 #[derive(Parser)]
 #[command(name = "tern", version, about = "Embeddings (EmbeddingGemma) and Qwen3.5 generation, on CPU and NVIDIA GPUs")]
@@ -48,14 +49,18 @@ enum Format {
     Npy,
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 struct ModelArgs {
     /// Model directory or hub id (org/name) in the local Hugging Face cache.
     #[arg(long)]
     model: String,
-    /// Where to run: auto, cpu, cuda or cuda:N (auto picks a GPU when the model can use one).
+    /// Where to run: auto, cpu, cuda or cuda:N (auto picks a GPU when one is usable).
     #[arg(long, default_value = "auto")]
     device: DeviceSpec,
+    /// GEMM precision on a GPU: f32 (the reference maths) or bf16 (tensor cores, f32
+    /// accumulation and activations). fp16 is refused.
+    #[arg(long, default_value = "f32")]
+    dtype: Precision,
     /// Worker threads (default: one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -188,6 +193,12 @@ struct ServeArgs {
     /// Worker threads per model (default: one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Where embedding models run: auto, cpu, cuda or cuda:N (LLMs run on the CPU).
+    #[arg(long, default_value = "auto")]
+    device: DeviceSpec,
+    /// GEMM precision of embedding models on a GPU: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: Precision,
     /// Token budget of one embedding batch, across requests.
     #[arg(long, default_value_t = 8192)]
     max_batch_tokens: usize,
@@ -246,8 +257,16 @@ struct BenchEmbedArgs {
     #[arg(long, default_value_t = 3)]
     iters: usize,
     /// Documents to use, one per line (default: generated text).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "random_ids")]
     input: Option<PathBuf>,
+    /// Documents of exactly --doc-tokens random token ids (seeded), and a query of 8, so that
+    /// peers can run the very same inputs.
+    #[arg(long)]
+    random_ids: bool,
+    /// With --dtype bf16 on a GPU: also load the model in f32 mode and report the smallest
+    /// cosine between the two modes' embeddings of the benchmark documents.
+    #[arg(long)]
+    compare_f32: bool,
 }
 
 fn main() -> ExitCode {
@@ -263,6 +282,8 @@ fn main() -> ExitCode {
             host: a.host,
             port: a.port,
             threads: a.threads,
+            device: a.device,
+            dtype: a.dtype,
             max_batch_tokens: a.max_batch_tokens,
             max_concurrent_requests: a.max_concurrent_requests,
             max_sequences: a.max_sequences,
@@ -294,9 +315,11 @@ fn refuse_cuda(device: DeviceSpec, family: &str) -> Result<()> {
 }
 
 fn load_embedder(args: &ModelArgs) -> Result<Embedder> {
-    refuse_cuda(args.device, "EmbeddingGemma")?;
     let dir = resolve_model(&args.model)?;
-    Embedder::load(&dir, &LoadOptions { threads: args.threads, max_tokens: args.max_tokens })
+    Embedder::load(
+        &dir,
+        &LoadOptions { threads: args.threads, max_tokens: args.max_tokens, device: args.device, dtype: args.dtype },
+    )
 }
 
 /// One text per line; a final newline ends the last line rather than adding an empty input.
@@ -532,7 +555,7 @@ fn run_inspect(spec: &str) -> Result<()> {
     let dir = resolve_model(spec)?;
     let model = Embedder::load(&dir, &LoadOptions::default())?;
     let p = &model.pipeline;
-    let c = &p.encoder.cfg;
+    let c = p.cfg();
     let info = serde_json::json!({
         "path": dir.display().to_string(),
         "architecture": format!("{:?}", c.variant),
@@ -542,12 +565,12 @@ fn run_inspect(spec: &str) -> Result<()> {
         "query_heads": c.q_heads,
         "sliding_window_radius": c.window_max_distance(),
         "vocab_size": c.vocab_size,
-        "dense_modules": p.dense.len(),
+        "dense_modules": p.dense_dims.len(),
         "normalize": p.normalize,
         "dim": model.dim(),
         "max_tokens": model.tokenizer.max_tokens(),
         "prompts": p.prompts,
-        "weight_bytes": p.encoder.weight_bytes(),
+        "weight_bytes": p.param_count() * 4,
     });
     println!("{}", serde_json::to_string_pretty(&info).unwrap_or_default());
     Ok(())
@@ -635,63 +658,115 @@ fn run_bench_embed(args: BenchEmbedArgs) -> Result<()> {
     let model = load_embedder(&args.model)?;
     let load_s = t0.elapsed().as_secs_f64();
     let (rss_loaded, _) = memory_usage();
-    let docs = match &args.input {
-        Some(p) => read_lines(p)?,
-        None => generated_documents(args.batch, args.doc_tokens),
-    };
-    if docs.is_empty() {
-        return Err(Error::Input("no documents to benchmark with".into()));
-    }
-    let docs: Vec<&str> = docs.iter().cycle().take(args.batch.max(1)).map(|s| s.as_str()).collect();
     let opts = EmbedOptions { batch_tokens: usize::MAX, ..EmbedOptions::default() };
-    let time = |texts: &[&str]| -> Result<(f64, usize)> {
+    let (doc_ids, query_ids) = if args.random_ids {
+        // Ids above the special tokens (the first 256 in the Gemma vocabulary), from a fixed
+        // seed: scripts/bench_embed_peers.py draws the same ones.
+        let vocab = model.pipeline.cfg().vocab_size as u64;
+        let mut state = 0x2545f4914f6cdd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (256 + state % (vocab.max(257) - 256)) as u32
+        };
+        let docs: Vec<Vec<u32>> = (0..args.batch.max(1)).map(|_| (0..args.doc_tokens.max(1)).map(|_| next()).collect()).collect();
+        let query: Vec<u32> = (0..8).map(|_| next()).collect();
+        (docs, query)
+    } else {
+        let docs = match &args.input {
+            Some(p) => read_lines(p)?,
+            None => generated_documents(args.batch, args.doc_tokens),
+        };
+        if docs.is_empty() {
+            return Err(Error::Input("no documents to benchmark with".into()));
+        }
+        let docs: Vec<&str> = docs.iter().cycle().take(args.batch.max(1)).map(|s| s.as_str()).collect();
+        let (doc_ids, _) = model.tokenize(&docs, &opts)?;
+        let (query, _) = model.tokenize(&["what do terns eat?"], &opts)?;
+        (doc_ids, query.into_iter().next().unwrap_or_default())
+    };
+    let time = |ids: &[Vec<u32>]| -> Result<(f64, usize)> {
         let t = Instant::now();
-        let out = model.embed(texts, &opts)?;
+        let out = model.embed_ids(ids, &opts)?;
         Ok((t.elapsed().as_secs_f64(), out.tokens))
     };
-    time(&docs)?;
+    time(&doc_ids)?;
     let mut batch_times = Vec::new();
     let mut tokens = 0;
     for _ in 0..args.iters.max(1) {
-        let (s, n) = time(&docs)?;
+        let (s, n) = time(&doc_ids)?;
         batch_times.push(s);
         tokens = n;
     }
-    let query = ["what do terns eat?"];
-    time(&query)?;
+    let query = [query_ids];
+    for _ in 0..3 {
+        time(&query)?;
+    }
     let mut query_times = Vec::new();
-    for _ in 0..(args.iters.max(1) * 10) {
+    for _ in 0..(args.iters.max(1) * 30) {
         query_times.push(time(&query)?.0);
     }
-    let median = |v: &mut Vec<f64>| {
+    let quantile = |v: &mut Vec<f64>, q: f64| {
         v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
+        v[((v.len() - 1) as f64 * q).round() as usize]
     };
-    let batch_s = median(&mut batch_times);
-    let query_s = median(&mut query_times);
-    // The compute roofline of this machine for this work: the f32 matrix-product rate of the
-    // same kernel, measured now on a projection-sized product.
-    let gemm_rate = model_gemm_rate(model.threads());
-    let enc = &model.pipeline.encoder;
-    let (doc_ids, _) = model.tokenize(&docs, &opts)?;
+    let batch_s = quantile(&mut batch_times, 0.5);
+    let query_s = quantile(&mut query_times, 0.5);
+    let query_p90 = quantile(&mut query_times, 0.9);
+    let p = &model.pipeline;
+    // The compute roofline for this work: the matrix-product rate of the same engine (the CPU
+    // kernel, or cuBLAS in the run's precision), measured now on a projection-sized product.
+    let (gemm_rate, device_weight_bytes) = match &p.model {
+        tern::models::sentence::Placed::Cpu(_) => (model_gemm_rate(model.threads()), 0),
+        tern::models::sentence::Placed::Cuda(s) => {
+            let ops = s.encoder.ops();
+            (ops.measure_gemm_rate(8192, 4096, 4096)?, ops.weight_bytes())
+        }
+    };
+    // The fast mode's error, measured on these documents against f32 mode on the same GPU.
+    let fast_vs_f32_min_cosine = match (&p.model, args.compare_f32) {
+        (tern::models::sentence::Placed::Cuda(s), true) if s.encoder.ops().precision() == Precision::Bf16 => {
+            let f32_args = ModelArgs { dtype: Precision::F32, ..args.model.clone() };
+            let reference = load_embedder(&f32_args)?;
+            let (a, b) = (model.embed_ids(&doc_ids, &opts)?, reference.embed_ids(&doc_ids, &opts)?);
+            let cos = |x: &[f32], y: &[f32]| {
+                let dot: f64 = x.iter().zip(y).map(|(&u, &v)| u as f64 * v as f64).sum();
+                let n = |z: &[f32]| z.iter().map(|&u| (u as f64).powi(2)).sum::<f64>().sqrt();
+                dot / (n(x) * n(y))
+            };
+            Some((0..a.len()).map(|i| cos(a.row(i), b.row(i))).fold(1.0f64, f64::min))
+        }
+        _ => None,
+    };
+    let graphs = match &p.model {
+        tern::models::sentence::Placed::Cuda(s) => Some(s.encoder.ops().graph_stats()),
+        _ => None,
+    };
     let flops: f64 = doc_ids
         .iter()
-        .map(|s| 2.0 * enc.matmul_params_per_token() as f64 * s.len() as f64 + enc.attention_flops(s.len()))
+        .map(|s| 2.0 * p.matmul_params_per_token() as f64 * s.len() as f64 + p.attention_flops(s.len()))
         .sum();
     let (rss, peak) = memory_usage();
-    let weights_file: u64 = std::fs::metadata(model.pipeline.dir.join("model.safetensors")).map_or(0, |m| m.len());
+    let weights_file: u64 = std::fs::metadata(p.dir.join("model.safetensors")).map_or(0, |m| m.len());
     let report = serde_json::json!({
-        "model": model.pipeline.dir.display().to_string(),
+        "model": p.dir.display().to_string(),
+        "device": p.device(),
         "threads": model.threads(),
         "load_s": load_s,
-        "batch": docs.len(),
+        "batch": doc_ids.len(),
         "batch_tokens": tokens,
         "batch_s": batch_s,
         "tokens_per_s": tokens as f64 / batch_s,
+        "query_tokens": query[0].len(),
         "query_latency_ms": query_s * 1e3,
+        "query_p90_ms": query_p90 * 1e3,
         "batch_gflops_per_s": flops / batch_s / 1e9,
         "gemm_gflops_per_s": gemm_rate / 1e9,
         "roofline_fraction": flops / batch_s / gemm_rate,
+        "device_weight_bytes": device_weight_bytes,
+        "fast_vs_f32_min_cosine": fast_vs_f32_min_cosine,
+        "cuda_graphs": graphs.map(|(recorded, failed)| serde_json::json!({"recorded": recorded, "failed": failed})),
         "rss_after_load_bytes": rss_loaded,
         "rss_bytes": rss,
         "peak_rss_bytes": peak,

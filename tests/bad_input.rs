@@ -38,7 +38,7 @@ fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
 }
 
 fn load_error(dir: &Path) -> String {
-    match Embedder::load(dir, &LoadOptions { threads: 1, max_tokens: None }) {
+    match Embedder::load(dir, &LoadOptions { threads: 1, ..LoadOptions::default() }) {
         Ok(_) => panic!("{} loaded but should not have", dir.display()),
         Err(e) => e.to_string(),
     }
@@ -115,7 +115,7 @@ fn malformed_config_json() {
 #[test]
 fn request_errors_and_the_empty_string() {
     let dir = fixtures().join("egemma300m-tiny-f32").join("model");
-    let m = Embedder::load(&dir, &LoadOptions { threads: 1, max_tokens: None }).unwrap();
+    let m = Embedder::load(&dir, &LoadOptions { threads: 1, ..LoadOptions::default() }).unwrap();
     let opts = EmbedOptions::default();
     assert_mentions(&m.embed(&[], &opts).unwrap_err().to_string(), &["no inputs"]);
     for bad in [0, m.dim() + 1] {
@@ -168,6 +168,19 @@ fn cli_errors_exit_non_zero_with_a_message() {
     assert_ne!(code, 0);
     assert_mentions(&err, &["error:"]);
     assert!(!err.contains("panicked"), "{err}");
+    // Precisions: fp16 is refused for EmbeddingGemma; bf16 needs a GPU.
+    let (code, err, _) = tern(&["embed", "--model", m, "--dtype", "fp16", "x"], None);
+    assert_ne!(code, 0);
+    assert_mentions(&err, &["fp16", "overflow"]);
+    let (code, err, _) = tern(&["embed", "--model", m, "--device", "cpu", "--dtype", "bf16", "x"], None);
+    assert_ne!(code, 0);
+    assert_mentions(&err, &["bf16", "CPU"]);
+    if tern::cuda::device_count() == 0 {
+        let (code, err, _) = tern(&["embed", "--model", m, "--device", "cuda", "x"], None);
+        assert_ne!(code, 0);
+        assert_mentions(&err, &["cuda"]);
+        assert!(!err.contains("panicked"), "{err}");
+    }
 }
 
 #[test]
@@ -206,7 +219,7 @@ fn cli_outputs_in_input_order() {
         assert_eq!(l["index"], i);
         assert_eq!(l["embedding"].as_array().unwrap().len(), 64);
     }
-    let lib = Embedder::load(&model, &LoadOptions { threads: 1, max_tokens: None }).unwrap();
+    let lib = Embedder::load(&model, &LoadOptions { threads: 1, ..LoadOptions::default() }).unwrap();
     let want = lib.embed(&["third line"], &EmbedOptions::default()).unwrap();
     common::assert_close(&common::floats(&lines[2]["embedding"]), want.row(0), "CLI vs library");
     // npy: a float32 [n, dim] array.

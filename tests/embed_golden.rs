@@ -11,7 +11,7 @@ use tern::runtime::embed::{EmbedOptions, Embedder, LoadOptions};
 fn check_fixture(name: &str, min_checked: usize) {
     let dir = fixtures().join(name);
     let expected: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
-    let model = Embedder::load(&dir.join("model"), &LoadOptions { threads: 2, max_tokens: None }).unwrap();
+    let model = Embedder::load(&dir.join("model"), &LoadOptions { threads: 2, ..LoadOptions::default() }).unwrap();
     assert_eq!(model.dim() as u64, expected["dim"].as_u64().unwrap());
     let mut alone: Vec<(String, Vec<f32>)> = Vec::new();
     let mut checked = 0;

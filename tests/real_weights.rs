@@ -32,7 +32,7 @@ fn embeddinggemma_300m_matches_sentence_transformers() {
         .map(|l| serde_json::from_str::<Value>(l).unwrap()["text"].as_str().unwrap().to_string())
         .collect();
     let expected: Value = serde_json::from_str(&std::fs::read_to_string(fixture.join("expected.json")).unwrap()).unwrap();
-    let model = Embedder::load(&model_dir(), &LoadOptions { threads: 2, max_tokens: None }).unwrap();
+    let model = Embedder::load(&model_dir(), &LoadOptions { threads: 2, ..LoadOptions::default() }).unwrap();
     assert_eq!(model.tokenizer.max_tokens(), 2048);
     let mut checked = 0;
     let mut worst = (1.0f64, 0.0f64);

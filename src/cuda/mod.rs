@@ -9,7 +9,7 @@
 //! that probe has succeeded.
 //!
 //! Kernel sources live beside their CPU twins (`src/kernels/<family>/cuda/*.cu`) and are listed
-//! in [`SOURCES`], which the CI compile check walks.
+//! in [`sources`], which the CI compile check walks.
 
 pub mod nvrtc;
 
@@ -31,7 +31,11 @@ pub struct KernelSource {
 }
 
 /// Every CUDA source of the op set (the CI compile check covers exactly these).
-pub const SOURCES: &[KernelSource] = crate::kernels::gated_delta::cuda::SOURCES;
+pub fn sources() -> Vec<KernelSource> {
+    let mut all = crate::kernels::gated_delta::cuda::SOURCES.to_vec();
+    all.extend_from_slice(crate::kernels::cuda_ops::SOURCES);
+    all
+}
 
 /// Maps a driver error into tern's error, naming the operation.
 pub(crate) fn driver_err(what: &str) -> impl FnOnce(DriverError) -> Error + '_ {
@@ -49,6 +53,42 @@ pub fn driver_available() -> bool {
             unsafe { libloading::Library::new(*name) }.is_ok()
         })
     })
+}
+
+/// Whether cuBLAS 13 can be opened (the library names cudarc's loader tries). cudarc panics
+/// when it cannot load it, so [`crate::kernels::matmul::cuda::Blas::new`] asks here first.
+pub fn cublas_available() -> Result<()> {
+    static FOUND: OnceLock<bool> = OnceLock::new();
+    let found = *FOUND.get_or_init(|| {
+        ["libcublas.so.13", "libcublas.so"].iter().any(|name| {
+            // SAFETY: as in driver_available; cuBLAS's initialisers have no preconditions.
+            unsafe { libloading::Library::new(*name) }.is_ok()
+        })
+    });
+    if found {
+        Ok(())
+    } else {
+        Err(Error::Cuda(
+            "cuBLAS 13 (libcublas.so.13) cannot be loaded: install the CUDA 13 toolkit or the nvidia-cublas wheel and \
+             put its lib folder on LD_LIBRARY_PATH"
+                .into(),
+        ))
+    }
+}
+
+/// Blocks of `block` threads covering `n` items, as a grid dimension.
+pub fn grid_for(n: usize, block: u32) -> Result<u32> {
+    u32::try_from(n.div_ceil(block as usize).max(1)).map_err(|_| Error::Shape(format!("{n} items: too many for one launch")))
+}
+
+/// `n` as a kernel's 32-bit int argument.
+pub fn int_arg(what: &str, n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| Error::Shape(format!("{what}: {n} does not fit the device's 32-bit index")))
+}
+
+/// `n` as a kernel's 64-bit offset or stride argument.
+pub fn long_arg(n: usize) -> i64 {
+    n as i64
 }
 
 /// Number of CUDA devices; 0 without a driver.
@@ -195,6 +235,25 @@ impl Gpu {
         self.stream.clone_dtoh(buf).map_err(driver_err("copying from the device"))
     }
 
+    /// The device address of `buf`, for a kernel argument that may be null (see [`Gpu::ptr_opt`]).
+    /// Event tracking is off (one stream), so the returned guard has nothing to record.
+    pub fn ptr<T>(&self, buf: &CudaSlice<T>) -> u64 {
+        use cudarc::driver::DevicePtr;
+        buf.device_ptr(&self.stream).0
+    }
+
+    /// [`Gpu::ptr`], or 0 (a null pointer the kernel tests for).
+    pub fn ptr_opt<T>(&self, buf: Option<&CudaSlice<T>>) -> u64 {
+        buf.map_or(0, |b| self.ptr(b))
+    }
+
+    /// A device buffer of `n` elements whose contents are undefined until a kernel writes them
+    /// (every caller writes all of it before reading).
+    pub fn alloc<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: the buffer is only handed to kernels that overwrite it before anything reads it.
+        unsafe { self.stream.alloc::<T>(n) }.map_err(driver_err(&format!("allocating {n} elements")))
+    }
+
     /// A zeroed device buffer of `n` elements.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
         self.stream.alloc_zeros(n).map_err(driver_err(&format!("allocating {n} elements")))
@@ -260,8 +319,9 @@ mod tests {
             );
         }
         let (major, minor) = nvrtc::version().unwrap();
-        assert!(!SOURCES.is_empty());
-        for src in SOURCES {
+        let sources = sources();
+        assert!(!sources.is_empty());
+        for src in &sources {
             let cubin = nvrtc::compile(src.name, src.code, "sm_90").unwrap_or_else(|e| panic!("{e}"));
             // An ELF image: what the driver loads.
             assert_eq!(&cubin[..4], b"\x7fELF", "{}", src.name);

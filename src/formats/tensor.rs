@@ -65,6 +65,26 @@ impl Tensor {
         }
         Ok(self)
     }
+
+    /// Matrices of equal width stacked row-wise into one (an owned copy): the weights of
+    /// projections that read the same input, so that one GEMM computes them all.
+    pub fn concat_rows(name: impl Into<String>, parts: &[Tensor]) -> Result<Tensor> {
+        let name = name.into();
+        let cols = match parts.first().map(|t| &t.shape[..]) {
+            Some([_, c]) => *c,
+            _ => return Err(Error::tensor(&name, "concatenation needs matrices")),
+        };
+        let mut rows = 0;
+        let mut data = Vec::with_capacity(parts.iter().map(|t| t.len()).sum());
+        for t in parts {
+            match t.shape[..] {
+                [r, c] if c == cols => rows += r,
+                _ => return Err(Error::tensor(&t.name, format!("shape {:?} cannot stack under rows of {cols}", t.shape))),
+            }
+            data.extend_from_slice(t.data());
+        }
+        Ok(Tensor::owned(name, vec![rows, cols], data))
+    }
 }
 
 impl std::fmt::Debug for Tensor {

@@ -4,6 +4,11 @@
 
 pub mod activation;
 pub mod attention;
+pub mod backend;
+pub mod cuda_ops;
+#[cfg(test)]
+mod cuda_tests;
+pub mod embedding;
 pub mod gated_delta;
 pub mod matmul;
 pub mod norm;

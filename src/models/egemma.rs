@@ -20,12 +20,10 @@ use crate::error::{Error, Result};
 use crate::formats::config::JsonFile;
 use crate::formats::safetensors::SafetensorsWeights;
 use crate::formats::Tensor;
-use crate::kernels::activation::gelu_tanh_mul;
-use crate::kernels::attention::{attention, AttentionShape};
-use crate::kernels::matmul::linear;
-use crate::kernels::norm::{add_norm, rms_norm};
-use crate::kernels::pool::mean_pool;
-use crate::kernels::rope::{head_prep, HeadPrep, RopeTable};
+use crate::kernels::attention::AttentionShape;
+use crate::kernels::backend::{CpuOps, HeadOps, Ops, View};
+use crate::kernels::embedding::check_ids;
+use crate::kernels::rope::RopeTable;
 use crate::kernels::Segment;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -221,98 +219,126 @@ impl EncoderConfig {
     }
 }
 
-struct PleBlock {
-    gate: Tensor,
-    proj: Tensor,
-    post_norm: Vec<f32>,
+struct PleBlock<O: Ops> {
+    gate: O::Mat,
+    proj: O::Mat,
+    post_norm: O::Vector,
 }
 
-struct Layer {
+struct Layer<O: Ops> {
     cfg: LayerConfig,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
-    input_norm: Vec<f32>,
-    post_attn_norm: Vec<f32>,
-    pre_ff_norm: Vec<f32>,
-    post_ff_norm: Vec<f32>,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
-    ple: Option<PleBlock>,
+    /// q, k and v projections stacked: one GEMM writes [t][q | k | v].
+    wqkv: O::Mat,
+    wo: O::Mat,
+    q_norm: O::Vector,
+    k_norm: O::Vector,
+    input_norm: O::Vector,
+    post_attn_norm: O::Vector,
+    pre_ff_norm: O::Vector,
+    post_ff_norm: O::Vector,
+    /// gate and up stacked: one GEMM writes [t][gate | up].
+    gate_up: O::Mat,
+    down: O::Mat,
+    ple: Option<PleBlock<O>>,
     layer_scalar: f32,
 }
 
-/// A loaded encoder: token ids in, pooled sequence vectors out.
-pub struct Encoder {
+/// A loaded encoder on backend `O`: token ids in, pooled sequence vectors out.
+pub struct Encoder<O: Ops = CpuOps> {
     pub cfg: EncoderConfig,
-    embed: Tensor,
+    ops: O,
+    embed: O::Table,
     embed_scale: f32,
-    layers: Vec<Layer>,
-    final_norm: Vec<f32>,
+    layers: Vec<Layer<O>>,
+    final_norm: O::Vector,
     /// V2: per-layer-input projection [L·P][hidden] and its norm weight [P].
-    ple_projection: Option<(Tensor, Vec<f32>)>,
+    ple_projection: Option<(O::Mat, O::Vector)>,
     /// V2: `embedding_projection` [out_dim][hidden].
-    out_projection: Option<Tensor>,
-    rope_full: RopeTable,
-    rope_sliding: RopeTable,
+    out_projection: Option<O::Mat>,
+    rope_full: O::Rope,
+    rope_sliding: O::Rope,
+    positions: usize,
+    embed_params: usize,
+    matmul_params: usize,
 }
 
-impl Encoder {
-    /// Loads the weights of `dir`, checking every shape against the config. Positions up to
-    /// `max_positions` get RoPE tables.
-    pub fn load(dir: &Path, max_positions: usize) -> Result<Encoder> {
+impl Encoder<CpuOps> {
+    /// Loads the weights of `dir` for the CPU, checking every shape against the config.
+    /// Positions up to `max_positions` get RoPE tables.
+    pub fn load(dir: &Path, max_positions: usize) -> Result<Encoder<CpuOps>> {
+        Encoder::load_on(dir, max_positions, CpuOps)
+    }
+}
+
+impl<O: Ops> Encoder<O> {
+    /// Loads the weights of `dir` onto backend `ops` (uploaded and converted once).
+    pub fn load_on(dir: &Path, max_positions: usize, ops: O) -> Result<Encoder<O>> {
         let cfg = EncoderConfig::from_dir(dir)?;
         let w = SafetensorsWeights::open_dir(dir)?;
         let p = &cfg.prefix;
         let h = cfg.hidden;
         // V1 stores w for a (1 + w) norm: add the one here, the same f32 addition as the
         // reference's forward. V2 multiplies by w directly.
-        let norm = |name: &str, d: usize| -> Result<Vec<f32>> {
+        let norm = |name: &str, d: usize| -> Result<O::Vector> {
             let t = w.get(&format!("{p}{name}"), &[d])?;
-            Ok(match cfg.variant {
+            ops.vector(match cfg.variant {
                 Variant::V1 => t.data().iter().map(|&x| 1.0 + x).collect(),
                 Variant::V2 => t.data().to_vec(),
             })
         };
-        let mat = |name: &str, rows: usize, cols: usize| w.get(&format!("{p}{name}"), &[rows, cols]);
-        let embed = mat("embed_tokens.weight", cfg.vocab_size, h)?;
+        let tensor = |name: &str, rows: usize, cols: usize| w.get(&format!("{p}{name}"), &[rows, cols]);
+        let mut matmul_params = 0usize;
+        let mut mat = |t: Tensor| -> Result<O::Mat> {
+            matmul_params += t.len();
+            ops.matrix(t)
+        };
+        let embed_t = tensor("embed_tokens.weight", cfg.vocab_size, h)?;
+        let embed_params = embed_t.len();
+        let embed = ops.table(embed_t)?;
         let mut layers = Vec::with_capacity(cfg.layers.len());
         for (i, lc) in cfg.layers.iter().enumerate() {
-            let l = format!("layers.{i}.");
+            let l = format!("{p}layers.{i}.");
             let (hd, kvh) = (lc.head_dim, lc.kv_heads);
             let ple = match cfg.variant {
                 Variant::V1 => None,
                 Variant::V2 => Some(PleBlock {
-                    gate: mat(&format!("{l}ple_block.per_layer_input_gate.weight"), cfg.ple_dim, h)?,
-                    proj: mat(&format!("{l}ple_block.per_layer_projection.weight"), h, cfg.ple_dim)?,
-                    post_norm: norm(&format!("{l}ple_block.post_per_layer_input_norm.weight"), h)?,
+                    gate: mat(tensor(&format!("layers.{i}.ple_block.per_layer_input_gate.weight"), cfg.ple_dim, h)?)?,
+                    proj: mat(tensor(&format!("layers.{i}.ple_block.per_layer_projection.weight"), h, cfg.ple_dim)?)?,
+                    post_norm: norm(&format!("layers.{i}.ple_block.post_per_layer_input_norm.weight"), h)?,
                 }),
             };
             let layer_scalar = match cfg.variant {
-                Variant::V2 if w.contains(&format!("{p}{l}layer_scalar")) => {
-                    w.get(&format!("{p}{l}layer_scalar"), &[1])?.data()[0]
-                }
+                Variant::V2 if w.contains(&format!("{l}layer_scalar")) => w.get(&format!("{l}layer_scalar"), &[1])?.data()[0],
                 _ => 1.0,
             };
+            let li = format!("layers.{i}.");
+            let wqkv = Tensor::concat_rows(
+                format!("{l}self_attn.qkv"),
+                &[
+                    tensor(&format!("{li}self_attn.q_proj.weight"), cfg.q_heads * hd, h)?,
+                    tensor(&format!("{li}self_attn.k_proj.weight"), kvh * hd, h)?,
+                    tensor(&format!("{li}self_attn.v_proj.weight"), kvh * hd, h)?,
+                ],
+            )?;
+            let gate_up = Tensor::concat_rows(
+                format!("{l}mlp.gate_up"),
+                &[
+                    tensor(&format!("{li}mlp.gate_proj.weight"), cfg.intermediate, h)?,
+                    tensor(&format!("{li}mlp.up_proj.weight"), cfg.intermediate, h)?,
+                ],
+            )?;
             layers.push(Layer {
                 cfg: lc.clone(),
-                wq: mat(&format!("{l}self_attn.q_proj.weight"), cfg.q_heads * hd, h)?,
-                wk: mat(&format!("{l}self_attn.k_proj.weight"), kvh * hd, h)?,
-                wv: mat(&format!("{l}self_attn.v_proj.weight"), kvh * hd, h)?,
-                wo: mat(&format!("{l}self_attn.o_proj.weight"), h, cfg.q_heads * hd)?,
-                q_norm: norm(&format!("{l}self_attn.q_norm.weight"), hd)?,
-                k_norm: norm(&format!("{l}self_attn.k_norm.weight"), hd)?,
-                input_norm: norm(&format!("{l}input_layernorm.weight"), h)?,
-                post_attn_norm: norm(&format!("{l}post_attention_layernorm.weight"), h)?,
-                pre_ff_norm: norm(&format!("{l}pre_feedforward_layernorm.weight"), h)?,
-                post_ff_norm: norm(&format!("{l}post_feedforward_layernorm.weight"), h)?,
-                gate: mat(&format!("{l}mlp.gate_proj.weight"), cfg.intermediate, h)?,
-                up: mat(&format!("{l}mlp.up_proj.weight"), cfg.intermediate, h)?,
-                down: mat(&format!("{l}mlp.down_proj.weight"), h, cfg.intermediate)?,
+                wqkv: mat(wqkv)?,
+                wo: mat(tensor(&format!("{li}self_attn.o_proj.weight"), h, cfg.q_heads * hd)?)?,
+                q_norm: norm(&format!("{li}self_attn.q_norm.weight"), hd)?,
+                k_norm: norm(&format!("{li}self_attn.k_norm.weight"), hd)?,
+                input_norm: norm(&format!("{li}input_layernorm.weight"), h)?,
+                post_attn_norm: norm(&format!("{li}post_attention_layernorm.weight"), h)?,
+                pre_ff_norm: norm(&format!("{li}pre_feedforward_layernorm.weight"), h)?,
+                post_ff_norm: norm(&format!("{li}post_feedforward_layernorm.weight"), h)?,
+                gate_up: mat(gate_up)?,
+                down: mat(tensor(&format!("{li}mlp.down_proj.weight"), h, cfg.intermediate)?)?,
                 ple,
                 layer_scalar,
             });
@@ -321,10 +347,10 @@ impl Encoder {
             Variant::V1 => (None, None),
             Variant::V2 => (
                 Some((
-                    mat("ple.per_layer_model_projection.weight", cfg.layers.len() * cfg.ple_dim, h)?,
+                    mat(tensor("ple.per_layer_model_projection.weight", cfg.layers.len() * cfg.ple_dim, h)?)?,
                     norm("ple.per_layer_projection_norm.weight", cfg.ple_dim)?,
                 )),
-                Some(mat("embedding_projection.weight", cfg.out_dim, h)?),
+                Some(mat(tensor("embedding_projection.weight", cfg.out_dim, h)?)?),
             ),
         };
         let full_hd = cfg.layers.iter().find(|l| l.kind == LayerKind::Full).map_or(cfg.layers[0].head_dim, |l| l.head_dim);
@@ -337,31 +363,35 @@ impl Encoder {
             final_norm: norm("norm.weight", h)?,
             ple_projection,
             out_projection,
-            rope_full: RopeTable::new(cfg.rope_theta_full, full_hd, positions),
-            rope_sliding: RopeTable::new(cfg.rope_theta_sliding, sliding_hd, positions),
+            rope_full: ops.rope(RopeTable::new(cfg.rope_theta_full, full_hd, positions))?,
+            rope_sliding: ops.rope(RopeTable::new(cfg.rope_theta_sliding, sliding_hd, positions))?,
+            positions,
+            embed_params,
+            matmul_params,
+            ops,
             cfg,
         })
     }
 
-    /// Longest sequence this encoder was prepared for.
-    pub fn max_positions(&self) -> usize {
-        self.rope_full.positions()
+    /// The backend the weights live on.
+    pub fn ops(&self) -> &O {
+        &self.ops
     }
 
-    /// Bytes of weights held (mapped or owned).
-    pub fn weight_bytes(&self) -> usize {
-        (self.embed.len() + self.matmul_params_per_token()) * 4
+    /// Longest sequence this encoder was prepared for.
+    pub fn max_positions(&self) -> usize {
+        self.positions
+    }
+
+    /// Parameters held (embedding table and projections); ×4 is the f32 weight bytes.
+    pub fn param_count(&self) -> usize {
+        self.embed_params + self.matmul_params
     }
 
     /// Weights every token multiplies through (all projections; the embedding table is a
     /// lookup): 2× this is the matmul FLOPs per token.
     pub fn matmul_params_per_token(&self) -> usize {
-        let mut n = self.ple_projection.as_ref().map_or(0, |(p, _)| p.len());
-        for l in &self.layers {
-            n += [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|t| t.len()).sum::<usize>();
-            n += l.ple.as_ref().map_or(0, |b| b.gate.len() + b.proj.len());
-        }
-        n
+        self.matmul_params - self.out_projection.as_ref().map_or(0, |_| self.cfg.out_dim * self.cfg.hidden)
     }
 
     /// FLOPs of the attention products (QKᵀ and PV) for one sequence of `len` tokens.
@@ -380,102 +410,101 @@ impl Encoder {
             .sum()
     }
 
-    /// Runs the packed sequences `ids` (laid out by `segments`) and returns the mean-pooled
-    /// final states, [segments][out_dim].
-    pub fn forward(&self, ids: &[u32], segments: &[Segment]) -> Result<Vec<f32>> {
-        let cfg = &self.cfg;
-        let (t, h) = (ids.len(), cfg.hidden);
+    /// Checks a packed batch against the model's limits and vocabulary and returns the ids
+    /// the lookup uses (multimodal placeholders mapped to the pad id).
+    pub fn checked_ids(&self, ids: &[u32], segments: &[Segment]) -> Result<Vec<u32>> {
         let rows: usize = segments.last().map(|s| s.start + s.len).unwrap_or(0);
-        if rows != t {
-            return Err(Error::Shape(format!("forward: {t} ids for segments covering {rows} rows")));
+        if rows != ids.len() {
+            return Err(Error::Shape(format!("forward: {} ids for segments covering {rows} rows", ids.len())));
         }
-        let mut positions = Vec::with_capacity(t);
-        for s in segments {
-            if s.len > self.max_positions() {
-                return Err(Error::Input(format!(
-                    "a sequence of {} tokens exceeds the model's limit of {}",
-                    s.len,
-                    self.max_positions()
-                )));
-            }
-            positions.extend(0..s.len as u32);
+        if let Some(s) = segments.iter().find(|s| s.len > self.max_positions()) {
+            return Err(Error::Input(format!(
+                "a sequence of {} tokens exceeds the model's limit of {}",
+                s.len,
+                self.max_positions()
+            )));
         }
-        // Embedding lookup × √hidden.
-        let table = self.embed.data();
-        let mut x = vec![0.0f32; t * h];
-        for (row, &id) in x.chunks_mut(h).zip(ids) {
-            let id = if cfg.placeholder_ids.contains(&id) { cfg.pad_id } else { id };
-            if id as usize >= cfg.vocab_size {
-                return Err(Error::Input(format!("token id {id} is outside the vocabulary of {}", cfg.vocab_size)));
-            }
-            let src = &table[id as usize * h..(id as usize + 1) * h];
-            row.iter_mut().zip(src).for_each(|(o, &e)| *o = e * self.embed_scale);
-        }
-        // V2: per-layer inputs rms(reshape(Linear(x)·hidden^-½)), regrouped as [layer][t][P].
+        let cfg = &self.cfg;
+        let ids: Vec<u32> = ids.iter().map(|&id| if cfg.placeholder_ids.contains(&id) { cfg.pad_id } else { id }).collect();
+        check_ids(&ids, cfg.vocab_size)?;
+        Ok(ids)
+    }
+
+    /// Runs the packed sequences `ids` (laid out by `segments`) and returns the mean-pooled
+    /// final states, [segments][out_dim], on the backend.
+    pub fn forward(&self, ids: &[u32], segments: &[Segment]) -> Result<O::Buf> {
+        let batch = self.prepare(ids, segments)?;
+        self.forward_batch(&batch)
+    }
+
+    /// The checked batch of `ids` laid out by `segments`, on the backend.
+    pub fn prepare(&self, ids: &[u32], segments: &[Segment]) -> Result<O::Batch> {
+        let ids = self.checked_ids(ids, segments)?;
+        self.ops.batch(segments, &ids)
+    }
+
+    /// [`Encoder::forward`] of a prepared batch: only kernels, no host transfer, so a backend
+    /// may record it once and replay it.
+    pub fn forward_batch(&self, batch: &O::Batch) -> Result<O::Buf> {
+        let (ops, cfg) = (&self.ops, &self.cfg);
+        let segments = ops.segments(batch);
+        let (t, h) = (segments.last().map_or(0, |s| s.start + s.len), cfg.hidden);
+        let mut x = ops.embed(&self.embed, batch, self.embed_scale)?;
+        // V2: per-layer inputs rms(Linear(x)·hidden^-½) per P-wide group, [t][L·P]; layer l
+        // reads its group as a strided view.
         let ple = match &self.ple_projection {
             None => None,
             Some((proj, norm_w)) => {
-                let (nl, pd) = (cfg.layers.len(), cfg.ple_dim);
-                let mut p = linear(&x, t, proj.data(), nl * pd, h)?;
+                let p = ops.linear(&x, t, proj, None)?;
                 let scale = (h as f64).powf(-0.5) as f32;
-                p.iter_mut().for_each(|v| *v *= scale);
-                let mut normed = vec![0.0f32; p.len()];
-                rms_norm(&p, pd, Some(norm_w), 1.0, cfg.eps, &mut normed)?;
-                let mut by_layer = vec![0.0f32; p.len()];
-                for r in 0..t {
-                    for l in 0..nl {
-                        by_layer[(l * t + r) * pd..(l * t + r + 1) * pd]
-                            .copy_from_slice(&normed[(r * nl + l) * pd..(r * nl + l + 1) * pd]);
-                    }
-                }
-                Some(by_layer)
+                Some(ops.rms_norm(&p, cfg.ple_dim, Some(norm_w), scale, cfg.eps)?)
             }
         };
-        let mut a = vec![0.0f32; t * h];
-        rms_norm(&x, h, Some(&self.layers[0].input_norm), 1.0, cfg.eps, &mut a)?;
+        let mut a = ops.rms_norm(&x, h, Some(&self.layers[0].input_norm), 1.0, cfg.eps)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let next_norm = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
-            self.layer_forward(i, layer, &mut x, &mut a, ple.as_deref(), &positions, segments, next_norm)?;
+            a = self.layer_forward(i, layer, &mut x, &a, t, ple.as_ref(), batch, next_norm)?;
         }
         // `a` now holds rms(x)·w_final for every row.
-        let pooled = mean_pool(&a, h, segments)?;
+        let pooled = ops.mean_pool(&a, h, batch)?;
         match &self.out_projection {
             // Projecting each token then pooling equals pooling then projecting (linearity);
             // the latter is `len` times cheaper and differs only in rounding.
-            Some(w) => linear(&pooled, segments.len(), w.data(), cfg.out_dim, h),
+            Some(w) => ops.linear(&pooled, segments.len(), w, None),
             None => Ok(pooled),
         }
     }
 
+    /// One layer; returns the next layer's normalised input.
     #[allow(clippy::too_many_arguments)]
     fn layer_forward(
         &self,
         index: usize,
-        layer: &Layer,
-        x: &mut [f32],
-        a: &mut [f32],
-        ple: Option<&[f32]>,
-        positions: &[u32],
-        segments: &[Segment],
-        next_norm: &[f32],
-    ) -> Result<()> {
-        let cfg = &self.cfg;
-        let (t, h) = (positions.len(), cfg.hidden);
+        layer: &Layer<O>,
+        x: &mut O::Buf,
+        a: &O::Buf,
+        t: usize,
+        ple: Option<&O::Buf>,
+        batch: &O::Batch,
+        next_norm: &O::Vector,
+    ) -> Result<O::Buf> {
+        let (ops, cfg) = (&self.ops, &self.cfg);
+        let h = cfg.hidden;
         let LayerConfig { kind, head_dim: hd, kv_heads } = layer.cfg;
         let rope = match kind {
             LayerKind::Full => &self.rope_full,
             LayerKind::Sliding => &self.rope_sliding,
         };
-        let mut q = linear(a, t, layer.wq.data(), cfg.q_heads * hd, h)?;
-        let mut k = linear(a, t, layer.wk.data(), kv_heads * hd, h)?;
-        let mut v = linear(a, t, layer.wv.data(), kv_heads * hd, h)?;
-        let q_prep = HeadPrep { heads: cfg.q_heads, hd, norm: Some(Some(&layer.q_norm)), eps: cfg.eps, rope: Some(rope) };
-        head_prep(&mut q, t, positions, &q_prep)?;
-        let k_prep = HeadPrep { heads: kv_heads, norm: Some(Some(&layer.k_norm)), ..q_prep };
-        head_prep(&mut k, t, positions, &k_prep)?;
+        let (qw, kw) = (cfg.q_heads * hd, kv_heads * hd);
+        let ld = qw + 2 * kw;
+        let mut qkv = ops.linear(a, t, &layer.wqkv, None)?;
+        let q_prep = HeadOps::<O> { heads: cfg.q_heads, hd, norm: Some(Some(&layer.q_norm)), eps: cfg.eps, rope: Some(rope) };
+        ops.head_prep(&mut qkv, 0, ld, batch, &q_prep)?;
+        let k_prep = HeadOps::<O> { heads: kv_heads, norm: Some(Some(&layer.k_norm)), ..q_prep };
+        ops.head_prep(&mut qkv, qw, ld, batch, &k_prep)?;
         if cfg.variant == Variant::V2 {
-            let v_prep = HeadPrep { heads: kv_heads, hd, norm: Some(None), eps: cfg.eps, rope: None };
-            head_prep(&mut v, t, positions, &v_prep)?;
+            let v_prep = HeadOps::<O> { heads: kv_heads, hd, norm: Some(None), eps: cfg.eps, rope: None };
+            ops.head_prep(&mut qkv, qw + kw, ld, batch, &v_prep)?;
         }
         let shape = AttentionShape {
             q_heads: cfg.q_heads,
@@ -484,28 +513,26 @@ impl Encoder {
             scale: cfg.attention_scale,
             max_distance: (kind == LayerKind::Sliding).then(|| cfg.window_max_distance()),
         };
-        // q is dead after attention: reuse its buffer for the output.
-        let mut att = vec![0.0f32; q.len()];
-        attention(&q, &k, &v, segments, &shape, &mut att)?;
-        drop((q, k, v));
-        let o = linear(&att, t, layer.wo.data(), h, cfg.q_heads * hd)?;
-        add_norm(x, &o, &layer.post_attn_norm, 1.0, h, cfg.eps, Some((&layer.pre_ff_norm, a)))?;
-        let mut g = linear(a, t, layer.gate.data(), cfg.intermediate, h)?;
-        let u = linear(a, t, layer.up.data(), cfg.intermediate, h)?;
-        gelu_tanh_mul(&mut g, &u)?;
-        drop(u);
-        let m = linear(&g, t, layer.down.data(), h, cfg.intermediate)?;
+        let att = ops.attention(View::new(&qkv, 0, ld), View::new(&qkv, qw, ld), View::new(&qkv, qw + kw, ld), batch, &shape)?;
+        drop(qkv);
+        let o = ops.linear(&att, t, &layer.wo, None)?;
+        drop(att);
+        let a = ops.add_norm_next(x, &o, &layer.post_attn_norm, 1.0, h, cfg.eps, &layer.pre_ff_norm)?;
+        let i = cfg.intermediate;
+        let gu = ops.linear(&a, t, &layer.gate_up, None)?;
+        let g = ops.gelu_tanh_mul(View::new(&gu, 0, 2 * i), View::new(&gu, i, 2 * i), t, i)?;
+        drop(gu);
+        let m = ops.linear(&g, t, &layer.down, None)?;
         match (&layer.ple, ple) {
             (Some(block), Some(ple)) => {
-                add_norm(x, &m, &layer.post_ff_norm, 1.0, h, cfg.eps, None)?;
-                let pd = cfg.ple_dim;
-                let mut pg = linear(x, t, block.gate.data(), pd, h)?;
-                gelu_tanh_mul(&mut pg, &ple[index * t * pd..(index + 1) * t * pd])?;
-                let p = linear(&pg, t, block.proj.data(), h, pd)?;
-                add_norm(x, &p, &block.post_norm, layer.layer_scalar, h, cfg.eps, Some((next_norm, a)))?;
+                ops.add_norm(x, &m, &layer.post_ff_norm, 1.0, h, cfg.eps)?;
+                let (pd, nl) = (cfg.ple_dim, cfg.layers.len());
+                let pg = ops.linear(x, t, &block.gate, None)?;
+                let pg = ops.gelu_tanh_mul(View::new(&pg, 0, pd), View::new(ple, index * pd, nl * pd), t, pd)?;
+                let p = ops.linear(&pg, t, &block.proj, None)?;
+                ops.add_norm_next(x, &p, &block.post_norm, layer.layer_scalar, h, cfg.eps, next_norm)
             }
-            _ => add_norm(x, &m, &layer.post_ff_norm, 1.0, h, cfg.eps, Some((next_norm, a)))?,
+            _ => ops.add_norm_next(x, &m, &layer.post_ff_norm, 1.0, h, cfg.eps, next_norm),
         }
-        Ok(())
     }
 }

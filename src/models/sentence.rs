@@ -13,11 +13,13 @@ use crate::error::{Error, Result};
 use crate::formats::config::JsonFile;
 use crate::formats::safetensors::SafetensorsWeights;
 use crate::formats::Tensor;
-use crate::kernels::matmul::linear;
+use crate::kernels::backend::{CpuOps, Ops};
+use crate::kernels::cuda_ops::{CudaOps, Precision};
 use crate::kernels::pool::l2_normalize;
 use crate::kernels::Segment;
-use crate::models::egemma::Encoder;
+use crate::models::egemma::{Encoder, EncoderConfig};
 
+/// A Dense module as read from its folder.
 pub struct Dense {
     pub weight: Tensor,
     pub bias: Option<Vec<f32>>,
@@ -25,10 +27,63 @@ pub struct Dense {
     pub out_features: usize,
 }
 
+/// A Dense module on a backend.
+struct DenseOn<O: Ops> {
+    weight: O::Mat,
+    bias: Option<O::Vector>,
+}
+
+/// The encoder and the Dense modules after pooling, on one backend.
+pub struct Stack<O: Ops> {
+    pub encoder: Encoder<O>,
+    dense: Vec<DenseOn<O>>,
+}
+
+impl<O: Ops> Stack<O> {
+    fn new(dir: &Path, max_seq_length: usize, dense: Vec<Dense>, ops: O) -> Result<Stack<O>> {
+        let encoder = Encoder::load_on(dir, max_seq_length, ops)?;
+        let ops = encoder.ops();
+        let dense = dense
+            .into_iter()
+            .map(|d| Ok(DenseOn { weight: ops.matrix(d.weight)?, bias: d.bias.map(|b| ops.vector(b)).transpose()? }))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Stack { encoder, dense })
+    }
+
+    /// Pooled (and Dense-projected) rows, [segments][dim], on the host.
+    fn forward(&self, ids: &[u32], segments: &[Segment]) -> Result<Vec<f32>> {
+        let ops = self.encoder.ops();
+        let ids = self.encoder.checked_ids(ids, segments)?;
+        let _one_at_a_time = ops.serialize();
+        ops.run_batch(segments, &ids, &|batch| {
+            let mut x = self.encoder.forward_batch(batch)?;
+            for d in &self.dense {
+                x = ops.linear(&x, segments.len(), &d.weight, d.bias.as_ref())?;
+            }
+            Ok(x)
+        })
+    }
+}
+
+/// Where the weights live.
+pub enum Placed {
+    Cpu(Stack<CpuOps>),
+    Cuda(Stack<CudaOps>),
+}
+
+/// Where to load a pipeline: the CPU, or a GPU with a precision.
+#[derive(Clone, Debug, Default)]
+pub enum Placement {
+    #[default]
+    Cpu,
+    Cuda(std::sync::Arc<crate::cuda::Gpu>, Precision),
+}
+
 pub struct SentencePipeline {
     pub dir: PathBuf,
-    pub encoder: Encoder,
-    pub dense: Vec<Dense>,
+    pub model: Placed,
+    /// (in, out) features of each Dense module.
+    pub dense_dims: Vec<(usize, usize)>,
     /// Whether the pipeline ends in a Normalize module.
     pub normalize: bool,
     pub max_seq_length: usize,
@@ -41,7 +96,13 @@ fn module_kind(ty: &str) -> &str {
 }
 
 impl SentencePipeline {
+    /// Loads the pipeline of `dir` for the CPU.
     pub fn load(dir: &Path) -> Result<SentencePipeline> {
+        Self::load_on(dir, &Placement::Cpu)
+    }
+
+    /// Loads the pipeline of `dir` onto `placement` (weights uploaded once).
+    pub fn load_on(dir: &Path, placement: &Placement) -> Result<SentencePipeline> {
         if !dir.join("config.json").is_file() {
             return Err(Error::format(dir, "not a model directory (no config.json)"));
         }
@@ -80,8 +141,7 @@ impl SentencePipeline {
             }
         }
         // Without modules.json, sentence-transformers wraps a plain checkpoint in mean pooling.
-        let encoder = Encoder::load(dir, max_seq_length)?;
-        let mut width = encoder.cfg.out_dim;
+        let mut width = EncoderConfig::from_dir(dir)?.out_dim;
         for (i, d) in dense.iter().enumerate() {
             if d.in_features != width {
                 return Err(Error::unsupported(
@@ -103,11 +163,22 @@ impl SentencePipeline {
             }
             default_prompt_name = st.opt_str("default_prompt_name")?.map(String::from);
         }
+        let dense_dims = dense.iter().map(|d| (d.in_features, d.out_features)).collect();
+        let model = match placement {
+            Placement::Cpu => Placed::Cpu(Stack::new(dir, max_seq_length, dense, CpuOps)?),
+            Placement::Cuda(gpu, precision) => {
+                Placed::Cuda(Stack::new(dir, max_seq_length, dense, CudaOps::new(gpu.clone(), *precision)?)?)
+            }
+        };
+        let positions = match &model {
+            Placed::Cpu(s) => s.encoder.max_positions(),
+            Placed::Cuda(s) => s.encoder.max_positions(),
+        };
         Ok(SentencePipeline {
             dir: dir.to_path_buf(),
-            max_seq_length: max_seq_length.min(encoder.max_positions()),
-            encoder,
-            dense,
+            max_seq_length: max_seq_length.min(positions),
+            model,
+            dense_dims,
             normalize,
             prompts,
             default_prompt_name,
@@ -183,22 +254,57 @@ impl SentencePipeline {
 
     /// Width of the pipeline's output.
     pub fn dim(&self) -> usize {
-        self.dense.last().map_or(self.encoder.cfg.out_dim, |d| d.out_features)
+        self.dense_dims.last().map_or(self.cfg().out_dim, |d| d.1)
     }
 
-    /// Token ids in, one vector per segment out: encoder, pooling, Dense modules and (when
-    /// `normalize`) the Normalize module.
-    pub fn forward(&self, ids: &[u32], segments: &[Segment], normalize: bool) -> Result<Vec<f32>> {
-        let mut x = self.encoder.forward(ids, segments)?;
-        let n = segments.len();
-        for d in &self.dense {
-            x = linear(&x, n, d.weight.data(), d.out_features, d.in_features)?;
-            if let Some(b) = &d.bias {
-                for row in x.chunks_mut(d.out_features) {
-                    row.iter_mut().zip(b).for_each(|(v, &bv)| *v += bv);
-                }
-            }
+    pub fn cfg(&self) -> &EncoderConfig {
+        match &self.model {
+            Placed::Cpu(s) => &s.encoder.cfg,
+            Placed::Cuda(s) => &s.encoder.cfg,
         }
+    }
+
+    /// Parameters held (embedding table, projections, Dense modules).
+    pub fn param_count(&self) -> usize {
+        let dense: usize = self.dense_dims.iter().map(|(i, o)| i * o).sum();
+        dense
+            + match &self.model {
+                Placed::Cpu(s) => s.encoder.param_count(),
+                Placed::Cuda(s) => s.encoder.param_count(),
+            }
+    }
+
+    /// Matmul weights each token passes through (2× is its matmul FLOPs).
+    pub fn matmul_params_per_token(&self) -> usize {
+        match &self.model {
+            Placed::Cpu(s) => s.encoder.matmul_params_per_token(),
+            Placed::Cuda(s) => s.encoder.matmul_params_per_token(),
+        }
+    }
+
+    /// FLOPs of the attention products for one sequence of `len` tokens.
+    pub fn attention_flops(&self, len: usize) -> f64 {
+        match &self.model {
+            Placed::Cpu(s) => s.encoder.attention_flops(len),
+            Placed::Cuda(s) => s.encoder.attention_flops(len),
+        }
+    }
+
+    /// Where the weights live, in words (`cpu`, or the GPU and precision).
+    pub fn device(&self) -> String {
+        match &self.model {
+            Placed::Cpu(_) => "cpu".into(),
+            Placed::Cuda(s) => s.encoder.ops().describe(),
+        }
+    }
+
+    /// Token ids in, one vector per segment out (on the host): encoder, pooling, Dense modules
+    /// and (when `normalize`) the Normalize module.
+    pub fn forward(&self, ids: &[u32], segments: &[Segment], normalize: bool) -> Result<Vec<f32>> {
+        let mut x = match &self.model {
+            Placed::Cpu(s) => s.forward(ids, segments)?,
+            Placed::Cuda(s) => s.forward(ids, segments)?,
+        };
         if self.normalize && normalize {
             l2_normalize(&mut x, self.dim())?;
         }

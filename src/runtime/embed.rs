@@ -15,9 +15,11 @@
 
 use std::path::Path;
 
+use crate::cuda::DeviceSpec;
 use crate::error::{Error, Result};
+use crate::kernels::cuda_ops::Precision;
 use crate::kernels::pack;
-use crate::models::sentence::SentencePipeline;
+use crate::models::sentence::{Placement, SentencePipeline};
 use crate::runtime::tokenizer::Tokenizer;
 
 #[derive(Clone, Debug)]
@@ -26,11 +28,36 @@ pub struct LoadOptions {
     pub threads: usize,
     /// Lower the model's token limit (never raise it).
     pub max_tokens: Option<usize>,
+    /// Where to run. `Auto` takes the first GPU when a CUDA driver, a device and cuBLAS are
+    /// present, else the CPU.
+    pub device: DeviceSpec,
+    /// GEMM precision on a GPU (bf16 needs one).
+    pub dtype: Precision,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { threads: 0, max_tokens: None }
+        LoadOptions { threads: 0, max_tokens: None, device: DeviceSpec::Auto, dtype: Precision::F32 }
+    }
+}
+
+impl LoadOptions {
+    /// The placement these options name; an explicit GPU that cannot be used is an error.
+    pub fn placement(&self) -> Result<Placement> {
+        let usable_auto = || crate::cuda::device_count() > 0 && crate::cuda::cublas_available().is_ok();
+        let gpu = match self.device {
+            DeviceSpec::Cpu => None,
+            DeviceSpec::Auto if !usable_auto() => None,
+            spec => spec.open()?,
+        };
+        match gpu {
+            Some(gpu) => Ok(Placement::Cuda(gpu, self.dtype)),
+            None if self.dtype == Precision::F32 => Ok(Placement::Cpu),
+            None => Err(Error::Input(format!(
+                "--dtype {}: the fast mode runs on a CUDA GPU, and this run is on the CPU (f32 only)",
+                self.dtype
+            ))),
+        }
     }
 }
 
@@ -93,7 +120,7 @@ pub struct Embedder {
 
 impl Embedder {
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Embedder> {
-        let pipeline = SentencePipeline::load(dir)?;
+        let pipeline = SentencePipeline::load_on(dir, &opts.placement()?)?;
         let limit = opts.max_tokens.map_or(pipeline.max_seq_length, |m| m.min(pipeline.max_seq_length));
         let tokenizer = Tokenizer::load(dir, limit)?;
         let pool = rayon::ThreadPoolBuilder::new()

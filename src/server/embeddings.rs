@@ -212,7 +212,7 @@ async fn embed(state: &Arc<AppState>, body: Body) -> ApiResult<Response> {
             }
             Inputs::Ids(ids) => ids,
         };
-        let (limit, vocab) = (embedder.tokenizer.max_tokens(), embedder.pipeline.encoder.cfg.vocab_size);
+        let (limit, vocab) = (embedder.tokenizer.max_tokens(), embedder.pipeline.cfg().vocab_size);
         for (i, s) in ids.iter().enumerate() {
             if s.is_empty() {
                 return Err(ApiError::bad_request("invalid_input", format!("input[{i}] has no tokens")));

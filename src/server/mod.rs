@@ -38,6 +38,10 @@ pub struct ServeOptions {
     pub port: u16,
     /// Worker threads per model (0: one per core).
     pub threads: usize,
+    /// Where embedding models run.
+    pub device: crate::cuda::DeviceSpec,
+    /// GEMM precision of embedding models on a GPU.
+    pub dtype: crate::kernels::cuda_ops::Precision,
     /// Token budget of one embedding batch, across requests.
     pub max_batch_tokens: usize,
     /// Requests served at once; more are refused with 429.
@@ -57,6 +61,8 @@ impl Default for ServeOptions {
             host: "127.0.0.1".into(),
             port: 8080,
             threads: 0,
+            device: crate::cuda::DeviceSpec::Auto,
+            dtype: crate::kernels::cuda_ops::Precision::F32,
             max_batch_tokens: 8192,
             max_concurrent_requests: 64,
             max_sequences: 16,
@@ -264,10 +270,15 @@ fn load_model(spec: &str, opts: &ServeOptions, state: &Arc<AppState>) -> Result<
         .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
         .unwrap_or_else(|| spec.to_string());
     let engine = if crate::runtime::generate::is_llm(&path)? {
+        if let crate::cuda::DeviceSpec::Cuda(n) = opts.device {
+            return Err(crate::Error::Input(format!(
+                "--device cuda:{n}: {spec} is an LLM, and LLMs run on the CPU in this version (use --device auto or cpu)"
+            )));
+        }
         let llm = Llm::load(&path, opts.threads)?;
         Engine::Llm(generation::LlmModel::start(llm, opts, state.clone()))
     } else {
-        let e = Embedder::load(&path, &LoadOptions { threads: opts.threads, max_tokens: None })?;
+        let e = Embedder::load(&path, &LoadOptions { threads: opts.threads, max_tokens: None, device: opts.device, dtype: opts.dtype })?;
         Engine::Embedding(embeddings::EmbeddingModel::start(e, opts, state.clone()))
     };
     Ok(ServedModel { id: spec.to_string(), alias, engine })

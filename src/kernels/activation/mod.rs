@@ -1,5 +1,7 @@
 //! Gated activations: `gelu_tanh(G)·U`, elementwise, in place on G.
 
+pub mod cuda;
+
 use rayon::prelude::*;
 
 use super::check_len;

@@ -10,6 +10,8 @@
 //! max-subtracted softmax per row and multiplies by V. Tasks own disjoint output rows×heads, so
 //! nothing depends on which other sequences share the batch.
 
+pub mod cuda;
+
 use rayon::prelude::*;
 
 use super::matmul::gemm_f32;

@@ -5,6 +5,7 @@
 //! rounding, not bit for bit (the golden tests bound the difference).
 
 mod bf16;
+pub mod cuda;
 mod q8_0;
 
 use std::cell::RefCell;
@@ -243,6 +244,17 @@ pub fn linear(x: &[f32], rows: usize, w: &[f32], out_features: usize, in_feature
     let mut y = vec![0.0f32; rows * out_features];
     linear_into(x, rows, w, out_features, in_features, &mut y)?;
     Ok(y)
+}
+
+/// y[r] += bias for every row of width `bias.len()`.
+pub fn add_bias(y: &mut [f32], bias: &[f32]) -> Result<()> {
+    if bias.is_empty() || y.len() % bias.len() != 0 {
+        return Err(crate::Error::Shape(format!("add_bias: {} elements are not rows of {}", y.len(), bias.len())));
+    }
+    for row in y.chunks_mut(bias.len()) {
+        row.iter_mut().zip(bias).for_each(|(v, &b)| *v += b);
+    }
+    Ok(())
 }
 
 pub fn linear_into(

@@ -6,6 +6,8 @@
 //! Sums of squares accumulate in f64 (allowed by the numerics contract), the scale is rounded
 //! to f32 once, and the products stay in f32 in the reference's order: `(x·inv)·w`.
 
+pub mod cuda;
+
 use rayon::prelude::*;
 
 use super::{check_len, SharedMut};

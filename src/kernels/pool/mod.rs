@@ -1,5 +1,7 @@
 //! Sequence pooling and vector normalisation.
 
+pub mod cuda;
+
 use super::{check_len, Segment};
 use crate::error::{Error, Result};
 

@@ -6,6 +6,8 @@
 //! `angle = pos · inv_freq`, rounded to f32 before cos/sin. At position 2048 one f32 ulp of the
 //! angle is 2.4e-4 rad, so computing the product in f64 would *disagree* with the reference.
 
+pub mod cuda;
+
 use rayon::prelude::*;
 
 use super::{check_at_least, check_len};
@@ -43,6 +45,14 @@ impl RopeTable {
 
     pub fn positions(&self) -> usize {
         self.positions
+    }
+    /// cos values, [position][rot/2].
+    pub fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+    /// sin values, [position][rot/2].
+    pub fn sin(&self) -> &[f32] {
+        &self.sin
     }
 }
 

@@ -1,0 +1,308 @@
+// Bidirectional flash attention over packed variable-length sequences on bf16 tensor cores
+// (fast mode). Same operands, visibility rule and output as attention.cu; the numerics differ
+// by design: Q, K and V are rounded to bf16 (RNE) when staged, S = Q·Kᵀ and O = P·V run on
+// mma.sync m16n8k16 with f32 accumulation, the online softmax is f32 and P is rounded to bf16
+// before P·V. The row sum l adds the ROUNDED p, so the weights that multiply V sum to one.
+//
+// One block of 8 warps per (tile of BQ queries of one sequence, query head). Warps come in
+// groups of DSPLIT that share 16 query rows:
+//  - HD <= 256: DSPLIT 1, BQ 128; a warp owns 16 rows x HD output columns (HD/2 f32 a lane);
+//  - HD == 512: DSPLIT 2, BQ 64; the 16 x 512 accumulator does not fit one warp's registers,
+//    so each warp of a pair owns 256 output columns. For S the pair splits the key columns of
+//    the tile instead (each computes 16 rows x BK/2 keys over the whole head), exchanges the
+//    row maxima through shared memory (a 64-thread named barrier) so that both keep the
+//    same running max bit for bit, and writes its p to the shared P tile that both read for
+//    P·V. Each warp keeps the partial row sum of its keys; the pair adds them at the end.
+// K/V tiles of BK = 32 keys: cp.async copies the f32 rows into one staging buffer, all threads
+// convert it to a bf16 tile, and the next copy (V of this tile while S is formed, K of the next
+// tile while P·V runs) overlaps the tensor-core work. Rows past the visible band and columns
+// past hd are zero-filled by cp.async (src-size 0), so padded heads (hd rounded up to 64, 128,
+// 256 or 512) and tail tiles contribute exact zeros; masked scores are -inf before the max.
+// bf16 tiles have rows padded by 8 elements (16 bytes) so that the eight 16-byte row reads of
+// an ldmatrix phase fall in distinct bank groups.
+// The launcher checks hd % 4 == 0, hd <= 512, 16-byte alignment of every offset and stride.
+
+#define TERN_TC_WARPS 8
+#define TERN_TC_BK 32
+
+__device__ __forceinline__ tern_u32 tern_tc_smem(const void* p) {
+    tern_u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+// Two f32 -> one u32 of two bf16 (RNE), lo in the low half (the lower address / column).
+__device__ __forceinline__ tern_u32 tern_tc_pack(float lo, float hi) {
+    tern_u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ void tern_tc_ldsm4(tern_u32 addr, tern_u32& r0, tern_u32& r1, tern_u32& r2, tern_u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void tern_tc_ldsm4t(tern_u32 addr, tern_u32& r0, tern_u32& r1, tern_u32& r2, tern_u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void tern_tc_mma(float* c, tern_u32 a0, tern_u32 a1, tern_u32 a2, tern_u32 a3, tern_u32 b0, tern_u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// 16 bytes global -> shared, asynchronously; bytes == 0 writes zeros and reads nothing.
+__device__ __forceinline__ void tern_tc_cp16(tern_u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void tern_tc_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void tern_tc_cp_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+template <int HD>
+__device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_off, long long q_ld,
+                                       const float* __restrict__ k, long long k_off, long long k_ld,
+                                       const float* __restrict__ v, long long v_off, long long v_ld,
+                                       float* __restrict__ out, long long out_ld, tern_bf16* __restrict__ out16,
+                                       const tern_u32* __restrict__ seg_start, const tern_u32* __restrict__ seg_len,
+                                       const tern_u32* __restrict__ tile_seg, const tern_u32* __restrict__ tile_q0,
+                                       int group, int hd, float scale, int max_distance) {
+    constexpr int DSPLIT = HD > 256 ? 2 : 1;
+    constexpr int DC = HD / DSPLIT;             // output columns of a warp
+    constexpr int BQ = 16 * (TERN_TC_WARPS / DSPLIT);
+    constexpr int BK = TERN_TC_BK;
+    constexpr int NK = BK / DSPLIT;             // key columns of S a warp forms
+    constexpr int LD = HD + 8;                  // bf16 row stride of the Q, K, V tiles
+    constexpr int PLD = BK + 8;                 // bf16 row stride of the P tile
+    constexpr int C4 = HD / 4;
+    constexpr int THREADS = 32 * TERN_TC_WARPS;
+    extern __shared__ float4 tern_tc_smem4[];
+    float* stage = (float*)tern_tc_smem4;                    // [BK][HD] f32, cp.async target
+    tern_bf16* qs = (tern_bf16*)(stage + BK * HD);           // [BQ][LD]
+    tern_bf16* ks = qs + BQ * LD;                            // [BK][LD]
+    tern_bf16* vs = ks + BK * LD;                            // [BK][LD]
+    tern_bf16* ps = vs + BK * LD;                            // [BQ][PLD]
+    float* xch = (float*)(ps + BQ * PLD);                    // [warps][16] row maxima, then sums
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rg = warp / DSPLIT, wd = warp % DSPLIT;
+    const int g = lane >> 2, tig = lane & 3;
+    const int head = blockIdx.y, kv_head = head / group;
+    const long long start = seg_start[tile_seg[blockIdx.x]];
+    const int len = (int)seg_len[tile_seg[blockIdx.x]];
+    const int q0 = (int)tile_q0[blockIdx.x];
+    const int q1 = min(q0 + BQ, len);
+    int lo = 0, hi = len;
+    if (max_distance >= 0) {
+        lo = max(0, q0 - max_distance);
+        hi = min(len, q1 - 1 + max_distance + 1);
+    }
+    const float* kbase = k + k_off + start * k_ld + (long long)kv_head * hd;
+    const float* vbase = v + v_off + start * v_ld + (long long)kv_head * hd;
+    const tern_u32 stage_a = tern_tc_smem(stage);
+
+    // Rows k0 .. k0+BK of K or V into `stage`; zeros past hi and past column hd.
+    auto stage_tile = [&](const float* base, long long ld, int k0) {
+        for (int e = tid; e < BK * C4; e += THREADS) {
+            const int r = e / C4, c = (e % C4) * 4;
+            const bool ok = k0 + r < hi && c < hd;
+            tern_tc_cp16(stage_a + 4 * (r * HD + c), ok ? base + (long long)(k0 + r) * ld + c : base, ok ? 16 : 0);
+        }
+        tern_tc_cp_commit();
+    };
+    auto convert = [&](tern_bf16* dst) {
+        for (int e = tid; e < BK * C4; e += THREADS) {
+            const int r = e / C4, c = (e % C4) * 4;
+            const float4 x = *(const float4*)(stage + r * HD + c);
+            uint2 u;
+            u.x = tern_tc_pack(x.x, x.y);
+            u.y = tern_tc_pack(x.z, x.w);
+            *(uint2*)(dst + r * LD + c) = u;
+        }
+    };
+
+    stage_tile(kbase, k_ld, lo);
+    // Q tile; rows past the sequence are zero (their results are never written).
+    for (int e = tid; e < BQ * C4; e += THREADS) {
+        const int r = e / C4, c = (e % C4) * 4;
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (q0 + r < len && c < hd) x = *(const float4*)(q + q_off + (start + q0 + r) * q_ld + (long long)head * hd + c);
+        uint2 u;
+        u.x = tern_tc_pack(x.x, x.y);
+        u.y = tern_tc_pack(x.z, x.w);
+        *(uint2*)(qs + r * LD + c) = u;
+    }
+
+    // ldmatrix row addresses of this lane. A operands (Q, P; row-major 16x16): lanes 0-15 give
+    // rows 0-15 at column 0, lanes 16-31 rows 0-15 at column 8. K as B of S (keys x d, no
+    // transpose): matrices (keys 0-7, d 0), (keys 0-7, d 8), (keys 8-15, d 0), (keys 8-15, d 8)
+    // = b0 b1 of two 8-key tiles. V as B of P·V (keys x d, transposed): (keys 0-7, d 0),
+    // (keys 8-15, d 0), (keys 0-7, d 8), (keys 8-15, d 8) = b0 b1 of two 8-column tiles.
+    const tern_u32 a_q = tern_tc_smem(qs) + 2 * ((16 * rg + (lane & 15)) * LD + (lane >> 4) * 8);
+    const tern_u32 a_p = tern_tc_smem(ps) + 2 * ((16 * rg + (lane & 15)) * PLD + (lane >> 4) * 8);
+    const tern_u32 b_k = tern_tc_smem(ks) + 2 * ((wd * NK + (lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8);
+    const tern_u32 b_v = tern_tc_smem(vs) + 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * LD + wd * DC + (lane >> 4) * 8);
+
+    float acc[DC / 8][4];
+#pragma unroll
+    for (int n = 0; n < DC / 8; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[n][j] = 0.f;
+    // This lane's rows: g and g + 8 of the warp's 16 (the C-fragment layout).
+    const int qlo = q0 + 16 * rg + g, qhi = qlo + 8;
+    float m_lo = -tern_inf(), m_hi = -tern_inf(), l_lo = 0.f, l_hi = 0.f;
+
+    for (int k0 = lo; k0 < hi; k0 += BK) {
+        tern_tc_cp_wait();
+        __syncthreads();  // K staged; every warp is done with vs and ps of the previous tile
+        convert(ks);
+        __syncthreads();  // ks ready, stage free
+        stage_tile(vbase, v_ld, k0);
+
+        float s[NK / 8][4];
+#pragma unroll
+        for (int t = 0; t < NK / 8; ++t)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) s[t][j] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            tern_u32 a0, a1, a2, a3;
+            tern_tc_ldsm4(a_q + kk * 32, a0, a1, a2, a3);
+#pragma unroll
+            for (int np = 0; np < NK / 16; ++np) {
+                tern_u32 b0, b1, b2, b3;
+                tern_tc_ldsm4(b_k + 2 * (np * 16 * LD) + kk * 32, b0, b1, b2, b3);
+                tern_tc_mma(s[2 * np], a0, a1, a2, a3, b0, b1);
+                tern_tc_mma(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+        float mx_lo = -tern_inf(), mx_hi = -tern_inf();
+#pragma unroll
+        for (int t = 0; t < NK / 8; ++t)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int kj = k0 + wd * NK + 8 * t + 2 * tig + j;
+                bool vlo = kj < hi, vhi = kj < hi;
+                if (max_distance >= 0) {
+                    vlo = vlo && kj >= qlo - max_distance && kj <= qlo + max_distance;
+                    vhi = vhi && kj >= qhi - max_distance && kj <= qhi + max_distance;
+                }
+                s[t][j] = vlo ? s[t][j] * scale : -tern_inf();
+                s[t][2 + j] = vhi ? s[t][2 + j] * scale : -tern_inf();
+                mx_lo = fmaxf(mx_lo, s[t][j]);
+                mx_hi = fmaxf(mx_hi, s[t][2 + j]);
+            }
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+        if (DSPLIT > 1) {
+            if (tig == 0) {
+                xch[warp * 16 + g] = mx_lo;
+                xch[warp * 16 + g + 8] = mx_hi;
+            }
+            asm volatile("bar.sync %0, %1;" ::"r"(1 + rg), "r"(32 * DSPLIT) : "memory");
+            // Every warp of the group folds the same values in the same order: equal maxima.
+            mx_lo = -tern_inf();
+            mx_hi = -tern_inf();
+#pragma unroll
+            for (int o = 0; o < DSPLIT; ++o) {
+                mx_lo = fmaxf(mx_lo, xch[(rg * DSPLIT + o) * 16 + g]);
+                mx_hi = fmaxf(mx_hi, xch[(rg * DSPLIT + o) * 16 + g + 8]);
+            }
+        }
+        const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+        // A row with no visible key yet (window not started, or past the sequence end) keeps
+        // its state: no exp(-inf - -inf).
+        const bool none_lo = mn_lo == -tern_inf(), none_hi = mn_hi == -tern_inf();
+        const float al_lo = none_lo ? 1.f : expf(m_lo - mn_lo), al_hi = none_hi ? 1.f : expf(m_hi - mn_hi);
+        m_lo = mn_lo;
+        m_hi = mn_hi;
+        l_lo *= al_lo;
+        l_hi *= al_hi;
+#pragma unroll
+        for (int t = 0; t < NK / 8; ++t) {
+            const tern_u32 plo = tern_tc_pack(none_lo ? 0.f : expf(s[t][0] - mn_lo), none_lo ? 0.f : expf(s[t][1] - mn_lo));
+            const tern_u32 phi = tern_tc_pack(none_hi ? 0.f : expf(s[t][2] - mn_hi), none_hi ? 0.f : expf(s[t][3] - mn_hi));
+            l_lo += __uint_as_float(plo << 16) + __uint_as_float(plo & 0xffff0000u);
+            l_hi += __uint_as_float(phi << 16) + __uint_as_float(phi & 0xffff0000u);
+            const int col = wd * NK + 8 * t + 2 * tig;
+            *(tern_u32*)(ps + (16 * rg + g) * PLD + col) = plo;
+            *(tern_u32*)(ps + (16 * rg + g + 8) * PLD + col) = phi;
+        }
+#pragma unroll
+        for (int n = 0; n < DC / 8; ++n) {
+            acc[n][0] *= al_lo;
+            acc[n][1] *= al_lo;
+            acc[n][2] *= al_hi;
+            acc[n][3] *= al_hi;
+        }
+
+        tern_tc_cp_wait();
+        __syncthreads();  // V staged; every warp is done with ks and has written its p
+        convert(vs);
+        __syncthreads();  // vs ready, stage free
+        if (k0 + BK < hi) stage_tile(kbase, k_ld, k0 + BK);
+
+#pragma unroll
+        for (int kc = 0; kc < BK / 16; ++kc) {
+            tern_u32 a0, a1, a2, a3;
+            tern_tc_ldsm4(a_p + kc * 32, a0, a1, a2, a3);
+#pragma unroll
+            for (int np = 0; np < DC / 16; ++np) {
+                tern_u32 b0, b1, b2, b3;
+                tern_tc_ldsm4t(b_v + 2 * (kc * 16 * LD + np * 16), b0, b1, b2, b3);
+                tern_tc_mma(acc[2 * np], a0, a1, a2, a3, b0, b1);
+                tern_tc_mma(acc[2 * np + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+    }
+
+    // Row sums: the lane partials over the quad, then over the warps of the group (the
+    // maxima of the last tile were read before its second barrier, so xch is free).
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+    if (DSPLIT > 1) {
+        if (tig == 0) {
+            xch[warp * 16 + g] = l_lo;
+            xch[warp * 16 + g + 8] = l_hi;
+        }
+        asm volatile("bar.sync %0, %1;" ::"r"(1 + rg), "r"(32 * DSPLIT) : "memory");
+        l_lo = 0.f;
+        l_hi = 0.f;
+#pragma unroll
+        for (int o = 0; o < DSPLIT; ++o) {
+            l_lo += xch[(rg * DSPLIT + o) * 16 + g];
+            l_hi += xch[(rg * DSPLIT + o) * 16 + g + 8];
+        }
+    }
+    const float inv_lo = 1.0f / l_lo, inv_hi = 1.0f / l_hi;
+#pragma unroll
+    for (int n = 0; n < DC / 8; ++n) {
+        const int col = wd * DC + 8 * n + 2 * tig;
+        if (col >= hd) continue;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int qi = half ? qhi : qlo;
+            if (qi >= len) continue;
+            const float inv = half ? inv_hi : inv_lo;
+            const float o0 = acc[n][2 * half] * inv, o1 = acc[n][2 * half + 1] * inv;
+            const long long at = (start + qi) * out_ld + (long long)head * hd + col;
+            if (out) *(float2*)(out + at) = make_float2(o0, o1);
+            if (out16) *(tern_u32*)(out16 + at) = (tern_u32)tern_bf16_from_f32(o0) | ((tern_u32)tern_bf16_from_f32(o1) << 16);
+        }
+    }
+}
+
+#define TERN_ATTENTION_TC_ENTRY(HD)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_TC_WARPS, 1) tern_attention_tc_hd##HD(                       \
+        const float* q, long long q_off, long long q_ld, const float* k, long long k_off, long long k_ld, const float* v, \
+        long long v_off, long long v_ld, float* out, long long out_ld, tern_bf16* out16, const tern_u32* seg_start,      \
+        const tern_u32* seg_len, const tern_u32* tile_seg, const tern_u32* tile_q0, int group, int hd, float scale,       \
+        int max_distance) {                                                                                              \
+        tern_attention_tc_tile<HD>(q, q_off, q_ld, k, k_off, k_ld, v, v_off, v_ld, out, out_ld, out16, seg_start,        \
+                                   seg_len, tile_seg, tile_q0, group, hd, scale, max_distance);                          \
+    }
+TERN_ATTENTION_TC_ENTRY(64)
+TERN_ATTENTION_TC_ENTRY(128)
+TERN_ATTENTION_TC_ENTRY(256)
+TERN_ATTENTION_TC_ENTRY(512)

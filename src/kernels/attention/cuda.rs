@@ -1,0 +1,272 @@
+//! Launchers of `attention.cu` (f32, CUDA cores) and `attention_tc.cu` (bf16 tensor cores,
+//! fast mode), with the shape checks of the CPU twin in this folder.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN_SMEM;
+
+use crate::cuda::{driver_err, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
+use crate::error::{Error, Result};
+use crate::kernels::attention::AttentionShape;
+use crate::kernels::backend::{check_view, View};
+use crate::kernels::norm::cuda::NormOut;
+use crate::kernels::{check_len, Segment};
+
+pub const SOURCE: KernelSource =
+    KernelSource { name: "tern_attention", code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("attention.cu")) };
+
+pub const SOURCE_TC: KernelSource = KernelSource {
+    name: "tern_attention_tc",
+    code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("attention_tc.cu")),
+};
+
+/// Queries per block (TERN_ATT_BQ) and keys per tile (TERN_ATT_BK) of the kernel.
+pub const QUERY_TILE: usize = 32;
+const KEY_TILE: usize = 32;
+/// The widest head: four 128-column chunks per lane.
+pub const MAX_HEAD_DIM: usize = 512;
+
+/// The tensor-core kernel's head sizes: hd is rounded up to the next (zero-padded columns).
+const TC_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
+/// Its query tiles: 8 warps of 16 rows, pairs of warps per row group when hd is 512.
+const TC_QUERY_TILES: [usize; 2] = [128, 64];
+const TC_KEY_TILE: usize = 32;
+
+fn tc_query_tile(padded_hd: usize) -> usize {
+    if padded_hd > 256 {
+        64
+    } else {
+        128
+    }
+}
+
+fn tc_smem_bytes(padded_hd: usize) -> usize {
+    let (bq, bk, ld) = (tc_query_tile(padded_hd), TC_KEY_TILE, padded_hd + 8);
+    4 * bk * padded_hd + 2 * (bq * ld + 2 * bk * ld + bq * (bk + 8)) + 4 * 8 * 16
+}
+
+/// One tile list: tile i covers queries q0[i] .. q0[i] + size of segment seg[i].
+struct TileList {
+    seg: CudaSlice<u32>,
+    q0: CudaSlice<u32>,
+    count: usize,
+}
+
+fn tile_list(gpu: &Gpu, segments: &[Segment], size: usize) -> Result<TileList> {
+    let (mut seg, mut q0) = (Vec::new(), Vec::new());
+    for (i, s) in segments.iter().enumerate() {
+        for t in (0..s.len).step_by(size) {
+            seg.push(i as u32);
+            q0.push(t as u32);
+        }
+    }
+    Ok(TileList { count: seg.len(), seg: gpu.upload(&seg)?, q0: gpu.upload(&q0)? })
+}
+
+/// The packed batch as the kernel walks it: the segments, and one entry per tile of
+/// [`QUERY_TILE`] queries of one sequence.
+pub struct GpuAttentionBatch {
+    pub segments: Vec<Segment>,
+    pub rows: usize,
+    pub seg_start: CudaSlice<u32>,
+    pub seg_len: CudaSlice<u32>,
+    tile_seg: CudaSlice<u32>,
+    tile_q0: CudaSlice<u32>,
+    tiles: usize,
+    /// The tensor-core kernel's tiles, one list per entry of TC_QUERY_TILES.
+    tc_tiles: [TileList; 2],
+}
+
+impl GpuAttentionBatch {
+    pub fn new(gpu: &Gpu, segments: &[Segment]) -> Result<Self> {
+        let rows = segments.last().map_or(0, |s| s.start + s.len);
+        let (mut tile_seg, mut tile_q0) = (Vec::new(), Vec::new());
+        let mut expect = 0;
+        for (i, s) in segments.iter().enumerate() {
+            if s.start != expect || s.len == 0 {
+                return Err(Error::Shape(format!("attention batch: segment {i} ({s:?}) is empty or not packed end to end")));
+            }
+            expect = s.start + s.len;
+            for q0 in (0..s.len).step_by(QUERY_TILE) {
+                tile_seg.push(i as u32);
+                tile_q0.push(q0 as u32);
+            }
+        }
+        u32::try_from(rows).map_err(|_| Error::Shape(format!("attention batch: {rows} rows exceed 32-bit indexing")))?;
+        let start: Vec<u32> = segments.iter().map(|s| s.start as u32).collect();
+        let len: Vec<u32> = segments.iter().map(|s| s.len as u32).collect();
+        Ok(GpuAttentionBatch {
+            segments: segments.to_vec(),
+            rows,
+            seg_start: gpu.upload(&start)?,
+            seg_len: gpu.upload(&len)?,
+            tiles: tile_seg.len(),
+            tile_seg: gpu.upload(&tile_seg)?,
+            tile_q0: gpu.upload(&tile_q0)?,
+            tc_tiles: [tile_list(gpu, segments, TC_QUERY_TILES[0])?, tile_list(gpu, segments, TC_QUERY_TILES[1])?],
+        })
+    }
+}
+
+pub struct AttentionCuda {
+    gpu: Arc<Gpu>,
+    /// Kernels for heads of up to 128, 256 and 512 channels.
+    kernels: [(usize, CudaFunction); 3],
+    /// bf16 tensor-core kernels, by padded head size.
+    tc_kernels: [(usize, CudaFunction); 4],
+}
+
+fn smem_bytes(hd: usize) -> usize {
+    4 * (QUERY_TILE * (hd + 4) + KEY_TILE * (hd + 4) + KEY_TILE * hd + QUERY_TILE * (KEY_TILE + 1) + 8 * KEY_TILE * 4)
+}
+
+impl AttentionCuda {
+    pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
+        let load = |chunks: usize| -> Result<(usize, CudaFunction)> {
+            let f = gpu.function(&SOURCE, &format!("tern_attention_hd{chunks}"))?;
+            let bytes = smem_bytes(128 * chunks) as i32;
+            f.set_attribute(MAX_DYN_SMEM, bytes).map_err(driver_err("allowing the attention kernel's shared memory"))?;
+            Ok((128 * chunks, f))
+        };
+        let kernels = [load(1)?, load(2)?, load(4)?];
+        let load_tc = |hd: usize| -> Result<(usize, CudaFunction)> {
+            let f = gpu.function(&SOURCE_TC, &format!("tern_attention_tc_hd{hd}"))?;
+            f.set_attribute(MAX_DYN_SMEM, tc_smem_bytes(hd) as i32)
+                .map_err(driver_err("allowing the tensor-core attention kernel's shared memory"))?;
+            Ok((hd, f))
+        };
+        let tc_kernels = [load_tc(TC_HEAD_DIMS[0])?, load_tc(TC_HEAD_DIMS[1])?, load_tc(TC_HEAD_DIMS[2])?, load_tc(TC_HEAD_DIMS[3])?];
+        Ok(AttentionCuda { gpu, kernels, tc_kernels })
+    }
+
+    /// out[t] = softmax(scale · q_h(t)·K_gᵀ)·V_g within each sequence, over the keys with
+    /// |i − j| ≤ max_distance. q, k, v are views with rows of q_heads·hd and kv_heads·hd;
+    /// out is contiguous [rows][q_heads·hd]. CPU twin: [`super::attention`].
+    pub fn attention(
+        &self,
+        q: View<CudaSlice<f32>>,
+        k: View<CudaSlice<f32>>,
+        v: View<CudaSlice<f32>>,
+        batch: &GpuAttentionBatch,
+        shape: &AttentionShape,
+        out: NormOut,
+    ) -> Result<()> {
+        let window = check_args(&q, &k, &v, batch, shape, &out)?;
+        if batch.tiles == 0 {
+            return Ok(());
+        }
+        let (_, f) = self.kernels.iter().find(|(max, _)| shape.hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
+        let tiles = Tiles { seg: &batch.tile_seg, q0: &batch.tile_q0, count: batch.tiles };
+        // SAFETY: tern_attention_hd* takes the arguments `launch` passes.
+        unsafe { self.launch(f, tiles, smem_bytes(shape.hd), "launching tern_attention", q, k, v, batch, shape, out, window) }
+    }
+
+    /// The fast-mode form of [`Self::attention`], same operands and checks: Q, K, V rounded to
+    /// bf16 while staged, S = Q·Kᵀ and P·V on tensor cores with f32 accumulation, the online
+    /// softmax in f32, P rounded to bf16; f32 output (+ optional bf16 copy). Head sizes are
+    /// padded with zero columns to 64, 128, 256 or 512.
+    pub fn attention_bf16(
+        &self,
+        q: View<CudaSlice<f32>>,
+        k: View<CudaSlice<f32>>,
+        v: View<CudaSlice<f32>>,
+        batch: &GpuAttentionBatch,
+        shape: &AttentionShape,
+        out: NormOut,
+    ) -> Result<()> {
+        let window = check_args(&q, &k, &v, batch, shape, &out)?;
+        let (padded, f) = self.tc_kernels.iter().find(|(max, _)| shape.hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
+        let list = &batch.tc_tiles[TC_QUERY_TILES.iter().position(|&t| t == tc_query_tile(*padded)).expect("a tile list per tile size")];
+        if list.count == 0 {
+            return Ok(());
+        }
+        let tiles = Tiles { seg: &list.seg, q0: &list.q0, count: list.count };
+        // SAFETY: tern_attention_tc_hd* takes the arguments `launch` passes; its tiles are
+        // tc_query_tile(padded) queries, as this list's.
+        unsafe { self.launch(f, tiles, tc_smem_bytes(*padded), "launching tern_attention_tc", q, k, v, batch, shape, out, window) }
+    }
+
+    /// # Safety
+    /// `f` takes (q, q_off, q_ld, k.., v.., out, out_ld, out16, seg_start, seg_len, tile_seg,
+    /// tile_q0, group, hd, scale, max_distance), runs 256 threads, walks tiles of the size
+    /// `tiles` was built for, and needs `smem` bytes; the arguments passed [`check_args`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        tiles: Tiles,
+        smem: usize,
+        what: &'static str,
+        q: View<CudaSlice<f32>>,
+        k: View<CudaSlice<f32>>,
+        v: View<CudaSlice<f32>>,
+        batch: &GpuAttentionBatch,
+        shape: &AttentionShape,
+        out: NormOut,
+        window: i32,
+    ) -> Result<()> {
+        let AttentionShape { q_heads, kv_heads, hd, scale, .. } = *shape;
+        let g = &self.gpu;
+        let (qp, kp, vp, op, o16p) = (g.ptr(q.buf), g.ptr(k.buf), g.ptr(v.buf), g.ptr_opt(out.f32.as_deref()), g.ptr_opt(out.bf16.as_deref()));
+        let (qo, ql, ko, kl, vo, vl) = (long_arg(q.offset), long_arg(q.stride), long_arg(k.offset), long_arg(k.stride), long_arg(v.offset), long_arg(v.stride));
+        let out_ld = long_arg(q_heads * hd);
+        let (group, hd_i) = (int_arg("attention group", q_heads / kv_heads)?, int_arg("head size", hd)?);
+        let (ss, sl, ts, tq) = (g.ptr(&batch.seg_start), g.ptr(&batch.seg_len), g.ptr(tiles.seg), g.ptr(tiles.q0));
+        let mut l = g.stream().launch_builder(f);
+        l.arg(&qp).arg(&qo).arg(&ql).arg(&kp).arg(&ko).arg(&kl).arg(&vp).arg(&vo).arg(&vl);
+        l.arg(&op).arg(&out_ld).arg(&o16p).arg(&ss).arg(&sl).arg(&ts).arg(&tq).arg(&group).arg(&hd_i).arg(&scale).arg(&window);
+        let count = u32::try_from(tiles.count).map_err(|_| Error::Shape("attention: too many query tiles".into()))?;
+        let heads = u32::try_from(q_heads).ok().filter(|&h| h <= 65_535).ok_or_else(|| Error::Shape(format!("attention: {q_heads} heads")))?;
+        let cfg = LaunchConfig { grid_dim: (count, heads, 1), block_dim: (256, 1, 1), shared_mem_bytes: smem as u32 };
+        // SAFETY: argument types match (the caller's contract); every view holds the rows of
+        // the batch (checked), offsets and strides are 16-byte multiples, tiles index the segments.
+        unsafe { l.launch(cfg) }.map_err(driver_err(what))?;
+        Ok(())
+    }
+}
+
+/// A tile list as a launch reads it.
+struct Tiles<'a> {
+    seg: &'a CudaSlice<u32>,
+    q0: &'a CudaSlice<u32>,
+    count: usize,
+}
+
+/// The checks both kernels need; returns the window as the kernels take it (-1: none).
+fn check_args(
+    q: &View<CudaSlice<f32>>,
+    k: &View<CudaSlice<f32>>,
+    v: &View<CudaSlice<f32>>,
+    batch: &GpuAttentionBatch,
+    shape: &AttentionShape,
+    out: &NormOut,
+) -> Result<i32> {
+    let AttentionShape { q_heads, kv_heads, hd, max_distance, .. } = *shape;
+    if kv_heads == 0 || q_heads % kv_heads != 0 {
+        return Err(Error::Shape(format!("attention: {q_heads} query heads over {kv_heads} kv heads")));
+    }
+    if hd == 0 || hd % 4 != 0 || hd > MAX_HEAD_DIM {
+        return Err(Error::Cuda(format!("attention: head size {hd} is not supported on CUDA (multiples of 4 up to {MAX_HEAD_DIM})")));
+    }
+    let rows = batch.rows;
+    check_view("attention q", q.buf.len(), q.offset, q.stride, rows, q_heads * hd)?;
+    check_view("attention k", k.buf.len(), k.offset, k.stride, rows, kv_heads * hd)?;
+    check_view("attention v", v.buf.len(), v.offset, v.stride, rows, kv_heads * hd)?;
+    for (what, view) in [("q", q), ("k", k), ("v", v)] {
+        if view.offset % 4 != 0 || view.stride % 4 != 0 {
+            return Err(Error::Shape(format!("attention {what}: offset and stride must be multiples of 4 floats")));
+        }
+    }
+    if let Some(o) = &out.f32 {
+        check_len("attention out", o.len(), rows * q_heads * hd)?;
+    }
+    if let Some(o) = &out.bf16 {
+        check_len("attention out", o.len(), rows * q_heads * hd)?;
+    }
+    let longest = batch.segments.iter().map(|s| s.len).max().unwrap_or(0);
+    // A window at least as long as the sequence is no window (and keeps the int small).
+    Ok(match max_distance {
+        Some(w) if w < longest => w as i32,
+        _ => -1,
+    })
+}

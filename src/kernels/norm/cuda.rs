@@ -1,0 +1,115 @@
+//! Launchers of `norm.cu`, with the shape checks of the CPU twins in this folder.
+
+use std::sync::Arc;
+
+use crate::cuda::{driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
+use crate::error::{Error, Result};
+use crate::kernels::check_len;
+
+pub const SOURCE: KernelSource =
+    KernelSource { name: "tern_norm", code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("norm.cu")) };
+
+/// Threads per row: enough to cover narrow rows, 256 for wide ones.
+fn row_block(d: usize) -> u32 {
+    (d.div_ceil(32) * 32).clamp(32, 256) as u32
+}
+
+fn rows_of(what: &str, len: usize, d: usize) -> Result<usize> {
+    if d == 0 || len % d != 0 {
+        return Err(Error::Shape(format!("{what}: {len} elements are not rows of {d}")));
+    }
+    Ok(len / d)
+}
+
+/// Where a normalised row goes: f32, bf16 (the fast mode's GEMM operand), or both.
+pub struct NormOut<'a> {
+    pub f32: Option<&'a mut CudaSlice<f32>>,
+    pub bf16: Option<&'a mut CudaSlice<u16>>,
+}
+
+impl NormOut<'_> {
+    fn check(&self, what: &str, len: usize) -> Result<()> {
+        if self.f32.is_none() && self.bf16.is_none() {
+            return Err(Error::Shape(format!("{what}: no output buffer")));
+        }
+        if let Some(y) = &self.f32 {
+            check_len(what, y.len(), len)?;
+        }
+        if let Some(y) = &self.bf16 {
+            check_len(what, y.len(), len)?;
+        }
+        Ok(())
+    }
+}
+
+pub struct NormCuda {
+    gpu: Arc<Gpu>,
+    rms: CudaFunction,
+    add: CudaFunction,
+}
+
+impl NormCuda {
+    pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
+        Ok(NormCuda { rms: gpu.function(&SOURCE, "tern_rms_norm")?, add: gpu.function(&SOURCE, "tern_add_norm")?, gpu })
+    }
+
+    /// y = rms(pre·x)·w per row of `d`. CPU twin: [`super::rms_norm`].
+    pub fn rms_norm(&self, x: &CudaSlice<f32>, d: usize, w: Option<&CudaSlice<f32>>, pre: f32, eps: f32, y: NormOut) -> Result<()> {
+        let rows = rows_of("rms_norm", x.len(), d)?;
+        y.check("rms_norm output", x.len())?;
+        if let Some(w) = w {
+            check_len("rms_norm weight", w.len(), d)?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let g = &self.gpu;
+        let (dw, rows32) = (int_arg("rms_norm width", d)?, grid_for(rows, 1)?);
+        let (xp, wp, yp, y16p) = (g.ptr(x), g.ptr_opt(w), g.ptr_opt(y.f32.as_deref()), g.ptr_opt(y.bf16.as_deref()));
+        let mut l = g.stream().launch_builder(&self.rms);
+        l.arg(&xp).arg(&wp).arg(&pre).arg(&eps).arg(&dw).arg(&yp).arg(&y16p);
+        let cfg = LaunchConfig { grid_dim: (rows32, 1, 1), block_dim: (row_block(d), 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match tern_rms_norm; every buffer holds rows × d (checked),
+        // and a null weight or output is tested by the kernel.
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_rms_norm"))?;
+        Ok(())
+    }
+
+    /// h = (h + rms(y)·w)·post, then with `next = (w2, out)` out = rms(h)·w2. CPU twin:
+    /// [`super::add_norm`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_norm(
+        &self,
+        h: &mut CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        post: f32,
+        d: usize,
+        eps: f32,
+        next: Option<(&CudaSlice<f32>, NormOut)>,
+    ) -> Result<()> {
+        let rows = rows_of("add_norm", h.len(), d)?;
+        check_len("add_norm input", y.len(), h.len())?;
+        check_len("add_norm weight", w.len(), d)?;
+        if let Some((w2, out)) = &next {
+            check_len("add_norm next weight", w2.len(), d)?;
+            out.check("add_norm next output", h.len())?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let g = &self.gpu;
+        let (dw, rows32) = (int_arg("add_norm width", d)?, grid_for(rows, 1)?);
+        let (w2p, ap, a16p) = match &next {
+            Some((w2, out)) => (g.ptr(*w2), g.ptr_opt(out.f32.as_deref()), g.ptr_opt(out.bf16.as_deref())),
+            None => (0, 0, 0),
+        };
+        let (hp, yp, wp) = (g.ptr(h), g.ptr(y), g.ptr(w));
+        let mut l = g.stream().launch_builder(&self.add);
+        l.arg(&hp).arg(&yp).arg(&wp).arg(&post).arg(&eps).arg(&dw).arg(&w2p).arg(&ap).arg(&a16p);
+        let cfg = LaunchConfig { grid_dim: (rows32, 1, 1), block_dim: (row_block(d), 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match tern_add_norm; all buffers hold rows × d (checked).
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_add_norm"))?;
+        Ok(())
+    }
+}

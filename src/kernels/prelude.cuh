@@ -1,0 +1,49 @@
+// Device helpers shared by the encoder-side kernel families (norm, activation, rope,
+// attention, pool, embedding, matmul). Prepended to each translation unit by its launcher, one
+// NVRTC program per unit, so every identifier is prefixed tern_ and no header is needed at run
+// time (bf16 is handled as raw bits). Compiled without fast-math: expf, division and sqrt are
+// the IEEE-rounded functions, so the f32 mode differs from the CPU only in summation order.
+
+typedef unsigned int tern_u32;
+typedef unsigned short tern_bf16;
+
+// Butterfly warp sums: every lane ends with the same bits (a + b == b + a), so any lane may
+// write the result and the order is fixed for a given input.
+__device__ __forceinline__ float tern_warp_sum(float x) {
+    for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+}
+__device__ __forceinline__ double tern_warp_sum_d(double x) {
+    for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+}
+__device__ __forceinline__ float tern_warp_max(float x) {
+    for (int m = 16; m > 0; m >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
+    return x;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024) in double, returned to every
+// thread. `scratch` holds 32 doubles; the call ends with a barrier so it can be reused.
+__device__ double tern_block_sum_d(double x, double* scratch) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    x = tern_warp_sum_d(x);
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    double total = 0.0;
+    for (int w = 0; w < warps; ++w) total += scratch[w];
+    __syncthreads();
+    return total;
+}
+
+// +infinity without math.h (NVRTC has no INFINITY macro).
+__device__ __forceinline__ float tern_inf() { return __int_as_float(0x7f800000); }
+
+// f32 -> bf16 bits, round to nearest even (as torch and half::bf16::from_f32 do); NaN stays
+// a quiet NaN instead of rounding into infinity.
+__device__ __forceinline__ tern_bf16 tern_bf16_from_f32(float x) {
+    tern_u32 u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (tern_bf16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (tern_bf16)(u >> 16);
+}
+__device__ __forceinline__ float tern_bf16_to_f32(tern_bf16 b) { return __uint_as_float(((tern_u32)b) << 16); }
