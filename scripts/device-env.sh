@@ -10,4 +10,14 @@ if [ -z "${TERN_NVRTC_LIB:-}" ]; then
 fi
 echo "NVRTC: ${TERN_NVRTC_LIB:-not found}"
 export LD_LIBRARY_PATH="$(dirname "${TERN_NVRTC_LIB:-/x}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# cuBLAS 13 (the encoder's GEMMs): the toolkit's, or the nvidia-cublas wheel's.
+if [ -z "${TERN_CUBLAS_LIB:-}" ]; then
+  for cand in /usr/local/cuda/lib64/libcublas.so.13 \
+      $(python3 -c 'import glob,site; print(" ".join(glob.glob(site.getsitepackages()[0]+"/nvidia/cu13/lib/libcublas.so.13")+glob.glob(site.getsitepackages()[0]+"/nvidia/cublas/lib/libcublas.so.13")))' 2>/dev/null) \
+      $(ls /usr/local/cuda*/lib64/libcublas.so.13 /usr/local/cuda*/targets/*/lib/libcublas.so.13 2>/dev/null); do
+    if [ -f "$cand" ]; then export TERN_CUBLAS_LIB="$cand"; break; fi
+  done
+fi
+echo "cuBLAS: ${TERN_CUBLAS_LIB:-not found}"
+export LD_LIBRARY_PATH="$(dirname "${TERN_CUBLAS_LIB:-/x}"):$LD_LIBRARY_PATH"
 export TERN_CUDA_CACHE="${TERN_CUDA_CACHE:-/tmp/tern-cuda-cache}"
