@@ -52,6 +52,9 @@ def eg2():
         model = EmbeddingGemma2Model(EmbeddingGemma2Config()).eval()
     model.save_pretrained(d)
     finish(d, 8192)
+    write_json(os.path.join(d, "config_sentence_transformers.json"), {
+        "prompts": {"query": "task: search result | query: ", "document": "title: none | text: "},
+        "default_prompt_name": None, "similarity_fn_name": "cosine"})
     # The egemma2 binary reads the multimodal processor settings even for text; these are
     # transformers' defaults for the model's processors (what save_pretrained would write).
     try:

@@ -169,9 +169,12 @@ impl Gpu {
         // streams) would only add work to each launch.
         // SAFETY: nothing has been allocated on this context yet.
         unsafe { ctx.disable_event_tracking() };
+        // A stream of our own, not the legacy default stream: only a created stream can be
+        // captured into a CUDA graph (the default one answers "operation not permitted when
+        // stream is capturing").
+        let stream = ctx.new_stream().map_err(driver_err("creating a stream"))?;
         let (major, minor) = ctx.compute_capability().map_err(driver_err("reading the compute capability"))?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
-        let stream = ctx.default_stream();
         Ok(Arc::new(Gpu { ctx, stream, ordinal, arch: format!("sm_{major}{minor}"), name, modules: Mutex::new(HashMap::new()) }))
     }
 
