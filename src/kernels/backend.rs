@@ -101,8 +101,7 @@ pub trait Ops: Send + Sync + Sized {
     /// position in `batch`.
     fn head_prep(&self, x: &mut Self::Buf, offset: usize, stride: usize, batch: &Self::Batch, prep: &HeadOps<Self>)
         -> Result<()>;
-    /// Attention within each sequence of `batch`; out is [rows][q_heads·hd]. `exact_scores`
-    /// asks a fast mode to form the scores in f32 (see [`SCORE_BOUND_FOR_BF16`]).
+    /// Attention within each sequence of `batch`; out is [rows][q_heads·hd].
     fn attention(
         &self,
         q: View<Self::Buf>,
@@ -110,20 +109,11 @@ pub trait Ops: Send + Sync + Sized {
         v: View<Self::Buf>,
         batch: &Self::Batch,
         shape: &AttentionShape,
-        exact_scores: bool,
     ) -> Result<Self::Buf>;
     /// Mean of each sequence's rows, [sequences][d].
     fn mean_pool(&self, h: &Self::Buf, d: usize, batch: &Self::Batch) -> Result<Self::Buf>;
     fn to_host(&self, x: &Self::Buf) -> Result<Vec<f32>>;
 }
-
-/// The largest attention logit (bounded by scale · hd · max|w_q| · max|w_k| for RMS-normed q
-/// and k with norm weights w) for which a fast mode may form scores from bf16 q and k. bf16
-/// keeps 8 bits of mantissa, so a score s is off by up to about |s|·2⁻⁸: harmless for the 300M
-/// model's scaled logits (bound 16 with unit norm weights: cosine 0.99996 to f32 mode on its
-/// full-size shapes), ruinous for EmbeddingGemma 2's unscaled ones (bound 256–512, cosine 0.87
-/// measured), whose layers therefore keep f32 scores.
-pub const SCORE_BOUND_FOR_BF16: f32 = 64.0;
 
 /// The CPU reference backend.
 #[derive(Clone, Copy, Debug, Default)]
@@ -276,7 +266,6 @@ impl Ops for CpuOps {
         v: View<Vec<f32>>,
         batch: &CpuBatch,
         shape: &AttentionShape,
-        _exact_scores: bool,
     ) -> Result<Vec<f32>> {
         let rows = batch.rows();
         let (qw, kw) = (shape.q_heads * shape.hd, shape.kv_heads * shape.hd);

@@ -371,12 +371,11 @@ impl Ops for CudaOps {
         v: View<CudaSlice<f32>>,
         batch: &CudaBatch,
         shape: &AttentionShape,
-        exact_scores: bool,
     ) -> Result<CudaSlice<f32>> {
         let mut out = self.gpu.alloc::<f32>(batch.att.rows * shape.q_heads * shape.hd)?;
-        match (self.precision, exact_scores) {
-            (Precision::F32, _) | (Precision::Bf16, true) => self.attention.attention(q, k, v, &batch.att, shape, Self::out(&mut out))?,
-            (Precision::Bf16, false) => self.attention.attention_bf16(q, k, v, &batch.att, shape, Self::out(&mut out))?,
+        match self.precision {
+            Precision::F32 => self.attention.attention(q, k, v, &batch.att, shape, Self::out(&mut out))?,
+            Precision::Bf16 => self.attention.attention_bf16(q, k, v, &batch.att, shape, Self::out(&mut out))?,
         }
         Ok(out)
     }

@@ -21,7 +21,7 @@ use crate::formats::config::JsonFile;
 use crate::formats::safetensors::SafetensorsWeights;
 use crate::formats::Tensor;
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{CpuOps, HeadOps, Ops, View, SCORE_BOUND_FOR_BF16};
+use crate::kernels::backend::{CpuOps, HeadOps, Ops, View};
 use crate::kernels::embedding::check_ids;
 use crate::kernels::rope::RopeTable;
 use crate::kernels::Segment;
@@ -239,9 +239,6 @@ struct Layer<O: Ops> {
     /// gate and up stacked: one GEMM writes [t][gate | up].
     gate_up: O::Mat,
     down: O::Mat,
-    /// Whether this layer's attention logits can be large enough that a fast mode must form
-    /// them in f32 (see [`SCORE_BOUND_FOR_BF16`]).
-    exact_scores: bool,
     ple: Option<PleBlock<O>>,
     layer_scalar: f32,
 }
@@ -282,15 +279,13 @@ impl<O: Ops> Encoder<O> {
         let h = cfg.hidden;
         // V1 stores w for a (1 + w) norm: add the one here, the same f32 addition as the
         // reference's forward. V2 multiplies by w directly.
-        let host_norm = |name: &str, d: usize| -> Result<Vec<f32>> {
+        let norm = |name: &str, d: usize| -> Result<O::Vector> {
             let t = w.get(&format!("{p}{name}"), &[d])?;
-            Ok(match cfg.variant {
+            ops.vector(match cfg.variant {
                 Variant::V1 => t.data().iter().map(|&x| 1.0 + x).collect(),
                 Variant::V2 => t.data().to_vec(),
             })
         };
-        let norm = |name: &str, d: usize| -> Result<O::Vector> { ops.vector(host_norm(name, d)?) };
-        let max_abs = |v: &[f32]| v.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
         let tensor = |name: &str, rows: usize, cols: usize| w.get(&format!("{p}{name}"), &[rows, cols]);
         let mut matmul_params = 0usize;
         let mut mat = |t: Tensor| -> Result<O::Mat> {
@@ -332,15 +327,12 @@ impl<O: Ops> Encoder<O> {
                     tensor(&format!("{li}mlp.up_proj.weight"), cfg.intermediate, h)?,
                 ],
             )?;
-            let (q_norm, k_norm) = (host_norm(&format!("{li}self_attn.q_norm.weight"), hd)?, host_norm(&format!("{li}self_attn.k_norm.weight"), hd)?);
-            let score_bound = cfg.attention_scale * hd as f32 * max_abs(&q_norm) * max_abs(&k_norm);
             layers.push(Layer {
                 cfg: lc.clone(),
-                exact_scores: !(score_bound <= SCORE_BOUND_FOR_BF16),
                 wqkv: mat(wqkv)?,
                 wo: mat(tensor(&format!("{li}self_attn.o_proj.weight"), h, cfg.q_heads * hd)?)?,
-                q_norm: ops.vector(q_norm)?,
-                k_norm: ops.vector(k_norm)?,
+                q_norm: norm(&format!("{li}self_attn.q_norm.weight"), hd)?,
+                k_norm: norm(&format!("{li}self_attn.k_norm.weight"), hd)?,
                 input_norm: norm(&format!("{li}input_layernorm.weight"), h)?,
                 post_attn_norm: norm(&format!("{li}post_attention_layernorm.weight"), h)?,
                 pre_ff_norm: norm(&format!("{li}pre_feedforward_layernorm.weight"), h)?,
@@ -521,7 +513,7 @@ impl<O: Ops> Encoder<O> {
             scale: cfg.attention_scale,
             max_distance: (kind == LayerKind::Sliding).then(|| cfg.window_max_distance()),
         };
-        let att = ops.attention(View::new(&qkv, 0, ld), View::new(&qkv, qw, ld), View::new(&qkv, qw + kw, ld), batch, &shape, layer.exact_scores)?;
+        let att = ops.attention(View::new(&qkv, 0, ld), View::new(&qkv, qw, ld), View::new(&qkv, qw + kw, ld), batch, &shape)?;
         drop(qkv);
         let o = ops.linear(&att, t, &layer.wo, None)?;
         drop(att);
