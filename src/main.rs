@@ -301,8 +301,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// The model forwards run on the CPU so far (the CUDA backend holds the gated-delta kernels
-/// only): `auto` means the CPU, an explicit CUDA device is refused rather than ignored.
+/// The Qwen3.5 forward runs on the CPU so far (on a GPU only the gated-delta kernels exist):
+/// `auto` means the CPU for it, an explicit CUDA device is refused rather than ignored.
 fn refuse_cuda(device: DeviceSpec, family: &str) -> Result<()> {
     if let DeviceSpec::Cuda(n) = device {
         let found = tern::cuda::device_count();

@@ -188,3 +188,19 @@ impl From<Tensor> for Matrix {
         Matrix::F32(t)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn concat_rows_stacks_matrices_of_one_width() {
+        let a = Tensor::owned("a", vec![1, 2], vec![1.0, 2.0]);
+        let b = Tensor::owned("b", vec![2, 2], vec![3.0, 4.0, 5.0, 6.0]);
+        let c = Tensor::concat_rows("ab", &[a, b]).unwrap();
+        assert_eq!((c.shape.clone(), c.data().to_vec()), (vec![3, 2], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]));
+        let wide = Tensor::owned("w", vec![1, 3], vec![0.0; 3]);
+        let err = Tensor::concat_rows("x", &[c, wide]).unwrap_err().to_string();
+        assert!(err.contains("`w`") && err.contains("rows of 2"), "{err}");
+    }
+}

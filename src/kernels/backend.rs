@@ -283,3 +283,34 @@ impl Ops for CpuOps {
         Ok(x.clone())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn views_gather_and_check_their_bounds() {
+        let buf: Vec<f32> = (0..12).map(|v| v as f32).collect();
+        // Rows of 4 from column 1, two wide: [1, 2], [5, 6], [9, 10].
+        assert_eq!(gather(&View::new(&buf, 1, 4), 3, 2).unwrap(), vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0]);
+        assert!(gather(&View::new(&buf, 3, 4), 3, 2).is_err(), "the last row would end past the buffer");
+        assert!(check_view("v", 12, 0, 2, 3, 4).is_err(), "a stride shorter than a row overlaps rows");
+        assert!(check_view("v", 0, 0, 0, 0, 4).is_ok(), "no rows need no elements");
+    }
+
+    #[test]
+    fn cpu_head_prep_on_a_view_leaves_the_rest_of_each_row() {
+        let ops = CpuOps;
+        let batch = ops.batch(&crate::kernels::pack([2]), &[5, 6]).unwrap();
+        let mut x: Vec<f32> = (0..12).map(|v| v as f32 + 1.0).collect();
+        let prep = HeadOps::<CpuOps> { heads: 1, hd: 2, norm: Some(None), eps: 0.0, rope: None };
+        ops.head_prep(&mut x, 2, 6, &batch, &prep).unwrap();
+        // Columns 2..4 of each 6-wide row are RMS-normalised; the others are untouched.
+        let inv = |a: f32, b: f32| 1.0 / ((a * a + b * b) / 2.0).sqrt();
+        assert_eq!(&x[..2], &[1.0, 2.0]);
+        assert!((x[2] - 3.0 * inv(3.0, 4.0)).abs() < 1e-6 && (x[3] - 4.0 * inv(3.0, 4.0)).abs() < 1e-6);
+        assert_eq!(&x[4..8], &[5.0, 6.0, 7.0, 8.0]);
+        assert!((x[8] - 9.0 * inv(9.0, 10.0)).abs() < 1e-6);
+        assert_eq!(&x[10..], &[11.0, 12.0]);
+    }
+}

@@ -390,3 +390,21 @@ impl Ops for CudaOps {
         self.gpu.download(x)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn precisions_parse_and_fp16_is_refused_with_the_reason() {
+        assert_eq!("f32".parse::<Precision>().unwrap(), Precision::F32);
+        assert_eq!("bf16".parse::<Precision>().unwrap(), Precision::Bf16);
+        for half in ["fp16", "f16", "float16", "half"] {
+            match half.parse::<Precision>() {
+                Err(Error::Input(m)) => assert!(m.contains("overflow"), "{m}"),
+                other => panic!("{half}: expected a refusal, got {other:?}"),
+            }
+        }
+        assert!("int8".parse::<Precision>().is_err());
+    }
+}

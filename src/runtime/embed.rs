@@ -278,3 +278,25 @@ impl Embedder {
         Ok(v)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placement_follows_device_and_dtype() {
+        let cpu = LoadOptions { device: DeviceSpec::Cpu, ..LoadOptions::default() };
+        assert!(matches!(cpu.placement().unwrap(), Placement::Cpu));
+        let cpu_bf16 = LoadOptions { dtype: Precision::Bf16, ..cpu };
+        match cpu_bf16.placement() {
+            Err(Error::Input(m)) => assert!(m.contains("bf16") && m.contains("CPU"), "{m}"),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        if crate::cuda::device_count() == 0 {
+            // No GPU: auto is the CPU, an explicit GPU is an error naming the driver.
+            assert!(matches!(LoadOptions::default().placement().unwrap(), Placement::Cpu));
+            let cuda = LoadOptions { device: DeviceSpec::Cuda(0), ..LoadOptions::default() };
+            assert!(matches!(cuda.placement(), Err(Error::Cuda(_))));
+        }
+    }
+}

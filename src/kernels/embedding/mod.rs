@@ -29,3 +29,18 @@ pub fn check_ids(ids: &[u32], rows: usize) -> Result<()> {
         None => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookup_scales_rows_and_refuses_ids_outside_the_table() {
+        let t = Tensor::owned("t", vec![3, 2], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(embed_lookup(&t, &[2, 0, 2], 0.5).unwrap(), vec![2.5, 3.0, 0.5, 1.0, 2.5, 3.0]);
+        match embed_lookup(&t, &[1, 3], 1.0) {
+            Err(Error::Input(m)) => assert!(m.contains("token id 3") && m.contains("vocabulary of 3"), "{m}"),
+            other => panic!("expected an input error, got {other:?}"),
+        }
+    }
+}
