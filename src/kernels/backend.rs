@@ -10,11 +10,11 @@
 
 use crate::error::{Error, Result};
 use crate::formats::Tensor;
-use crate::kernels::attention::{attention, AttentionShape};
+use crate::kernels::attention::{attention_views, AttentionShape};
 use crate::kernels::matmul::linear;
 use crate::kernels::norm::{add_norm, rms_norm};
 use crate::kernels::pool::mean_pool;
-use crate::kernels::rope::{head_prep, HeadPrep, RopeTable};
+use crate::kernels::rope::{head_prep_view, HeadPrep, RopeTable};
 use crate::kernels::Segment;
 
 /// Rows of a buffer: row r is `width` elements at `offset + r·stride` (width known to the op).
@@ -55,6 +55,12 @@ pub trait Ops: Send + Sync + Sized {
     type Batch;
 
     fn matrix(&self, w: Tensor) -> Result<Self::Mat>;
+    /// Matrices that read the same input, stacked by output rows: one [`Ops::linear`] with the
+    /// result writes `[rows][Σ out]`, each part's outputs side by side. A GPU stacks them into one
+    /// GEMM (fewer, larger launches).
+    fn stacked(&self, name: String, parts: Vec<Tensor>) -> Result<Self::Mat> {
+        self.matrix(Tensor::concat_rows(name, &parts)?)
+    }
     fn vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
     fn table(&self, t: Tensor) -> Result<Self::Table>;
     fn rope(&self, t: RopeTable) -> Result<Self::Rope>;
@@ -83,7 +89,8 @@ pub trait Ops: Send + Sync + Sized {
     fn rms_norm(&self, x: &Self::Buf, d: usize, w: Option<&Self::Vector>, pre: f32, eps: f32) -> Result<Self::Buf>;
     /// `h = (h + rms(y)·w)·post` per row of `d`.
     fn add_norm(&self, h: &mut Self::Buf, y: &Self::Buf, w: &Self::Vector, post: f32, d: usize, eps: f32) -> Result<()>;
-    /// [`Ops::add_norm`], then returns the next pre-norm `rms(h)·next` from the same pass.
+    /// [`Ops::add_norm`], then the next pre-norm `rms(h)·next` from the same pass, into `out`
+    /// (the previous normalised input, dead by now: reusing it spares an allocation a layer).
     #[allow(clippy::too_many_arguments)]
     fn add_norm_next(
         &self,
@@ -94,7 +101,8 @@ pub trait Ops: Send + Sync + Sized {
         d: usize,
         eps: f32,
         next: &Self::Vector,
-    ) -> Result<Self::Buf>;
+        out: &mut Self::Buf,
+    ) -> Result<()>;
     /// `gelu_tanh(g)·u` over `rows × width`, contiguous out.
     fn gelu_tanh_mul(&self, g: View<Self::Buf>, u: View<Self::Buf>, rows: usize, width: usize) -> Result<Self::Buf>;
     /// In place on the heads of `x`'s rows from `offset` (row stride `stride`), at each row's
@@ -136,22 +144,14 @@ impl CpuBatch {
     }
 }
 
-/// A matrix with its dimensions.
+/// A matrix with its dimensions: one tensor, or the parts of a stacked matrix kept as loaded
+/// (mapped, not copied: on the CPU a product per part costs the same as one stacked product,
+/// while a stacked copy would hold the weights twice, the copy and the mapped pages it was read
+/// from).
 pub struct CpuMat {
-    pub w: Tensor,
+    pub parts: Vec<Tensor>,
     pub out: usize,
     pub inp: usize,
-}
-
-/// The rows of a view, `width` wide, gathered into a contiguous buffer.
-pub fn gather(v: &View<Vec<f32>>, rows: usize, width: usize) -> Result<Vec<f32>> {
-    check_view("view", v.buf.len(), v.offset, v.stride, rows, width)?;
-    let mut out = Vec::with_capacity(rows * width);
-    for r in 0..rows {
-        let s = v.offset + r * v.stride;
-        out.extend_from_slice(&v.buf[s..s + width]);
-    }
-    Ok(out)
 }
 
 /// Checks that `rows` rows of `width` at `offset + r·stride` fit a buffer of `len`.
@@ -184,7 +184,20 @@ impl Ops for CpuOps {
 
     fn matrix(&self, w: Tensor) -> Result<CpuMat> {
         let (out, inp) = matrix_dims(&w)?;
-        Ok(CpuMat { w, out, inp })
+        Ok(CpuMat { parts: vec![w], out, inp })
+    }
+
+    fn stacked(&self, name: String, parts: Vec<Tensor>) -> Result<CpuMat> {
+        let (mut out, mut inp) = (0, None);
+        for t in &parts {
+            let (o, i) = matrix_dims(t)?;
+            if *inp.get_or_insert(i) != i {
+                return Err(Error::tensor(&t.name, format!("{i} columns cannot stack in {name} under rows of {}", inp.unwrap_or(0))));
+            }
+            out += o;
+        }
+        let inp = inp.ok_or_else(|| Error::tensor(&name, "nothing to stack"))?;
+        Ok(CpuMat { parts, out, inp })
     }
     fn vector(&self, v: Vec<f32>) -> Result<Vec<f32>> {
         Ok(v)
@@ -209,7 +222,19 @@ impl Ops for CpuOps {
     }
 
     fn linear(&self, x: &Vec<f32>, rows: usize, w: &CpuMat, bias: Option<&Vec<f32>>) -> Result<Vec<f32>> {
-        let mut y = linear(x, rows, w.w.data(), w.out, w.inp)?;
+        let mut y = match &w.parts[..] {
+            [one] => linear(x, rows, one.data(), w.out, w.inp)?,
+            parts => {
+                let mut y = vec![0.0f32; rows * w.out];
+                let mut col = 0;
+                for p in parts {
+                    let o = p.shape[0];
+                    crate::kernels::matmul::linear_into_columns(x, rows, p.data(), o, w.inp, &mut y, col, w.out)?;
+                    col += o;
+                }
+                y
+            }
+        };
         if let Some(b) = bias {
             crate::kernels::matmul::add_bias(&mut y, b)?;
         }
@@ -235,28 +260,18 @@ impl Ops for CpuOps {
         d: usize,
         eps: f32,
         next: &Vec<f32>,
-    ) -> Result<Vec<f32>> {
-        let mut a = vec![0.0f32; h.len()];
-        add_norm(h, y, w, post, d, eps, Some((next, &mut a)))?;
-        Ok(a)
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        add_norm(h, y, w, post, d, eps, Some((next, out)))
     }
 
     fn gelu_tanh_mul(&self, g: View<Vec<f32>>, u: View<Vec<f32>>, rows: usize, width: usize) -> Result<Vec<f32>> {
-        let mut out = gather(&g, rows, width)?;
-        let u = gather(&u, rows, width)?;
-        crate::kernels::activation::gelu_tanh_mul(&mut out, &u)?;
-        Ok(out)
+        crate::kernels::activation::gelu_tanh_mul_views((g.buf, g.offset, g.stride), (u.buf, u.offset, u.stride), rows, width)
     }
 
     fn head_prep(&self, x: &mut Vec<f32>, offset: usize, stride: usize, batch: &CpuBatch, prep: &HeadOps<Self>) -> Result<()> {
-        let (rows, width) = (batch.rows(), prep.heads * prep.hd);
-        let mut part = gather(&View::new(&*x, offset, stride), rows, width)?;
         let p = HeadPrep { heads: prep.heads, hd: prep.hd, norm: prep.norm.map(|w| w.map(|w| &w[..])), eps: prep.eps, rope: prep.rope };
-        head_prep(&mut part, rows, &batch.positions, &p)?;
-        for (r, src) in part.chunks(width.max(1)).enumerate().take(rows) {
-            x[offset + r * stride..offset + r * stride + width].copy_from_slice(src);
-        }
-        Ok(())
+        head_prep_view(x, offset, stride, batch.rows(), &batch.positions, &p)
     }
 
     fn attention(
@@ -267,11 +282,8 @@ impl Ops for CpuOps {
         batch: &CpuBatch,
         shape: &AttentionShape,
     ) -> Result<Vec<f32>> {
-        let rows = batch.rows();
-        let (qw, kw) = (shape.q_heads * shape.hd, shape.kv_heads * shape.hd);
-        let (q, k, v) = (gather(&q, rows, qw)?, gather(&k, rows, kw)?, gather(&v, rows, kw)?);
-        let mut out = vec![0.0f32; rows * qw];
-        attention(&q, &k, &v, &batch.segments, shape, &mut out)?;
+        let mut out = vec![0.0f32; batch.rows() * shape.q_heads * shape.hd];
+        attention_views((q.buf, q.offset, q.stride), (k.buf, k.offset, k.stride), (v.buf, v.offset, v.stride), &batch.segments, shape, &mut out)?;
         Ok(out)
     }
 
@@ -289,11 +301,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn views_gather_and_check_their_bounds() {
-        let buf: Vec<f32> = (0..12).map(|v| v as f32).collect();
-        // Rows of 4 from column 1, two wide: [1, 2], [5, 6], [9, 10].
-        assert_eq!(gather(&View::new(&buf, 1, 4), 3, 2).unwrap(), vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0]);
-        assert!(gather(&View::new(&buf, 3, 4), 3, 2).is_err(), "the last row would end past the buffer");
+    fn views_check_their_bounds() {
+        // Rows of 4 from column 1, two wide, fit 12 elements; from column 3 the last row ends past them.
+        assert!(check_view("v", 12, 1, 4, 3, 2).is_ok());
+        assert!(check_view("v", 12, 3, 4, 3, 2).is_err(), "the last row would end past the buffer");
         assert!(check_view("v", 12, 0, 2, 3, 4).is_err(), "a stride shorter than a row overlaps rows");
         assert!(check_view("v", 0, 0, 0, 0, 4).is_ok(), "no rows need no elements");
     }

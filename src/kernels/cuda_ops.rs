@@ -347,10 +347,9 @@ impl Ops for CudaOps {
         d: usize,
         eps: f32,
         next: &CudaSlice<f32>,
-    ) -> Result<CudaSlice<f32>> {
-        let mut a = self.gpu.alloc::<f32>(h.len())?;
-        self.norm.add_norm(h, y, w, post, d, eps, Some((next, Self::out(&mut a))))?;
-        Ok(a)
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.norm.add_norm(h, y, w, post, d, eps, Some((next, Self::out(out))))
     }
 
     fn gelu_tanh_mul(&self, g: View<CudaSlice<f32>>, u: View<CudaSlice<f32>>, rows: usize, width: usize) -> Result<CudaSlice<f32>> {

@@ -287,10 +287,14 @@ impl<O: Ops> Encoder<O> {
             })
         };
         let tensor = |name: &str, rows: usize, cols: usize| w.get(&format!("{p}{name}"), &[rows, cols]);
-        let mut matmul_params = 0usize;
+        let (mut matmul_params, mut stacked_params) = (0usize, 0usize);
         let mut mat = |t: Tensor| -> Result<O::Mat> {
             matmul_params += t.len();
             ops.matrix(t)
+        };
+        let mut stack = |name: String, parts: Vec<Tensor>| -> Result<O::Mat> {
+            stacked_params += parts.iter().map(|t| t.len()).sum::<usize>();
+            ops.stacked(name, parts)
         };
         let embed_t = tensor("embed_tokens.weight", cfg.vocab_size, h)?;
         let embed_params = embed_t.len();
@@ -312,24 +316,24 @@ impl<O: Ops> Encoder<O> {
                 _ => 1.0,
             };
             let li = format!("layers.{i}.");
-            let wqkv = Tensor::concat_rows(
+            let wqkv = stack(
                 format!("{l}self_attn.qkv"),
-                &[
+                vec![
                     tensor(&format!("{li}self_attn.q_proj.weight"), cfg.q_heads * hd, h)?,
                     tensor(&format!("{li}self_attn.k_proj.weight"), kvh * hd, h)?,
                     tensor(&format!("{li}self_attn.v_proj.weight"), kvh * hd, h)?,
                 ],
             )?;
-            let gate_up = Tensor::concat_rows(
+            let gate_up = stack(
                 format!("{l}mlp.gate_up"),
-                &[
+                vec![
                     tensor(&format!("{li}mlp.gate_proj.weight"), cfg.intermediate, h)?,
                     tensor(&format!("{li}mlp.up_proj.weight"), cfg.intermediate, h)?,
                 ],
             )?;
             layers.push(Layer {
                 cfg: lc.clone(),
-                wqkv: mat(wqkv)?,
+                wqkv,
                 wo: mat(tensor(&format!("{li}self_attn.o_proj.weight"), h, cfg.q_heads * hd)?)?,
                 q_norm: norm(&format!("{li}self_attn.q_norm.weight"), hd)?,
                 k_norm: norm(&format!("{li}self_attn.k_norm.weight"), hd)?,
@@ -337,7 +341,7 @@ impl<O: Ops> Encoder<O> {
                 post_attn_norm: norm(&format!("{li}post_attention_layernorm.weight"), h)?,
                 pre_ff_norm: norm(&format!("{li}pre_feedforward_layernorm.weight"), h)?,
                 post_ff_norm: norm(&format!("{li}post_feedforward_layernorm.weight"), h)?,
-                gate_up: mat(gate_up)?,
+                gate_up,
                 down: mat(tensor(&format!("{li}mlp.down_proj.weight"), h, cfg.intermediate)?)?,
                 ple,
                 layer_scalar,
@@ -367,7 +371,7 @@ impl<O: Ops> Encoder<O> {
             rope_sliding: ops.rope(RopeTable::new(cfg.rope_theta_sliding, sliding_hd, positions))?,
             positions,
             embed_params,
-            matmul_params,
+            matmul_params: matmul_params + stacked_params,
             ops,
             cfg,
         })
@@ -463,7 +467,7 @@ impl<O: Ops> Encoder<O> {
         let mut a = ops.rms_norm(&x, h, Some(&self.layers[0].input_norm), 1.0, cfg.eps)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let next_norm = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
-            a = self.layer_forward(i, layer, &mut x, &a, t, ple.as_ref(), batch, next_norm)?;
+            self.layer_forward(i, layer, &mut x, &mut a, t, ple.as_ref(), batch, next_norm)?;
         }
         // `a` now holds rms(x)·w_final for every row.
         let pooled = ops.mean_pool(&a, h, batch)?;
@@ -475,19 +479,19 @@ impl<O: Ops> Encoder<O> {
         }
     }
 
-    /// One layer; returns the next layer's normalised input.
+    /// One layer; leaves the next layer's normalised input in `a`.
     #[allow(clippy::too_many_arguments)]
     fn layer_forward(
         &self,
         index: usize,
         layer: &Layer<O>,
         x: &mut O::Buf,
-        a: &O::Buf,
+        a: &mut O::Buf,
         t: usize,
         ple: Option<&O::Buf>,
         batch: &O::Batch,
         next_norm: &O::Vector,
-    ) -> Result<O::Buf> {
+    ) -> Result<()> {
         let (ops, cfg) = (&self.ops, &self.cfg);
         let h = cfg.hidden;
         let LayerConfig { kind, head_dim: hd, kv_heads } = layer.cfg;
@@ -517,9 +521,9 @@ impl<O: Ops> Encoder<O> {
         drop(qkv);
         let o = ops.linear(&att, t, &layer.wo, None)?;
         drop(att);
-        let a = ops.add_norm_next(x, &o, &layer.post_attn_norm, 1.0, h, cfg.eps, &layer.pre_ff_norm)?;
+        ops.add_norm_next(x, &o, &layer.post_attn_norm, 1.0, h, cfg.eps, &layer.pre_ff_norm, a)?;
         let i = cfg.intermediate;
-        let gu = ops.linear(&a, t, &layer.gate_up, None)?;
+        let gu = ops.linear(a, t, &layer.gate_up, None)?;
         let g = ops.gelu_tanh_mul(View::new(&gu, 0, 2 * i), View::new(&gu, i, 2 * i), t, i)?;
         drop(gu);
         let m = ops.linear(&g, t, &layer.down, None)?;
@@ -530,9 +534,9 @@ impl<O: Ops> Encoder<O> {
                 let pg = ops.linear(x, t, &block.gate, None)?;
                 let pg = ops.gelu_tanh_mul(View::new(&pg, 0, pd), View::new(ple, index * pd, nl * pd), t, pd)?;
                 let p = ops.linear(&pg, t, &block.proj, None)?;
-                ops.add_norm_next(x, &p, &block.post_norm, layer.layer_scalar, h, cfg.eps, next_norm)
+                ops.add_norm_next(x, &p, &block.post_norm, layer.layer_scalar, h, cfg.eps, next_norm, a)
             }
-            _ => ops.add_norm_next(x, &m, &layer.post_ff_norm, 1.0, h, cfg.eps, next_norm),
+            _ => ops.add_norm_next(x, &m, &layer.post_ff_norm, 1.0, h, cfg.eps, next_norm, a),
         }
     }
 }

@@ -33,6 +33,25 @@ fn gated(what: &str, g: &mut [f32], u: &[f32], act: impl Fn(f32) -> f32 + Sync) 
     Ok(())
 }
 
+/// out[r] = gelu_tanh(g[r])·u[r] for `rows` rows of `width`, each operand a strided view
+/// `(buffer, offset, row stride)` (the gate and up halves of one fused projection).
+pub fn gelu_tanh_mul_views(g: (&[f32], usize, usize), u: (&[f32], usize, usize), rows: usize, width: usize) -> Result<Vec<f32>> {
+    use crate::kernels::backend::check_view;
+    check_view("gelu_tanh_mul gate", g.0.len(), g.1, g.2, rows, width)?;
+    check_view("gelu_tanh_mul up", u.0.len(), u.1, u.2, rows, width)?;
+    let mut out = vec![0.0f32; rows * width];
+    if width == 0 {
+        return Ok(out);
+    }
+    out.par_chunks_mut(width).enumerate().for_each(|(r, o)| {
+        let (gr, ur) = (&g.0[g.1 + r * g.2..][..width], &u.0[u.1 + r * u.2..][..width]);
+        for ((o, &gv), &uv) in o.iter_mut().zip(gr).zip(ur) {
+            *o = gelu_tanh(gv) * uv;
+        }
+    });
+    Ok(out)
+}
+
 /// G ← gelu_tanh(G)·U.
 pub fn gelu_tanh_mul(g: &mut [f32], u: &[f32]) -> Result<()> {
     gated("gelu_tanh_mul operand", g, u, gelu_tanh)

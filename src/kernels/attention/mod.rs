@@ -15,6 +15,7 @@ pub mod cuda;
 use rayon::prelude::*;
 
 use super::matmul::gemm_f32;
+use super::backend::check_view;
 use super::{check_len, Segment, SharedMut};
 use crate::error::{Error, Result};
 
@@ -38,16 +39,32 @@ pub fn attention(
     shape: &AttentionShape,
     out: &mut [f32],
 ) -> Result<()> {
+    let (ldq, ldk) = (shape.q_heads * shape.hd, shape.kv_heads * shape.hd);
+    attention_views((q, 0, ldq), (k, 0, ldk), (v, 0, ldk), segments, shape, out)
+}
+
+/// [`attention`] over strided operands `(buffer, offset, row stride)`: row t of q starts at
+/// `q.0[q.1 + t·q.2]` (q, k and v read in place from one fused projection).
+pub fn attention_views(
+    q: (&[f32], usize, usize),
+    k: (&[f32], usize, usize),
+    v: (&[f32], usize, usize),
+    segments: &[Segment],
+    shape: &AttentionShape,
+    out: &mut [f32],
+) -> Result<()> {
     let AttentionShape { q_heads, kv_heads, hd, scale, max_distance } = *shape;
     if kv_heads == 0 || q_heads % kv_heads != 0 {
         return Err(Error::Shape(format!("attention: {q_heads} query heads over {kv_heads} kv heads")));
     }
     let rows: usize = segments.last().map(|s| s.start + s.len).unwrap_or(0);
-    let (ldq, ldk) = (q_heads * hd, kv_heads * hd);
-    check_len("attention q", q.len(), rows * ldq)?;
-    check_len("attention k", k.len(), rows * ldk)?;
-    check_len("attention v", v.len(), rows * ldk)?;
-    check_len("attention out", out.len(), rows * ldq)?;
+    let (ldq, ldk, ldv) = (q.2, k.2, v.2);
+    check_view("attention q", q.0.len(), q.1, ldq, rows, q_heads * hd)?;
+    check_view("attention k", k.0.len(), k.1, ldk, rows, kv_heads * hd)?;
+    check_view("attention v", v.0.len(), v.1, ldv, rows, kv_heads * hd)?;
+    let (q, k, v) = (&q.0[q.1..], &k.0[k.1..], &v.0[v.1..]);
+    let ldo = q_heads * hd;
+    check_len("attention out", out.len(), rows * ldo)?;
     let group = q_heads / kv_heads;
     let mut tasks = Vec::new();
     for seg in segments {
@@ -70,7 +87,7 @@ pub fn attention(
         scores.resize(nq * nk, 0.0);
         let qp = q[(seg.start + q0) * ldq + h * hd..].as_ptr();
         let kp = k[(seg.start + lo) * ldk + g * hd..].as_ptr();
-        let vp = v[(seg.start + lo) * ldk + g * hd..].as_ptr();
+        let vp = v[(seg.start + lo) * ldv + g * hd..].as_ptr();
         // SAFETY: rows q0..q1 and lo..hi lie inside the sequence, which lies inside the checked
         // buffers; `scores` holds nq·nk values.
         unsafe {
@@ -86,8 +103,8 @@ pub fn attention(
         }
         // SAFETY: this task alone writes rows q0..q1, columns h·hd..(h+1)·hd of `out`.
         unsafe {
-            let op = out_ptr.ptr().add((seg.start + q0) * ldq + h * hd);
-            gemm_f32(nq, hd, nk, op, ldq as isize, 1, scores.as_ptr(), nk as isize, 1, vp, ldk as isize, 1, false);
+            let op = out_ptr.ptr().add((seg.start + q0) * ldo + h * hd);
+            gemm_f32(nq, hd, nk, op, ldo as isize, 1, scores.as_ptr(), nk as isize, 1, vp, ldv as isize, 1, false);
         }
     });
     Ok(())

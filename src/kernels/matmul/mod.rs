@@ -289,6 +289,51 @@ pub fn linear_into(
     Ok(())
 }
 
+/// [`linear_into`] writing columns `col .. col + out_features` of a wider output whose rows are
+/// `stride` long: the parts of a stacked projection write side by side without a copy.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_into_columns(
+    x: &[f32],
+    rows: usize,
+    w: &[f32],
+    out_features: usize,
+    in_features: usize,
+    y: &mut [f32],
+    col: usize,
+    stride: usize,
+) -> Result<()> {
+    check_len("linear input", x.len(), rows * in_features)?;
+    check_len("linear weight", w.len(), out_features * in_features)?;
+    check_len("linear output", y.len(), rows * stride)?;
+    if col + out_features > stride {
+        return Err(crate::Error::Shape(format!("linear: columns {col}..{} of rows of {stride}", col + out_features)));
+    }
+    if rows == 0 || out_features == 0 {
+        return Ok(());
+    }
+    if rows <= F32_TILED_MAX_ROWS {
+        // The register tiles write contiguous rows: a few rows, so a copy is cheap.
+        let mut part = vec![0.0f32; rows * out_features];
+        f32_tiled(x, rows, w, out_features, in_features, &mut part);
+        for (dst, src) in y.chunks_mut(stride).zip(part.chunks(out_features)) {
+            dst[col..col + out_features].copy_from_slice(src);
+        }
+        return Ok(());
+    }
+    // SAFETY: as in linear_into, with Y's rows `stride` apart and this part's columns starting
+    // at `col`: row r's last element, r·stride + col + out − 1, lies inside y (checked above).
+    unsafe {
+        gemm_f32(
+            rows, out_features, in_features,
+            y.as_mut_ptr().add(col), stride as isize, 1,
+            x.as_ptr(), in_features as isize, 1,
+            w.as_ptr(), 1, in_features as isize,
+            true,
+        );
+    }
+    Ok(())
+}
+
 /// FLOP/s of [`linear_into`] for an [m × k] · [k × n] product on the current rayon pool: one
 /// warm-up, then the mean of `reps` timed runs. The compute roofline benchmarks are read against.
 pub fn measure_rate(m: usize, n: usize, k: usize, reps: usize) -> Result<f64> {

@@ -71,6 +71,14 @@ pub struct HeadPrep<'a> {
 pub fn head_prep(x: &mut [f32], rows: usize, positions: &[u32], prep: &HeadPrep) -> Result<()> {
     let width = prep.heads * prep.hd;
     check_len("head_prep input", x.len(), rows * width)?;
+    head_prep_view(x, 0, width, rows, positions, prep)
+}
+
+/// [`head_prep`] in place on a strided view: row r's heads start at `x[offset + r·stride]`, the
+/// rest of each row is left as it is (q, k or v inside one fused projection).
+pub fn head_prep_view(x: &mut [f32], offset: usize, stride: usize, rows: usize, positions: &[u32], prep: &HeadPrep) -> Result<()> {
+    let width = prep.heads * prep.hd;
+    crate::kernels::backend::check_view("head_prep input", x.len(), offset, stride, rows, width)?;
     if let Some(Some(w)) = prep.norm {
         check_len("head_prep norm weight", w.len(), prep.hd)?;
     }
@@ -82,8 +90,11 @@ pub fn head_prep(x: &mut [f32], rows: usize, positions: &[u32], prep: &HeadPrep)
         let max = positions.iter().copied().max().unwrap_or(0) as usize;
         check_at_least("rope table positions", t.positions, max + 1)?;
     }
+    if rows == 0 || width == 0 {
+        return Ok(());
+    }
     let run = |(r, row): (usize, &mut [f32])| {
-        for head in row.chunks_mut(prep.hd) {
+        for head in row[..width].chunks_mut(prep.hd) {
             if let Some(w) = prep.norm {
                 let ss: f64 = head.iter().map(|&v| (v as f64) * (v as f64)).sum();
                 let inv = (1.0 / (ss / prep.hd as f64 + prep.eps as f64).sqrt()) as f32;
@@ -104,10 +115,13 @@ pub fn head_prep(x: &mut [f32], rows: usize, positions: &[u32], prep: &HeadPrep)
             }
         }
     };
+    // Rows of `stride` from the offset; the last may be cut short after its heads.
+    let end = offset + (rows - 1) * stride + width;
+    let body = &mut x[offset..end];
     if rows >= 32 {
-        x.par_chunks_mut(width).enumerate().for_each(run);
+        body.par_chunks_mut(stride.max(width)).enumerate().for_each(run);
     } else {
-        x.chunks_mut(width).enumerate().for_each(run);
+        body.chunks_mut(stride.max(width)).enumerate().for_each(run);
     }
     Ok(())
 }
