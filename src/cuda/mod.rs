@@ -12,6 +12,8 @@
 //! in [`sources`], which the CI compile check walks.
 
 pub mod nvrtc;
+#[cfg(test)]
+pub(crate) mod test_util;
 
 use std::collections::HashMap;
 use std::str::FromStr;

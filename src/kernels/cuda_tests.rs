@@ -5,9 +5,8 @@
 //! invariance on the GPU. Ignored without a GPU; scripts/device-test.sh runs them.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use crate::cuda::{CudaSlice, Gpu};
+use crate::cuda::test_util::{check, gpu, nan, rng};
 use crate::formats::Tensor;
 use crate::kernels::activation::cuda::ActivationCuda;
 use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch};
@@ -15,7 +14,7 @@ use crate::kernels::attention::{attention, AttentionShape};
 use crate::kernels::backend::View;
 use crate::kernels::cuda_ops::Precision;
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
-use crate::kernels::gated_delta::test_util::{rel_err, Lcg};
+use crate::kernels::gated_delta::test_util::rel_err;
 use crate::kernels::matmul::cuda::Blas;
 use crate::kernels::norm::cuda::{NormCuda, NormOut};
 use crate::kernels::pool::cuda::PoolCuda;
@@ -30,30 +29,6 @@ const BOUND: f64 = 1e-5;
 /// four seeds was 0.99892 (composite fixture, against the CPU). The full-size check is
 /// `tern bench embed --compare-f32` (scripts/device-bench-embed.sh, BENCHMARKS.md).
 const FAST_COSINE: f64 = 0.998;
-
-fn gpu() -> Arc<Gpu> {
-    Gpu::new(0).unwrap_or_else(|e| panic!("device tests need a CUDA GPU: {e}"))
-}
-
-fn rng(test: &str) -> Lcg {
-    let seed = std::env::var("TERN_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-    });
-    eprintln!("{test}: seed {seed}");
-    Lcg(seed)
-}
-
-fn nan(gpu: &Gpu, n: usize) -> CudaSlice<f32> {
-    gpu.upload(&vec![f32::NAN; n]).unwrap()
-}
-
-fn check(what: &str, got: &[f32], want: &[f32], bound: f64) -> f64 {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite element (unwritten or overflow)");
-    let e = rel_err(got, want);
-    assert!(e <= bound, "{what}: ‖Δ‖/‖ref‖ = {e:e} > {bound:e}");
-    e
-}
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]

@@ -4,39 +4,15 @@
 //! comparison, and so does any NaN the kernel makes). They need a GPU and are ignored
 //! elsewhere; scripts/device-test.sh runs them with `--ignored`.
 
-use std::sync::Arc;
 
 use super::*;
-use crate::cuda::Gpu;
+use crate::cuda::test_util::{check, gpu, nan, rng};
 use crate::kernels::gated_delta::recurrence::tests::Operands;
 use crate::kernels::gated_delta::test_util::{assert_bits_eq, rel_err, Lcg};
 use crate::kernels::gated_delta as cpu;
 use crate::kernels::pack;
 
 const BOUND: f64 = 1e-5;
-
-fn gpu() -> Arc<Gpu> {
-    Gpu::new(0).unwrap_or_else(|e| panic!("device tests need a CUDA GPU: {e}"))
-}
-
-fn rng(test: &str) -> Lcg {
-    let seed = std::env::var("TERN_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-    });
-    eprintln!("{test}: seed {seed}");
-    Lcg(seed)
-}
-
-fn nan(gpu: &Gpu, n: usize) -> CudaSlice<f32> {
-    gpu.upload(&vec![f32::NAN; n]).unwrap()
-}
-
-fn check(what: &str, got: &[f32], want: &[f32], bound: f64) -> f64 {
-    let e = rel_err(got, want);
-    assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite element (unwritten or overflow)");
-    assert!(e <= bound, "{what}: ‖Δ‖/‖ref‖ = {e:e} > {bound:e}");
-    e
-}
 
 /// Slots for `n` sequences scattered over a pool of `2n + 1`, so a kernel that ignored the
 /// slot table would read and write the wrong states.
