@@ -257,12 +257,8 @@ struct BenchEmbedArgs {
     #[arg(long, default_value_t = 3)]
     iters: usize,
     /// Documents to use, one per line (default: generated text).
-    #[arg(long, conflicts_with = "random_ids")]
-    input: Option<PathBuf>,
-    /// Documents of exactly --doc-tokens random token ids (seeded), and a query of 8, so that
-    /// peers can run the very same inputs.
     #[arg(long)]
-    random_ids: bool,
+    input: Option<PathBuf>,
     /// With --dtype bf16 on a GPU: also load the model in f32 mode and report the smallest
     /// cosine between the two modes' embeddings of the benchmark documents.
     #[arg(long)]
@@ -659,33 +655,16 @@ fn run_bench_embed(args: BenchEmbedArgs) -> Result<()> {
     let load_s = t0.elapsed().as_secs_f64();
     let (rss_loaded, _) = memory_usage();
     let opts = EmbedOptions { batch_tokens: usize::MAX, ..EmbedOptions::default() };
-    let (doc_ids, query_ids) = if args.random_ids {
-        // Ids above the special tokens (the first 256 in the Gemma vocabulary), from a fixed
-        // seed: scripts/bench_embed_peers.py draws the same ones.
-        let vocab = model.pipeline.cfg().vocab_size as u64;
-        let mut state = 0x2545f4914f6cdd1du64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (256 + state % (vocab.max(257) - 256)) as u32
-        };
-        let docs: Vec<Vec<u32>> = (0..args.batch.max(1)).map(|_| (0..args.doc_tokens.max(1)).map(|_| next()).collect()).collect();
-        let query: Vec<u32> = (0..8).map(|_| next()).collect();
-        (docs, query)
-    } else {
-        let docs = match &args.input {
-            Some(p) => read_lines(p)?,
-            None => generated_documents(args.batch, args.doc_tokens),
-        };
-        if docs.is_empty() {
-            return Err(Error::Input("no documents to benchmark with".into()));
-        }
-        let docs: Vec<&str> = docs.iter().cycle().take(args.batch.max(1)).map(|s| s.as_str()).collect();
-        let (doc_ids, _) = model.tokenize(&docs, &opts)?;
-        let (query, _) = model.tokenize(&["what do terns eat?"], &opts)?;
-        (doc_ids, query.into_iter().next().unwrap_or_default())
+    let docs = match &args.input {
+        Some(p) => read_lines(p)?,
+        None => generated_documents(args.batch, args.doc_tokens),
     };
+    if docs.is_empty() {
+        return Err(Error::Input("no documents to benchmark with".into()));
+    }
+    let docs: Vec<&str> = docs.iter().cycle().take(args.batch.max(1)).map(|s| s.as_str()).collect();
+    let (doc_ids, _) = model.tokenize(&docs, &opts)?;
+    let (query_ids, _) = model.tokenize(&["what do terns eat?"], &opts)?;
     let time = |ids: &[Vec<u32>]| -> Result<(f64, usize)> {
         let t = Instant::now();
         let out = model.embed_ids(ids, &opts)?;
@@ -699,7 +678,7 @@ fn run_bench_embed(args: BenchEmbedArgs) -> Result<()> {
         batch_times.push(s);
         tokens = n;
     }
-    let query = [query_ids];
+    let query = query_ids;
     for _ in 0..3 {
         time(&query)?;
     }
