@@ -65,6 +65,17 @@ impl<O: Ops> Stack<O> {
     }
 }
 
+/// Evaluates `$body` with `$s` bound to the stack of a [`Placed`], whichever backend holds it
+/// (the body is the same code, compiled once per backend).
+macro_rules! on_stack {
+    ($placed:expr, $s:ident => $body:expr) => {
+        match $placed {
+            Placed::Cpu($s) => $body,
+            Placed::Cuda($s) => $body,
+        }
+    };
+}
+
 /// Where the weights live.
 pub enum Placed {
     Cpu(Stack<CpuOps>),
@@ -170,10 +181,7 @@ impl SentencePipeline {
                 Placed::Cuda(Stack::new(dir, max_seq_length, dense, CudaOps::new(gpu.clone(), *precision)?)?)
             }
         };
-        let positions = match &model {
-            Placed::Cpu(s) => s.encoder.max_positions(),
-            Placed::Cuda(s) => s.encoder.max_positions(),
-        };
+        let positions = on_stack!(&model, s => s.encoder.max_positions());
         Ok(SentencePipeline {
             dir: dir.to_path_buf(),
             max_seq_length: max_seq_length.min(positions),
@@ -258,36 +266,24 @@ impl SentencePipeline {
     }
 
     pub fn cfg(&self) -> &EncoderConfig {
-        match &self.model {
-            Placed::Cpu(s) => &s.encoder.cfg,
-            Placed::Cuda(s) => &s.encoder.cfg,
-        }
+        on_stack!(&self.model, s => &s.encoder.cfg)
     }
 
     /// Parameters held (embedding table, projections, Dense modules).
     pub fn param_count(&self) -> usize {
         let dense: usize = self.dense_dims.iter().map(|(i, o)| i * o).sum();
         dense
-            + match &self.model {
-                Placed::Cpu(s) => s.encoder.param_count(),
-                Placed::Cuda(s) => s.encoder.param_count(),
-            }
+            + on_stack!(&self.model, s => s.encoder.param_count())
     }
 
     /// Matmul weights each token passes through (2× is its matmul FLOPs).
     pub fn matmul_params_per_token(&self) -> usize {
-        match &self.model {
-            Placed::Cpu(s) => s.encoder.matmul_params_per_token(),
-            Placed::Cuda(s) => s.encoder.matmul_params_per_token(),
-        }
+        on_stack!(&self.model, s => s.encoder.matmul_params_per_token())
     }
 
     /// FLOPs of the attention products for one sequence of `len` tokens.
     pub fn attention_flops(&self, len: usize) -> f64 {
-        match &self.model {
-            Placed::Cpu(s) => s.encoder.attention_flops(len),
-            Placed::Cuda(s) => s.encoder.attention_flops(len),
-        }
+        on_stack!(&self.model, s => s.encoder.attention_flops(len))
     }
 
     /// Where the weights live, in words (`cpu`, or the GPU and precision).
@@ -301,10 +297,7 @@ impl SentencePipeline {
     /// Token ids in, one vector per segment out (on the host): encoder, pooling, Dense modules
     /// and (when `normalize`) the Normalize module.
     pub fn forward(&self, ids: &[u32], segments: &[Segment], normalize: bool) -> Result<Vec<f32>> {
-        let mut x = match &self.model {
-            Placed::Cpu(s) => s.forward(ids, segments)?,
-            Placed::Cuda(s) => s.forward(ids, segments)?,
-        };
+        let mut x = on_stack!(&self.model, s => s.forward(ids, segments))?;
         if self.normalize && normalize {
             l2_normalize(&mut x, self.dim())?;
         }
