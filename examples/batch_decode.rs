@@ -11,7 +11,7 @@ fn main() -> tern::Result<()> {
     let batches: Vec<usize> = args.map(|a| a.parse().expect("batch size")).collect();
     let model = Qwen35::load(path.as_ref())?;
     for &b in if batches.is_empty() { &[1usize, 2, 4, 8][..] } else { &batches[..] } {
-        let mut states: Vec<_> = (0..b).map(|_| model.new_state()).collect();
+        let mut states: Vec<_> = (0..b).map(|_| model.new_state()).collect::<tern::Result<Vec<_>>>()?;
         let prompt: Vec<u32> = (0..16).map(|i| 1000 + i * 17).collect();
         for s in states.iter_mut() {
             model.forward(&prompt, s)?;

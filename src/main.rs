@@ -109,9 +109,13 @@ struct LlmArgs {
     /// Model: a Hugging Face directory, a .gguf file, or a hub id in the local cache.
     #[arg(long)]
     model: String,
-    /// Where to run: auto, cpu, cuda or cuda:N (auto picks a GPU when the model can use one).
+    /// Where to run: auto, cpu, cuda or cuda:N (auto picks a GPU when one is usable).
     #[arg(long, default_value = "auto")]
     device: DeviceSpec,
+    /// Matmul precision on a GPU: f32 (the reference maths) or bf16 (tensor cores, f32
+    /// accumulation, activations and state). fp16 is refused.
+    #[arg(long, default_value = "f32")]
+    dtype: Precision,
     /// Worker threads (default: one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -193,7 +197,7 @@ struct ServeArgs {
     /// Worker threads per model (default: one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
-    /// Where embedding models run: auto, cpu, cuda or cuda:N (LLMs run on the CPU).
+    /// Where models run: auto, cpu, cuda or cuda:N (auto picks a GPU when one is usable).
     #[arg(long, default_value = "auto")]
     device: DeviceSpec,
     /// GEMM precision of embedding models on a GPU: f32 or bf16.
@@ -241,6 +245,16 @@ struct BenchGenerateArgs {
     /// Timed repetitions of each measurement (after one warm-up).
     #[arg(long, default_value_t = 3)]
     iters: usize,
+    /// Where to run: auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: DeviceSpec,
+    /// Matmul precision on a GPU: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: Precision,
+    /// Also time decode rounds of this many sequences at once, comma-separated (each
+    /// sequence after a 16-token prompt).
+    #[arg(long, value_delimiter = ',')]
+    concurrent: Vec<usize>,
 }
 
 #[derive(Args)]
@@ -295,19 +309,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// The Qwen3.5 forward runs on the CPU so far (on a GPU only the gated-delta kernels exist):
-/// `auto` means the CPU for it, an explicit CUDA device is refused rather than ignored.
-fn refuse_cuda(device: DeviceSpec, family: &str) -> Result<()> {
-    if let DeviceSpec::Cuda(n) = device {
-        let found = tern::cuda::device_count();
-        let gpu = if found == 0 { "no CUDA device is present, and ".to_string() } else { format!("{found} CUDA device(s) found, but ") };
-        return Err(Error::Input(format!(
-            "--device cuda:{n}: {gpu}the {family} forward runs on the CPU in this version; use --device cpu or auto"
-        )));
-    }
-    Ok(())
 }
 
 fn load_embedder(args: &ModelArgs) -> Result<Embedder> {
@@ -411,9 +412,9 @@ fn write_embeddings(mut w: impl Write, out: &Embeddings, format: Format) -> std:
 }
 
 fn load_llm(args: &LlmArgs) -> Result<Llm> {
-    refuse_cuda(args.device, "Qwen3.5")?;
     let path = resolve_model_or_file(&args.model)?;
-    Llm::load(&path, args.threads)
+    let placement = LoadOptions { threads: args.threads, max_tokens: None, device: args.device, dtype: args.dtype }.placement()?;
+    Llm::load_on(&path, args.threads, &placement)
 }
 
 /// The sampling flags over the model's defaults; --seed absent means a new seed each run.
@@ -463,7 +464,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         (Some(text), None) => llm.tokenize(text)?,
         (None, None) => return Err(Error::Input("give --prompt TEXT or --prompt-ids 1,2,3".into())),
     };
-    let mut session = llm.new_session();
+    let mut session = llm.new_session()?;
     let g = if args.json {
         llm.generate(&mut session, &ids, &opts, &mut |_| true)?
     } else {
@@ -574,7 +575,7 @@ fn run_inspect(spec: &str) -> Result<()> {
 
 fn inspect_llm(path: &Path) -> Result<()> {
     let llm = Llm::load(path, 1)?;
-    let c = &llm.model.cfg;
+    let c = llm.model.cfg();
     let mut info = serde_json::json!({
         "path": path.display().to_string(),
         "architecture": if c.moe.is_some() { "qwen3.5 mixture of experts" } else { "qwen3.5 dense" },
@@ -757,7 +758,7 @@ fn run_bench_embed(args: BenchEmbedArgs) -> Result<()> {
 }
 
 fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
-    use tern::models::qwen35::Qwen35;
+    use tern::models::qwen35::{PlacedQwen35, PlacedState};
     let threads = if args.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { args.threads };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -766,11 +767,15 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
     if args.prompt_tokens == 0 || args.gen_tokens == 0 {
         return Err(Error::Input("--prompt-tokens and --gen-tokens must be at least 1".into()));
     }
+    if args.concurrent.contains(&0) {
+        return Err(Error::Input("--concurrent sizes must be at least 1".into()));
+    }
+    let placement = LoadOptions { threads, max_tokens: None, device: args.device, dtype: args.dtype }.placement()?;
     pool.install(|| {
         let t0 = Instant::now();
-        let model = Qwen35::load(&args.model)?;
+        let model = PlacedQwen35::load(&args.model, &placement)?;
         let load_s = t0.elapsed().as_secs_f64();
-        let c = &model.cfg;
+        let c = model.cfg();
         // Random ids below the first special token (248044 in the released vocabulary), from a
         // fixed seed, so every run and every peer sees the same prompt.
         let id_range = c.vocab_size.min(248_044) as u64;
@@ -792,7 +797,7 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
         // Prefill: the whole prompt in one forward from an empty state.
         let mut prefill_times = Vec::new();
         for i in 0..=args.iters.max(1) {
-            let mut st = model.new_state();
+            let mut st = model.new_state()?;
             let t = Instant::now();
             std::hint::black_box(model.forward(&prompt, &mut st)?);
             if i > 0 {
@@ -805,7 +810,7 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
         let mut per_token = Vec::new();
         let mut run_means = Vec::new();
         for i in 0..=args.iters.max(1) {
-            let mut st = model.new_state();
+            let mut st = model.new_state()?;
             let mut tok = first;
             let t_run = Instant::now();
             for _ in 0..args.gen_tokens {
@@ -824,17 +829,49 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
         let decode_s = median(&mut per_token);
         let decode_mean_s = median(&mut run_means);
 
-        // Memory before the probes below, whose 1 GiB buffer would otherwise count as the model's.
+        // Decode rounds of B sequences at once (the server's continuous-batching step).
+        let mut concurrent = Vec::new();
+        for &b in &args.concurrent {
+            let mut states: Vec<PlacedState> = (0..b).map(|_| model.new_state()).collect::<Result<_>>()?;
+            for s in states.iter_mut() {
+                model.forward(&prompt[..prompt.len().min(16)], s)?;
+            }
+            let mut toks: Vec<[u32; 1]> = (0..b).map(|_| [first]).collect();
+            let mut rounds = Vec::new();
+            for step in 0..args.gen_tokens {
+                let mut batch: Vec<(&[u32], &mut PlacedState)> = toks.iter().map(|t| t.as_slice()).zip(states.iter_mut()).collect();
+                let t = Instant::now();
+                let logits = model.forward_batch(&mut batch)?;
+                if step > 0 {
+                    rounds.push(t.elapsed().as_secs_f64());
+                }
+                for (t, l) in toks.iter_mut().zip(&logits) {
+                    t[0] = argmax(l);
+                }
+            }
+            let round = if rounds.is_empty() { f64::NAN } else { median(&mut rounds) };
+            concurrent.push(serde_json::json!({"sequences": b, "round_s": round, "tokens_per_s": b as f64 / round}));
+        }
+
+        // Memory before the probes below, whose buffers would otherwise count as the model's.
         let (rss, peak) = memory_usage();
-        // Rooflines, measured now on the same pool: a read of 1 GiB (past every cache) and the
-        // f32 GEMM on a prefill-shaped projection [n × 1024] · [1024 × 3584].
-        let bandwidth = tern::kernels::matmul::measure_read_bandwidth(1 << 30, 5);
+        // Rooflines, measured now on the same device: the memory bandwidth (CPU: a read of 1
+        // GiB past every cache; GPU: a 1 GiB device copy, bytes read + written) and the GEMM
+        // rate (the run's precision) on a prefill-shaped projection [n × 1024] · [1024 × 3584].
         let m = args.prompt_tokens.max(64);
-        let gemm_rate = tern::kernels::matmul::measure_rate(m, 3584, 1024, 3).unwrap_or(f64::NAN);
+        let (bandwidth, gemm_rate, device_bytes) = match &model {
+            PlacedQwen35::Cpu(_) => (
+                tern::kernels::matmul::measure_read_bandwidth(1 << 30, 5),
+                tern::kernels::matmul::measure_rate(m, 3584, 1024, 3).unwrap_or(f64::NAN),
+                0,
+            ),
+            PlacedQwen35::Cuda(q) => (q.ops().measure_copy_bandwidth(1 << 30)?, q.ops().measure_gemm_rate(m, 3584, 1024)?, q.ops().weight_bytes()),
+        };
         let bytes_per_token = model.decode_bytes_per_token(args.gen_tokens / 2);
         let flops = model.prefill_flops(args.prompt_tokens);
         let report = serde_json::json!({
             "model": args.model.display().to_string(),
+            "device": model.device(),
             "threads": threads,
             "load_s": load_s,
             "prompt_tokens": args.prompt_tokens,
@@ -843,7 +880,9 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             "prefill_tokens_per_s": args.prompt_tokens as f64 / prefill_s,
             "decode_tokens_per_s": 1.0 / decode_s,
             "decode_tokens_per_s_mean": 1.0 / decode_mean_s,
+            "concurrent_decode": concurrent,
             "weight_bytes": model.weight_bytes(),
+            "device_weight_bytes": device_bytes,
             "decode_bytes_per_token": bytes_per_token,
             "read_bandwidth_gb_per_s": bandwidth / 1e9,
             "decode_bandwidth_fraction": bytes_per_token as f64 / decode_s / bandwidth,

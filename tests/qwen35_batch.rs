@@ -26,7 +26,7 @@ fn check(name: &str, gguf: Option<&str>) {
     // Alone.
     let mut alone: Vec<Vec<Vec<f32>>> = Vec::new();
     for (p, path) in prompts.iter().zip(&paths) {
-        let mut s = model.new_state();
+        let mut s = model.new_state().unwrap();
         let mut rows = vec![model.forward(p, &mut s).unwrap()];
         for &t in &path[..path.len() - 1] {
             rows.push(model.forward(&[t], &mut s).unwrap());
@@ -34,7 +34,7 @@ fn check(name: &str, gguf: Option<&str>) {
         alone.push(rows);
     }
     // Together.
-    let mut states: Vec<_> = prompts.iter().map(|_| model.new_state()).collect();
+    let mut states: Vec<_> = prompts.iter().map(|_| model.new_state().unwrap()).collect();
     let steps = paths[0].len();
     let mut worst = (0.0f64, 0.0f64);
     for step in 0..steps {

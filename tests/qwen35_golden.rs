@@ -28,7 +28,7 @@ fn check_model(name: &str, gguf: Option<&str>) {
         let generated = ids(&golden["generated_ids"]);
         let (shape, want) = read_npy_f32(&root.join(golden["logits"].as_str().unwrap()));
         let vocab = shape[1];
-        let mut state = model.new_state();
+        let mut state = model.new_state().unwrap();
         let mut input = prompt.clone();
         for (step, &want_id) in generated.iter().enumerate() {
             let logits = model.forward(&input, &mut state).unwrap();

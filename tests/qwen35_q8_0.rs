@@ -63,7 +63,7 @@ fn check(name: &str) {
         let (shape, f32_ref) = read_npy_f32(&root.join(case["logits"].as_str().unwrap()));
         let (_, q8_ref) = read_npy_f32(&root.join(case["q8_0"]["logits"].as_str().unwrap()));
         let vocab = shape[1];
-        let mut state = model.new_state();
+        let mut state = model.new_state().unwrap();
         let mut input = prompt;
         for (step, &next) in f32_path_ids.iter().enumerate() {
             let logits = model.forward(&input, &mut state).unwrap();

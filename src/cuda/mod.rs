@@ -272,6 +272,23 @@ impl Gpu {
         self.stream.memcpy_dtod(src, dst).map_err(driver_err("copying on the device"))
     }
 
+    /// Device-to-device copy of `n` elements from `src[src_at..]` to `dst[dst_at..]`.
+    pub fn copy_range<T: DeviceRepr>(&self, src: &CudaSlice<T>, src_at: usize, dst: &mut CudaSlice<T>, dst_at: usize, n: usize) -> Result<()> {
+        if src_at + n > src.len() || dst_at + n > dst.len() {
+            return Err(Error::Shape(format!(
+                "device copy of {n} elements from {src_at} of {} to {dst_at} of {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let from = src.slice(src_at..src_at + n);
+        let mut to = dst.slice_mut(dst_at..dst_at + n);
+        self.stream.memcpy_dtod(&from, &mut to).map_err(driver_err("copying on the device"))
+    }
+
     /// A timing event (timing enabled).
     pub fn event(&self) -> Result<CudaEvent> {
         self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver_err("creating an event"))

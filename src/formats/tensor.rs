@@ -7,12 +7,15 @@ use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 
+#[derive(Clone)]
 enum Storage {
     /// `len` f32 values at byte `offset` of the map; the offset is 4-byte aligned (checked).
     Mapped { map: Arc<Mmap>, offset: usize, len: usize },
-    Owned(Vec<f32>),
+    /// Shared, so that a clone (a tied embedding used as the head too) costs no copy.
+    Owned(Arc<Vec<f32>>),
 }
 
+#[derive(Clone)]
 pub struct Tensor {
     pub name: String,
     pub shape: Vec<usize>,
@@ -22,7 +25,7 @@ pub struct Tensor {
 impl Tensor {
     pub fn owned(name: impl Into<String>, shape: Vec<usize>, data: Vec<f32>) -> Tensor {
         debug_assert_eq!(shape.iter().product::<usize>(), data.len());
-        Tensor { name: name.into(), shape, storage: Storage::Owned(data) }
+        Tensor { name: name.into(), shape, storage: Storage::Owned(Arc::new(data)) }
     }
 
     /// A zero-copy view; the caller guarantees `offset + 4·len` lies inside the map.
@@ -95,6 +98,7 @@ impl std::fmt::Debug for Tensor {
 
 /// A bf16 tensor kept as stored: a zero-copy view of `len` little-endian bf16 values at byte
 /// `offset` of a memory-mapped file (2-byte aligned, checked when made).
+#[derive(Clone)]
 pub struct Bf16Tensor {
     pub name: String,
     pub shape: Vec<usize>,
@@ -123,6 +127,7 @@ impl Bf16Tensor {
 
 /// Q8_0 blocks kept as stored: a zero-copy view of the 34-byte blocks (f16 scale, 32 i8 quants)
 /// of a [rows][cols] matrix whose rows are whole blocks.
+#[derive(Clone)]
 pub struct Q8Tensor {
     pub name: String,
     pub shape: Vec<usize>,
@@ -148,6 +153,7 @@ impl Q8Tensor {
 }
 
 /// A weight matrix as a model keeps it: f32 (mapped or decoded), or bf16 or Q8_0 as stored.
+#[derive(Clone)]
 pub enum Matrix {
     F32(Tensor),
     Bf16(Bf16Tensor),

@@ -9,13 +9,19 @@
 //! `offset + r·stride`, so q, k and v (or gate and up) are read where the GEMM wrote them.
 
 use crate::error::{Error, Result};
-use crate::formats::Tensor;
-use crate::kernels::attention::{attention_views, AttentionShape};
-use crate::kernels::matmul::linear;
-use crate::kernels::norm::{add_norm, rms_norm};
+use crate::formats::{Matrix, Tensor};
+use crate::kernels::activation::silu_mul_views;
+use crate::kernels::attention::{attention_views, causal_attention, AttentionShape};
+use crate::kernels::gated_delta::{
+    conv1d_silu_scan, delta_rule_chunked, delta_rule_scan, gated_rms_norm, normalize_qk, DeltaRuleHeads, DeltaRuleInputs,
+    DELTA_RULE_CHUNK,
+};
+use crate::kernels::matmul::{linear_w, linear_w_into};
+use crate::kernels::moe::{moe_experts, Expert};
+use crate::kernels::norm::{add_norm, residual_norm, rms_norm};
 use crate::kernels::pool::mean_pool;
 use crate::kernels::rope::{head_prep_view, HeadPrep, RopeTable};
-use crate::kernels::Segment;
+use crate::kernels::{check_len, Segment};
 
 /// Rows of a buffer: row r is `width` elements at `offset + r·stride` (width known to the op).
 pub struct View<'a, B> {
@@ -53,19 +59,33 @@ pub trait Ops: Send + Sync + Sized {
     type Rope: Send + Sync;
     /// A packed batch's token ids, segments and positions, prepared once per forward pass.
     type Batch;
+    /// One sequence's key/value cache of one attention layer.
+    type Kv: Send + Sync;
+    /// The experts of one mixture-of-experts layer.
+    type Experts: Send + Sync;
 
-    fn matrix(&self, w: Tensor) -> Result<Self::Mat>;
+    /// A weight matrix in the dtype it is stored in (f32, bf16 or Q8_0); the backend keeps it
+    /// so or converts it to the dtype its products take.
+    fn matrix(&self, w: Matrix) -> Result<Self::Mat>;
     /// Matrices that read the same input, stacked by output rows: one [`Ops::linear`] with the
     /// result writes `[rows][Σ out]`, each part's outputs side by side. A GPU stacks them into one
     /// GEMM (fewer, larger launches).
-    fn stacked(&self, name: String, parts: Vec<Tensor>) -> Result<Self::Mat> {
-        self.matrix(Tensor::concat_rows(name, &parts)?)
-    }
+    fn stacked(&self, name: String, parts: Vec<Matrix>) -> Result<Self::Mat>;
     fn vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
-    fn table(&self, t: Tensor) -> Result<Self::Table>;
+    fn table(&self, t: Matrix) -> Result<Self::Table>;
     fn rope(&self, t: RopeTable) -> Result<Self::Rope>;
+    /// Experts as `(gate, up, down)` matrices, each [intermediate][hidden] or [hidden][intermediate].
+    fn experts(&self, experts: Vec<[Matrix; 3]>) -> Result<Self::Experts>;
     /// The batch of `ids` laid out by `segments`; the ids were checked against the vocabulary.
-    fn batch(&self, segments: &[Segment], ids: &[u32]) -> Result<Self::Batch>;
+    fn batch(&self, segments: &[Segment], ids: &[u32]) -> Result<Self::Batch> {
+        self.batch_at(segments, ids, &vec![0; segments.len()])
+    }
+    /// [`Ops::batch`] whose sequence `s` starts at position `past[s]` (what its caches hold).
+    fn batch_at(&self, segments: &[Segment], ids: &[u32], past: &[usize]) -> Result<Self::Batch>;
+    /// `len` zeros (a fresh recurrent or conv state).
+    fn zeros(&self, len: usize) -> Result<Self::Buf>;
+    /// An empty KV cache for rows of `width` keys and as many values.
+    fn kv_cache(&self, width: usize) -> Result<Self::Kv>;
     /// Runs `f` on the batch of `ids` and returns its result on the host. A backend may record
     /// the work `f` queues for one shape of batch and replay it for the next batch of that shape
     /// (CUDA graphs), so `f` must queue the same work for batches of the same shape.
@@ -121,6 +141,63 @@ pub trait Ops: Send + Sync + Sized {
     /// Mean of each sequence's rows, [sequences][d].
     fn mean_pool(&self, h: &Self::Buf, d: usize, batch: &Self::Batch) -> Result<Self::Buf>;
     fn to_host(&self, x: &Self::Buf) -> Result<Vec<f32>>;
+
+    // The LLM's ops (Qwen3.5).
+
+    /// `x += y`, then `out = rms(x)·w` per row of `d` (pre-norm residual stream).
+    #[allow(clippy::too_many_arguments)]
+    fn residual_norm(&self, x: &mut Self::Buf, y: &Self::Buf, w: &Self::Vector, d: usize, eps: f32, out: &mut Self::Buf) -> Result<()>;
+    /// `silu(g)·u` over `rows × width`, contiguous out.
+    fn silu_mul(&self, g: View<Self::Buf>, u: View<Self::Buf>, rows: usize, width: usize) -> Result<Self::Buf>;
+    /// Each sequence's last row of `x` (rows of `d`), [sequences][d].
+    fn last_rows(&self, x: &Self::Buf, d: usize, batch: &Self::Batch) -> Result<Self::Buf>;
+    /// Causal depthwise conv1d + SiLU over `x`'s rows of `channels`, each sequence after its
+    /// own raw-input history `states[s]` (updated).
+    #[allow(clippy::too_many_arguments)]
+    fn conv1d_silu(
+        &self,
+        x: &Self::Buf,
+        channels: usize,
+        w: &Self::Vector,
+        kernel: usize,
+        batch: &Self::Batch,
+        states: &mut [&mut Self::Buf],
+    ) -> Result<Self::Buf>;
+    /// Decay `g = a·softplus(alpha + dt_bias)` and `β = sigmoid(b)`, both [rows][heads].
+    fn gdn_gates(&self, alpha: &Self::Buf, b: &Self::Buf, dt_bias: &Self::Vector, a: &Self::Vector) -> Result<(Self::Buf, Self::Buf)>;
+    /// The delta rule over `qkv`'s rows `[q | k | v]` (raw q, k: L2-normalised here, q scaled
+    /// by `1/√d_k`), each sequence advancing its own state; out [rows][n_v_heads·d_v].
+    #[allow(clippy::too_many_arguments)]
+    fn delta_rule(
+        &self,
+        qkv: &Self::Buf,
+        g: &Self::Buf,
+        beta: &Self::Buf,
+        heads: &DeltaRuleHeads,
+        batch: &Self::Batch,
+        states: &mut [&mut Self::Buf],
+    ) -> Result<Self::Buf>;
+    /// `rms(y)·w·silu(z)` per row of `w.len()` (one head), w shared by every head.
+    fn gated_rms_norm(&self, y: &Self::Buf, z: &Self::Buf, w: &Self::Vector, eps: f32) -> Result<Self::Buf>;
+    /// Appends each sequence's new k, v rows to its cache, then causal attention of its queries
+    /// over the cache, times `sigmoid(gate)`; out [rows][q_heads·hd]. The batch's positions
+    /// must start where each cache ends.
+    #[allow(clippy::too_many_arguments)]
+    fn kv_attention(
+        &self,
+        q: View<Self::Buf>,
+        k: View<Self::Buf>,
+        v: View<Self::Buf>,
+        gate: View<Self::Buf>,
+        batch: &Self::Batch,
+        caches: &mut [&mut Self::Kv],
+        shape: &AttentionShape,
+    ) -> Result<Self::Buf>;
+    /// The routed experts' mix for each row of `x` (rows of `d`): softmax of `router_logits`
+    /// in f32 → top-k → renormalised weights, Σ weight·down(silu(gate·x)·up·x).
+    fn moe(&self, x: &Self::Buf, d: usize, router_logits: &Self::Buf, experts: &Self::Experts, top_k: usize) -> Result<Self::Buf>;
+    /// `out += sigmoid(gate[r])·y` per row of `d` (`gate` is [rows][1]).
+    fn add_sigmoid_gated(&self, out: &mut Self::Buf, y: &Self::Buf, gate: &Self::Buf, d: usize) -> Result<()>;
 }
 
 /// The CPU reference backend.
@@ -149,7 +226,7 @@ impl CpuBatch {
 /// while a stacked copy would hold the weights twice, the copy and the mapped pages it was read
 /// from).
 pub struct CpuMat {
-    pub parts: Vec<Tensor>,
+    pub parts: Vec<Matrix>,
     pub out: usize,
     pub inp: usize,
 }
@@ -174,25 +251,40 @@ pub fn matrix_dims(w: &Tensor) -> Result<(usize, usize)> {
     }
 }
 
+/// One sequence's KV cache of one layer on the host: rows of `width` keys and values.
+pub struct CpuKv {
+    pub keys: Vec<f32>,
+    pub values: Vec<f32>,
+    pub width: usize,
+}
+
+impl CpuKv {
+    pub fn rows(&self) -> usize {
+        self.keys.len() / self.width.max(1)
+    }
+}
+
 impl Ops for CpuOps {
     type Buf = Vec<f32>;
     type Mat = CpuMat;
     type Vector = Vec<f32>;
-    type Table = Tensor;
+    type Table = Matrix;
     type Rope = RopeTable;
     type Batch = CpuBatch;
+    type Kv = CpuKv;
+    type Experts = Vec<Expert>;
 
-    fn matrix(&self, w: Tensor) -> Result<CpuMat> {
-        let (out, inp) = matrix_dims(&w)?;
+    fn matrix(&self, w: Matrix) -> Result<CpuMat> {
+        let (out, inp) = matrix_shape(&w)?;
         Ok(CpuMat { parts: vec![w], out, inp })
     }
 
-    fn stacked(&self, name: String, parts: Vec<Tensor>) -> Result<CpuMat> {
+    fn stacked(&self, name: String, parts: Vec<Matrix>) -> Result<CpuMat> {
         let (mut out, mut inp) = (0, None);
         for t in &parts {
-            let (o, i) = matrix_dims(t)?;
+            let (o, i) = matrix_shape(t)?;
             if *inp.get_or_insert(i) != i {
-                return Err(Error::tensor(&t.name, format!("{i} columns cannot stack in {name} under rows of {}", inp.unwrap_or(0))));
+                return Err(Error::tensor(t.name(), format!("{i} columns cannot stack in {name} under rows of {}", inp.unwrap_or(0))));
             }
             out += o;
         }
@@ -202,34 +294,54 @@ impl Ops for CpuOps {
     fn vector(&self, v: Vec<f32>) -> Result<Vec<f32>> {
         Ok(v)
     }
-    fn table(&self, t: Tensor) -> Result<Tensor> {
-        matrix_dims(&t)?;
+    fn table(&self, t: Matrix) -> Result<Matrix> {
+        matrix_shape(&t)?;
         Ok(t)
     }
     fn rope(&self, t: RopeTable) -> Result<RopeTable> {
         Ok(t)
     }
-    fn batch(&self, segments: &[Segment], ids: &[u32]) -> Result<CpuBatch> {
-        Ok(CpuBatch::new(segments, ids))
+    fn experts(&self, experts: Vec<[Matrix; 3]>) -> Result<Vec<Expert>> {
+        experts.into_iter().map(Expert::new).collect()
+    }
+    fn batch_at(&self, segments: &[Segment], ids: &[u32], past: &[usize]) -> Result<CpuBatch> {
+        check_past(segments, past)?;
+        let positions = segments.iter().zip(past).flat_map(|(s, &p)| (p..p + s.len).map(|v| v as u32)).collect();
+        Ok(CpuBatch { segments: segments.to_vec(), positions, ids: ids.to_vec() })
+    }
+    fn zeros(&self, len: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; len])
+    }
+    fn kv_cache(&self, width: usize) -> Result<CpuKv> {
+        Ok(CpuKv { keys: Vec::new(), values: Vec::new(), width })
     }
 
     fn segments<'b>(&self, batch: &'b CpuBatch) -> &'b [Segment] {
         &batch.segments
     }
 
-    fn embed(&self, table: &Tensor, batch: &CpuBatch, scale: f32) -> Result<Vec<f32>> {
+    fn embed(&self, table: &Matrix, batch: &CpuBatch, scale: f32) -> Result<Vec<f32>> {
         crate::kernels::embedding::embed_lookup(table, &batch.ids, scale)
     }
 
     fn linear(&self, x: &Vec<f32>, rows: usize, w: &CpuMat, bias: Option<&Vec<f32>>) -> Result<Vec<f32>> {
         let mut y = match &w.parts[..] {
-            [one] => linear(x, rows, one.data(), w.out, w.inp)?,
+            [one] => linear_w(x, rows, one.into(), w.out, w.inp)?,
             parts => {
                 let mut y = vec![0.0f32; rows * w.out];
                 let mut col = 0;
                 for p in parts {
-                    let o = p.shape[0];
-                    crate::kernels::matmul::linear_into_columns(x, rows, p.data(), o, w.inp, &mut y, col, w.out)?;
+                    let o = p.shape()[0];
+                    match p {
+                        Matrix::F32(t) => crate::kernels::matmul::linear_into_columns(x, rows, t.data(), o, w.inp, &mut y, col, w.out)?,
+                        other => {
+                            let mut part = vec![0.0f32; rows * o];
+                            linear_w_into(x, rows, other.into(), o, w.inp, &mut part)?;
+                            for (dst, src) in y.chunks_mut(w.out).zip(part.chunks(o)) {
+                                dst[col..col + o].copy_from_slice(src);
+                            }
+                        }
+                    }
                     col += o;
                 }
                 y
@@ -293,6 +405,145 @@ impl Ops for CpuOps {
 
     fn to_host(&self, x: &Vec<f32>) -> Result<Vec<f32>> {
         Ok(x.clone())
+    }
+
+    fn residual_norm(&self, x: &mut Vec<f32>, y: &Vec<f32>, w: &Vec<f32>, d: usize, eps: f32, out: &mut Vec<f32>) -> Result<()> {
+        residual_norm(x, y, w, d, eps, out)
+    }
+
+    fn silu_mul(&self, g: View<Vec<f32>>, u: View<Vec<f32>>, rows: usize, width: usize) -> Result<Vec<f32>> {
+        silu_mul_views((g.buf, g.offset, g.stride), (u.buf, u.offset, u.stride), rows, width)
+    }
+
+    fn last_rows(&self, x: &Vec<f32>, d: usize, batch: &CpuBatch) -> Result<Vec<f32>> {
+        check_len("last_rows input", x.len(), batch.rows() * d)?;
+        Ok(batch.segments.iter().flat_map(|s| x[(s.start + s.len - 1) * d..(s.start + s.len) * d].iter().copied()).collect())
+    }
+
+    fn conv1d_silu(
+        &self,
+        x: &Vec<f32>,
+        channels: usize,
+        w: &Vec<f32>,
+        kernel: usize,
+        batch: &CpuBatch,
+        states: &mut [&mut Vec<f32>],
+    ) -> Result<Vec<f32>> {
+        check_len("conv1d_silu input", x.len(), batch.rows() * channels)?;
+        let mut out = vec![0.0f32; x.len()];
+        let mut states: Vec<&mut [f32]> = states.iter_mut().map(|s| s.as_mut_slice()).collect();
+        conv1d_silu_scan(x, &batch.segments, w, kernel, &mut states, &mut out)?;
+        Ok(out)
+    }
+
+    fn gdn_gates(&self, alpha: &Vec<f32>, b: &Vec<f32>, dt_bias: &Vec<f32>, a: &Vec<f32>) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (mut g, mut beta) = (vec![0.0f32; alpha.len()], vec![0.0f32; b.len()]);
+        crate::kernels::gated_delta::decay_gate(alpha, dt_bias, a, &mut g)?;
+        crate::kernels::gated_delta::beta_gate(b, &mut beta)?;
+        Ok((g, beta))
+    }
+
+    fn delta_rule(
+        &self,
+        qkv: &Vec<f32>,
+        g: &Vec<f32>,
+        beta: &Vec<f32>,
+        heads: &DeltaRuleHeads,
+        batch: &CpuBatch,
+        states: &mut [&mut Vec<f32>],
+    ) -> Result<Vec<f32>> {
+        let (n, kd, vd) = (batch.rows(), heads.n_k_heads * heads.d_k, heads.n_v_heads * heads.d_v);
+        let width = 2 * kd + vd;
+        check_len("delta_rule qkv", qkv.len(), n * width)?;
+        let (mut q, mut k) = (gather(qkv, 0, width, n, kd), gather(qkv, kd, width, n, kd));
+        let v = gather(qkv, 2 * kd, width, n, vd);
+        normalize_qk(&mut q, &mut k, heads.d_k)?;
+        let inputs = DeltaRuleInputs { q: &q, k: &k, v: &v, g, beta };
+        let mut out = vec![0.0f32; n * vd];
+        let mut states: Vec<&mut [f32]> = states.iter_mut().map(|s| s.as_mut_slice()).collect();
+        // Prefill takes the chunked form (the reference's prefill path); short runs and decode
+        // take the scan, which the chunked form equals to f32 rounding.
+        if batch.segments.iter().any(|s| s.len >= DELTA_RULE_CHUNK) {
+            delta_rule_chunked(heads, inputs, &batch.segments, &mut states, &mut out)?;
+        } else {
+            delta_rule_scan(heads, inputs, &batch.segments, &mut states, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn gated_rms_norm(&self, y: &Vec<f32>, z: &Vec<f32>, w: &Vec<f32>, eps: f32) -> Result<Vec<f32>> {
+        let mut out = vec![0.0f32; y.len()];
+        gated_rms_norm(y, z, w, eps, &mut out)?;
+        Ok(out)
+    }
+
+    fn kv_attention(
+        &self,
+        q: View<Vec<f32>>,
+        k: View<Vec<f32>>,
+        v: View<Vec<f32>>,
+        gate: View<Vec<f32>>,
+        batch: &CpuBatch,
+        caches: &mut [&mut CpuKv],
+        shape: &AttentionShape,
+    ) -> Result<Vec<f32>> {
+        let (n, qw, kw) = (batch.rows(), shape.q_heads * shape.hd, shape.kv_heads * shape.hd);
+        if caches.len() != batch.segments.len() {
+            return Err(Error::Shape(format!("kv_attention: {} caches for {} sequences", caches.len(), batch.segments.len())));
+        }
+        let (q, gate) = (gather(q.buf, q.offset, q.stride, n, qw), gather(gate.buf, gate.offset, gate.stride, n, qw));
+        let (k, v) = (gather(k.buf, k.offset, k.stride, n, kw), gather(v.buf, v.offset, v.stride, n, kw));
+        let mut out = vec![0.0f32; n * qw];
+        for (seg, cache) in batch.segments.iter().zip(caches.iter_mut()) {
+            check_len("kv_attention cache width", cache.width, kw)?;
+            let past = cache.rows();
+            if batch.positions.get(seg.start).is_some_and(|&p| p as usize != past) {
+                return Err(Error::Shape(format!("kv_attention: a sequence at position {} has a cache of {past} rows", batch.positions[seg.start])));
+            }
+            let rows = seg.start..seg.start + seg.len;
+            cache.keys.extend_from_slice(&k[rows.start * kw..rows.end * kw]);
+            cache.values.extend_from_slice(&v[rows.start * kw..rows.end * kw]);
+            causal_attention(&q[rows.start * qw..rows.end * qw], seg.len, past, &cache.keys, &cache.values, shape, &mut out[rows.start * qw..rows.end * qw])?;
+        }
+        for (o, &g) in out.iter_mut().zip(&gate) {
+            *o *= crate::kernels::gated_delta::sigmoid(g);
+        }
+        Ok(out)
+    }
+
+    fn moe(&self, x: &Vec<f32>, d: usize, router_logits: &Vec<f32>, experts: &Vec<Expert>, top_k: usize) -> Result<Vec<f32>> {
+        moe_experts(x, d, router_logits, experts, top_k)
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut Vec<f32>, y: &Vec<f32>, gate: &Vec<f32>, d: usize) -> Result<()> {
+        check_len("add_sigmoid_gated input", y.len(), out.len())?;
+        check_len("add_sigmoid_gated gate", gate.len() * d, out.len())?;
+        for ((o, yr), &g) in out.chunks_mut(d).zip(y.chunks(d)).zip(gate) {
+            let s = crate::kernels::gated_delta::sigmoid(g);
+            o.iter_mut().zip(yr).for_each(|(o, &v)| *o += s * v);
+        }
+        Ok(())
+    }
+}
+
+/// Rows `offset + r·stride .. + width` of `x`, packed.
+fn gather(x: &[f32], offset: usize, stride: usize, rows: usize, width: usize) -> Vec<f32> {
+    (0..rows).flat_map(|r| x[offset + r * stride..offset + r * stride + width].iter().copied()).collect()
+}
+
+/// One start position per sequence.
+pub fn check_past(segments: &[Segment], past: &[usize]) -> Result<()> {
+    if past.len() != segments.len() {
+        return Err(Error::Shape(format!("batch: {} start positions for {} sequences", past.len(), segments.len())));
+    }
+    Ok(())
+}
+
+/// Matrix shape of a 2-D weight matrix of any dtype.
+pub fn matrix_shape(w: &Matrix) -> Result<(usize, usize)> {
+    match w.shape()[..] {
+        [out, inp] => Ok((out, inp)),
+        _ => Err(Error::Shape(format!("{}: a matrix needs 2 dimensions, the tensor has {:?}", w.name(), w.shape()))),
     }
 }
 

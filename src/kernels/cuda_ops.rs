@@ -10,24 +10,28 @@
 use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crate::cuda::{driver_err, CudaSlice, Gpu, KernelSource};
 use crate::error::{Error, Result};
-use crate::formats::Tensor;
+use crate::formats::Matrix;
 use crate::kernels::activation::cuda::ActivationCuda;
-use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch};
+use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch, GpuKv, KvAttentionCuda};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{matrix_dims, HeadOps, Ops, View};
+use crate::kernels::backend::{check_past, matrix_shape, HeadOps, Ops, View};
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
+use crate::kernels::gated_delta::cuda::{ChunkAccumulate, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
+use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
 use crate::kernels::matmul::cuda::{Blas, GpuMatrix, GpuWeights};
+use crate::kernels::matmul::Weights;
+use crate::kernels::moe::cuda::MoeCuda;
 use crate::kernels::norm::cuda::{NormCuda, NormOut};
 use crate::kernels::pool::cuda::PoolCuda;
 use crate::kernels::rope::cuda::{GpuHeadPrep, GpuRope, RopeCuda};
 use crate::kernels::rope::RopeTable;
-use crate::kernels::Segment;
+use crate::kernels::{check_len, Segment};
 
-/// The encoder-side CUDA translation units (the gated-delta family lists its own).
+/// The CUDA translation units of the op set outside the gated-delta family (which lists its own).
 pub const SOURCES: &[KernelSource] = &[
     crate::kernels::norm::cuda::SOURCE,
     crate::kernels::activation::cuda::SOURCE,
@@ -37,6 +41,8 @@ pub const SOURCES: &[KernelSource] = &[
     crate::kernels::pool::cuda::SOURCE,
     crate::kernels::embedding::cuda::SOURCE,
     crate::kernels::matmul::cuda::SOURCE,
+    crate::kernels::attention::cuda::SOURCE_KV,
+    crate::kernels::moe::cuda::SOURCE,
 ];
 
 /// Batches of at most this many tokens run as CUDA graphs: at these sizes a forward pass is a
@@ -96,12 +102,31 @@ pub struct GpuTable {
     width: usize,
 }
 
-/// A packed batch on the device: the attention tiles, segment bounds and row positions.
+/// A packed batch on the device: the attention tiles, segment bounds and row positions, each
+/// sequence's first position, its last row, and its segment for the gated-delta kernels (state
+/// slot s for sequence s).
 pub struct CudaBatch {
     ids: GpuIds,
     att: GpuAttentionBatch,
     positions: CudaSlice<u32>,
     max_position: usize,
+    past: Vec<usize>,
+    last_rows: GpuIds,
+    gdn: GpuSegments,
+}
+
+/// The experts of one MoE layer on the device: gate and up stacked, and down, per expert.
+pub struct GpuExperts {
+    experts: Vec<(GpuMatrix, GpuMatrix)>,
+    width: usize,
+    hidden: usize,
+}
+
+/// The LLM-only kernel families, loaded on first use (an embedding model never compiles them).
+struct LlmKernels {
+    gdn: GatedDeltaCuda,
+    kv: KvAttentionCuda,
+    moe: MoeCuda,
 }
 
 pub struct CudaOps {
@@ -114,6 +139,7 @@ pub struct CudaOps {
     attention: AttentionCuda,
     pool: PoolCuda,
     embedding: EmbeddingCuda,
+    llm: OnceLock<LlmKernels>,
     /// Bytes of weights uploaded so far.
     weight_bytes: AtomicUsize,
     /// cuBLAS handles are not thread-safe and forward passes share the stream: one at a time.
@@ -133,6 +159,7 @@ impl CudaOps {
             attention: AttentionCuda::new(gpu.clone())?,
             pool: PoolCuda::new(gpu.clone())?,
             embedding: EmbeddingCuda::new(gpu.clone())?,
+            llm: OnceLock::new(),
             gpu,
             precision,
             weight_bytes: AtomicUsize::new(0),
@@ -182,6 +209,27 @@ impl CudaOps {
         Ok(2.0 * (m * n * k) as f64 / (times[times.len() / 2] * 1e-3))
     }
 
+    /// Bytes per second of a device-to-device copy of `bytes` (read + written), median of timed
+    /// runs: the memory roofline of decode.
+    pub fn measure_copy_bandwidth(&self, bytes: usize) -> Result<f64> {
+        let n = bytes / 4;
+        let src = self.gpu.zeros::<f32>(n)?;
+        let mut dst = self.gpu.zeros::<f32>(n)?;
+        let (start, end) = (self.gpu.event()?, self.gpu.event()?);
+        let mut times = Vec::new();
+        for rep in 0..10 {
+            start.record(self.gpu.stream()).map_err(crate::cuda::driver_err("recording an event"))?;
+            self.gpu.copy(&src, &mut dst)?;
+            end.record(self.gpu.stream()).map_err(crate::cuda::driver_err("recording an event"))?;
+            end.synchronize().map_err(crate::cuda::driver_err("waiting for an event"))?;
+            if rep >= 2 {
+                times.push(start.elapsed_ms(&end).map_err(crate::cuda::driver_err("timing"))? as f64);
+            }
+        }
+        times.sort_by(|a, b| a.total_cmp(b));
+        Ok(2.0 * (4 * n) as f64 / (times[times.len() / 2] * 1e-3))
+    }
+
     /// Forward passes recorded as CUDA graphs so far, and the recording failures (each with
     /// its error).
     pub fn graph_stats(&self) -> (usize, Vec<String>) {
@@ -214,6 +262,54 @@ impl CudaOps {
     fn out(f32: &mut CudaSlice<f32>) -> NormOut<'_> {
         NormOut { f32: Some(f32), bf16: None }
     }
+
+    fn llm(&self) -> Result<&LlmKernels> {
+        if let Some(k) = self.llm.get() {
+            return Ok(k);
+        }
+        let k = LlmKernels {
+            gdn: GatedDeltaCuda::new(self.gpu.clone())?,
+            kv: KvAttentionCuda::new(self.gpu.clone())?,
+            moe: MoeCuda::new(self.gpu.clone())?,
+        };
+        // Another thread may have set it meanwhile: either copy is the same kernels.
+        let _ = self.llm.set(k);
+        Ok(self.llm.get().expect("set just above"))
+    }
+
+    /// A weight matrix decoded to f32 on the host, then uploaded in this backend's precision.
+    fn upload_matrix(&self, w: &Matrix) -> Result<GpuMatrix> {
+        let (out, inp) = matrix_shape(w)?;
+        let m = self.blas.matrix(&Weights::from(w).to_f32(inp)?, out, inp, self.precision == Precision::Bf16)?;
+        self.count(m.bytes());
+        Ok(m)
+    }
+
+    /// Runs `f` on one pool holding every sequence's state (slot s = sequence s). One sequence
+    /// runs on its own buffer; several are copied into a pool and back (the kernels index
+    /// states by slot).
+    fn with_pool(
+        &self,
+        states: &mut [&mut CudaSlice<f32>],
+        per: usize,
+        f: impl FnOnce(&mut CudaSlice<f32>) -> Result<()>,
+    ) -> Result<()> {
+        if let Some(s) = states.iter().find(|s| s.len() != per) {
+            return Err(Error::Shape(format!("state of {} elements where {per} are expected", s.len())));
+        }
+        if let [one] = states {
+            return f(one);
+        }
+        let mut pool = self.gpu.alloc::<f32>(states.len() * per)?;
+        for (i, s) in states.iter().enumerate() {
+            self.gpu.copy_range(s, 0, &mut pool, i * per, per)?;
+        }
+        f(&mut pool)?;
+        for (i, s) in states.iter_mut().enumerate() {
+            self.gpu.copy_range(&pool, i * per, s, 0, per)?;
+        }
+        Ok(())
+    }
 }
 
 impl Ops for CudaOps {
@@ -223,21 +319,51 @@ impl Ops for CudaOps {
     type Table = GpuTable;
     type Rope = GpuRope;
     type Batch = CudaBatch;
+    type Kv = GpuKv;
+    type Experts = GpuExperts;
 
-    fn matrix(&self, w: Tensor) -> Result<GpuMatrix> {
-        let (out, inp) = matrix_dims(&w)?;
-        let m = self.blas.matrix(w.data(), out, inp, self.precision == Precision::Bf16)?;
+    fn matrix(&self, w: Matrix) -> Result<GpuMatrix> {
+        self.upload_matrix(&w)
+    }
+
+    fn stacked(&self, name: String, parts: Vec<Matrix>) -> Result<GpuMatrix> {
+        let (mut out, mut inp, mut data) = (0, None, Vec::new());
+        for p in &parts {
+            let (o, i) = matrix_shape(p)?;
+            if *inp.get_or_insert(i) != i {
+                return Err(Error::tensor(p.name(), format!("{i} columns cannot stack in {name} under rows of {}", inp.unwrap_or(0))));
+            }
+            data.extend(Weights::from(p).to_f32(i)?);
+            out += o;
+        }
+        let inp = inp.ok_or_else(|| Error::tensor(&name, "nothing to stack"))?;
+        let m = self.blas.matrix(&data, out, inp, self.precision == Precision::Bf16)?;
         self.count(m.bytes());
         Ok(m)
+    }
+
+    fn experts(&self, experts: Vec<[Matrix; 3]>) -> Result<GpuExperts> {
+        let (mut width, mut hidden) = (0, 0);
+        let mut out = Vec::with_capacity(experts.len());
+        for [gate, up, down] in experts {
+            let (w, h) = matrix_shape(&gate)?;
+            if matrix_shape(&up)? != (w, h) || matrix_shape(&down)? != (h, w) || (!out.is_empty() && (w, h) != (width, hidden)) {
+                return Err(Error::tensor(down.name(), "expert matrices do not fit one MLP shape"));
+            }
+            (width, hidden) = (w, h);
+            let name = gate.name().to_string();
+            out.push((self.stacked(name, vec![gate, up])?, self.upload_matrix(&down)?));
+        }
+        Ok(GpuExperts { experts: out, width, hidden })
     }
 
     fn vector(&self, v: Vec<f32>) -> Result<CudaSlice<f32>> {
         self.upload_f32(&v)
     }
 
-    fn table(&self, t: Tensor) -> Result<GpuTable> {
-        let (_, width) = matrix_dims(&t)?;
-        Ok(GpuTable { data: self.upload_f32(t.data())?, width })
+    fn table(&self, t: Matrix) -> Result<GpuTable> {
+        let (_, width) = matrix_shape(&t)?;
+        Ok(GpuTable { data: self.upload_f32(&Weights::from(&t).to_f32(width)?)?, width })
     }
 
     fn rope(&self, t: RopeTable) -> Result<GpuRope> {
@@ -245,14 +371,33 @@ impl Ops for CudaOps {
         GpuRope::new(&self.gpu, &t)
     }
 
-    fn batch(&self, segments: &[Segment], ids: &[u32]) -> Result<CudaBatch> {
+    fn batch_at(&self, segments: &[Segment], ids: &[u32], past: &[usize]) -> Result<CudaBatch> {
+        check_past(segments, past)?;
         let att = GpuAttentionBatch::new(&self.gpu, segments)?;
         if ids.len() != att.rows {
             return Err(Error::Shape(format!("batch: {} ids for segments covering {} rows", ids.len(), att.rows)));
         }
-        let positions: Vec<u32> = segments.iter().flat_map(|s| 0..s.len as u32).collect();
-        let max_position = segments.iter().map(|s| s.len.saturating_sub(1)).max().unwrap_or(0);
-        Ok(CudaBatch { ids: GpuIds::new(&self.gpu, ids)?, positions: self.gpu.upload(&positions)?, att, max_position })
+        let positions: Vec<u32> = segments.iter().zip(past).flat_map(|(s, &p)| (p..p + s.len).map(|v| v as u32)).collect();
+        let max_position = segments.iter().zip(past).map(|(s, &p)| (p + s.len).saturating_sub(1)).max().unwrap_or(0);
+        let last: Vec<u32> = segments.iter().filter(|s| s.len > 0).map(|s| (s.start + s.len - 1) as u32).collect();
+        let slots: Vec<usize> = (0..segments.len()).collect();
+        Ok(CudaBatch {
+            ids: GpuIds::new(&self.gpu, ids)?,
+            positions: self.gpu.upload(&positions)?,
+            att,
+            max_position,
+            past: past.to_vec(),
+            last_rows: GpuIds::new(&self.gpu, &last)?,
+            gdn: GpuSegments::new(&self.gpu, segments, &slots, ids.len())?,
+        })
+    }
+
+    fn zeros(&self, len: usize) -> Result<CudaSlice<f32>> {
+        self.gpu.zeros(len)
+    }
+
+    fn kv_cache(&self, width: usize) -> Result<GpuKv> {
+        GpuKv::new(&self.gpu, width)
     }
 
     fn segments<'b>(&self, batch: &'b CudaBatch) -> &'b [Segment] {
@@ -387,6 +532,123 @@ impl Ops for CudaOps {
 
     fn to_host(&self, x: &CudaSlice<f32>) -> Result<Vec<f32>> {
         self.gpu.download(x)
+    }
+
+    fn residual_norm(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, w: &CudaSlice<f32>, d: usize, eps: f32, out: &mut CudaSlice<f32>) -> Result<()> {
+        self.norm.residual_norm(x, y, w, d, eps, Self::out(out))
+    }
+
+    fn silu_mul(&self, g: View<CudaSlice<f32>>, u: View<CudaSlice<f32>>, rows: usize, width: usize) -> Result<CudaSlice<f32>> {
+        let mut out = self.gpu.alloc::<f32>(rows * width)?;
+        self.activation.silu_mul(g, u, rows, width, Self::out(&mut out))?;
+        Ok(out)
+    }
+
+    fn last_rows(&self, x: &CudaSlice<f32>, d: usize, batch: &CudaBatch) -> Result<CudaSlice<f32>> {
+        check_len("last_rows input", x.len(), batch.att.rows * d)?;
+        let mut out = self.gpu.alloc::<f32>(batch.last_rows.len * d)?;
+        self.embedding.embed_lookup(x, d, &batch.last_rows, 1.0, &mut out)?;
+        Ok(out)
+    }
+
+    fn conv1d_silu(
+        &self,
+        x: &CudaSlice<f32>,
+        channels: usize,
+        w: &CudaSlice<f32>,
+        kernel: usize,
+        batch: &CudaBatch,
+        states: &mut [&mut CudaSlice<f32>],
+    ) -> Result<CudaSlice<f32>> {
+        check_len("conv1d_silu input", x.len(), batch.att.rows * channels)?;
+        let gdn = &self.llm()?.gdn;
+        let mut out = self.gpu.alloc::<f32>(x.len())?;
+        self.with_pool(states, channels * (kernel.max(1) - 1), |pool| gdn.conv1d_silu(x, w, kernel, &batch.gdn, pool, &mut out))?;
+        Ok(out)
+    }
+
+    fn gdn_gates(&self, alpha: &CudaSlice<f32>, b: &CudaSlice<f32>, dt_bias: &CudaSlice<f32>, a: &CudaSlice<f32>) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+        let (mut g, mut beta) = (self.gpu.alloc::<f32>(alpha.len())?, self.gpu.alloc::<f32>(b.len())?);
+        self.llm()?.gdn.gates(alpha, b, dt_bias, a, &mut g, &mut beta)?;
+        Ok((g, beta))
+    }
+
+    fn delta_rule(
+        &self,
+        qkv: &CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        beta: &CudaSlice<f32>,
+        heads: &DeltaRuleHeads,
+        batch: &CudaBatch,
+        states: &mut [&mut CudaSlice<f32>],
+    ) -> Result<CudaSlice<f32>> {
+        let (kd, vd) = (heads.n_k_heads * heads.d_k, heads.n_v_heads * heads.d_v);
+        let width = 2 * kd + vd;
+        check_len("delta_rule qkv", qkv.len(), batch.att.rows * width)?;
+        let gdn = &self.llm()?.gdn;
+        let rows = |offset| Rows { buf: qkv, offset, stride: width };
+        let x = GpuDeltaRuleInputs { q: rows(0), k: rows(kd), v: rows(2 * kd), g, beta, normalize_qk: true };
+        let mut out = self.gpu.alloc::<f32>(batch.att.rows * vd)?;
+        let long = batch.att.segments.iter().any(|s| s.len >= DELTA_RULE_CHUNK);
+        self.with_pool(states, heads.state_len(), |pool| match (long, self.precision) {
+            // As on the CPU: prefill takes the chunked form, decode and short runs the scan.
+            (false, _) => gdn.delta_rule(heads, &x, &batch.gdn, pool, &mut out),
+            (true, Precision::F32) => gdn.delta_rule_chunked(heads, &x, &batch.gdn, pool, &mut out, ChunkAccumulate::F64),
+            (true, Precision::Bf16) => gdn.delta_rule_chunked_fast(heads, &x, &batch.gdn, pool, &mut out),
+        })?;
+        Ok(out)
+    }
+
+    fn gated_rms_norm(&self, y: &CudaSlice<f32>, z: &CudaSlice<f32>, w: &CudaSlice<f32>, eps: f32) -> Result<CudaSlice<f32>> {
+        let mut out = self.gpu.alloc::<f32>(y.len())?;
+        self.llm()?.gdn.gated_rms_norm(y, z, w, eps, &mut out)?;
+        Ok(out)
+    }
+
+    fn kv_attention(
+        &self,
+        q: View<CudaSlice<f32>>,
+        k: View<CudaSlice<f32>>,
+        v: View<CudaSlice<f32>>,
+        gate: View<CudaSlice<f32>>,
+        batch: &CudaBatch,
+        caches: &mut [&mut GpuKv],
+        shape: &AttentionShape,
+    ) -> Result<CudaSlice<f32>> {
+        let mut out = self.gpu.alloc::<f32>(batch.att.rows * shape.q_heads * shape.hd)?;
+        self.llm()?.kv.kv_attention(q, k, v, gate, &batch.att.segments, &batch.past, caches, shape, &mut out)?;
+        Ok(out)
+    }
+
+    fn moe(&self, x: &CudaSlice<f32>, d: usize, router_logits: &CudaSlice<f32>, experts: &GpuExperts, top_k: usize) -> Result<CudaSlice<f32>> {
+        if d == 0 || x.len() % d != 0 || experts.hidden != d {
+            return Err(Error::Shape(format!("moe: {} elements as rows of {d} for experts of width {}", x.len(), experts.hidden)));
+        }
+        let rows = x.len() / d;
+        check_len("moe router logits", router_logits.len(), rows * experts.experts.len())?;
+        let routed = crate::kernels::moe::route(&self.to_host(router_logits)?, experts.experts.len(), top_k)?;
+        let moe = &self.llm()?.moe;
+        let mut out = self.gpu.zeros::<f32>(rows * d)?;
+        for ((gate_up, down), tokens) in experts.experts.iter().zip(&routed) {
+            if tokens.is_empty() {
+                continue;
+            }
+            let idx: Vec<u32> = tokens.iter().map(|&(t, _)| t as u32).collect();
+            let weights: Vec<f32> = tokens.iter().map(|&(_, w)| w).collect();
+            let mut gathered = self.gpu.alloc::<f32>(idx.len() * d)?;
+            self.embedding.embed_lookup(x, d, &GpuIds::new(&self.gpu, &idx)?, 1.0, &mut gathered)?;
+            let n = idx.len();
+            let gu = self.linear(&gathered, n, gate_up, None)?;
+            let w = experts.width;
+            let act = self.silu_mul(View::new(&gu, 0, 2 * w), View::new(&gu, w, 2 * w), n, w)?;
+            let y = self.linear(&act, n, down, None)?;
+            moe.scatter_add_rows(&mut out, &y, &idx, &weights, d)?;
+        }
+        Ok(out)
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut CudaSlice<f32>, y: &CudaSlice<f32>, gate: &CudaSlice<f32>, d: usize) -> Result<()> {
+        self.llm()?.moe.add_sigmoid_gated(out, y, gate, d)
     }
 }
 

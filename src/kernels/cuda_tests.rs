@@ -267,7 +267,7 @@ fn cuda_pool_embedding_and_linear_match_cpu() {
     let emb = EmbeddingCuda::new(gpu.clone()).unwrap();
     let table = rng.vec(1000 * 64, -1.0, 1.0);
     let ids: Vec<u32> = (0..77).map(|_| rng.next_u32() % 1000).collect();
-    let want = super::embedding::embed_lookup(&Tensor::owned("t", vec![1000, 64], table.clone()), &ids, 8.0).unwrap();
+    let want = super::embedding::embed_lookup(&Tensor::owned("t", vec![1000, 64], table.clone()).into(), &ids, 8.0).unwrap();
     let dt = gpu.upload(&table).unwrap();
     let mut out = nan(&gpu, ids.len() * 64);
     emb.embed_lookup(&dt, 64, &GpuIds::new(&gpu, &ids).unwrap(), 8.0, &mut out).unwrap();

@@ -11,6 +11,7 @@ mod cuda_tests;
 pub mod embedding;
 pub mod gated_delta;
 pub mod matmul;
+pub mod moe;
 pub mod norm;
 pub mod pool;
 pub mod rope;

@@ -290,15 +290,15 @@ impl<O: Ops> Encoder<O> {
         let (mut matmul_params, mut stacked_params) = (0usize, 0usize);
         let mut mat = |t: Tensor| -> Result<O::Mat> {
             matmul_params += t.len();
-            ops.matrix(t)
+            ops.matrix(t.into())
         };
         let mut stack = |name: String, parts: Vec<Tensor>| -> Result<O::Mat> {
             stacked_params += parts.iter().map(|t| t.len()).sum::<usize>();
-            ops.stacked(name, parts)
+            ops.stacked(name, parts.into_iter().map(Into::into).collect())
         };
         let embed_t = tensor("embed_tokens.weight", cfg.vocab_size, h)?;
         let embed_params = embed_t.len();
-        let embed = ops.table(embed_t)?;
+        let embed = ops.table(embed_t.into())?;
         let mut layers = Vec::with_capacity(cfg.layers.len());
         for (i, lc) in cfg.layers.iter().enumerate() {
             let l = format!("{p}layers.{i}.");

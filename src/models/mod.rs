@@ -3,3 +3,11 @@
 pub mod egemma;
 pub mod qwen35;
 pub mod sentence;
+
+/// Where to load a model: the CPU, or a GPU with a precision.
+#[derive(Clone, Debug, Default)]
+pub enum Placement {
+    #[default]
+    Cpu,
+    Cuda(std::sync::Arc<crate::cuda::Gpu>, crate::kernels::cuda_ops::Precision),
+}

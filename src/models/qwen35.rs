@@ -25,16 +25,14 @@ use crate::formats::config::JsonFile;
 use crate::formats::gguf::GgufFile;
 use crate::formats::safetensors::SafetensorsWeights;
 use crate::formats::{Matrix, Tensor};
-use crate::kernels::activation::silu_mul;
-use crate::kernels::attention::{causal_attention, AttentionShape};
-use crate::kernels::gated_delta::{
-    beta_gate, conv1d_silu_scan, decay_gate, delta_rule_chunked, delta_rule_scan, gated_rms_norm_inplace,
-    normalize_qk, sigmoid, DeltaRuleHeads, DeltaRuleInputs, KeyHeadMap,
-};
-use crate::kernels::matmul::{linear_w, Weights};
-use crate::kernels::norm::rms_norm;
-use crate::kernels::rope::{head_prep, HeadPrep, RopeTable};
-use crate::kernels::{pack, Segment};
+use crate::kernels::attention::AttentionShape;
+use crate::kernels::backend::{CpuOps, HeadOps, Ops, View};
+use crate::kernels::cuda_ops::CudaOps;
+use crate::models::Placement;
+use crate::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
+use crate::kernels::matmul::Weights;
+use crate::kernels::pack;
+use crate::kernels::rope::RopeTable;
 
 #[derive(Clone, Debug)]
 pub struct Qwen35Config {
@@ -313,17 +311,16 @@ impl Source<'_> {
 
     /// The experts of layer `layer`: one tensor per expert in HF checkpoints saved by
     /// transformers, stacked [experts][rows][cols] in GGUF (`ffn_{gate,up,down}_exps`).
-    fn experts(&self, prefix: &str, layer: usize, ne: usize, ei: usize, h: usize) -> Result<Vec<Mlp>> {
+    fn experts(&self, prefix: &str, layer: usize, ne: usize, ei: usize, h: usize) -> Result<Vec<[Matrix; 3]>> {
         match self {
             Source::Hf(w) => (0..ne)
                 .map(|e| {
                     let name = |m: &str| format!("{prefix}layers.{layer}.mlp.experts.{e}.{m}.weight");
-                    Ok(Mlp {
-                        gate: w.get(&name("gate_proj"), &[ei, h])?.into(),
-                        up: w.get(&name("up_proj"), &[ei, h])?.into(),
-                        down: w.get(&name("down_proj"), &[h, ei])?.into(),
-                        width: ei,
-                    })
+                    Ok([
+                        w.get(&name("gate_proj"), &[ei, h])?.into(),
+                        w.get(&name("up_proj"), &[ei, h])?.into(),
+                        w.get(&name("down_proj"), &[h, ei])?.into(),
+                    ])
                 })
                 .collect(),
             Source::Gguf(f) => {
@@ -337,7 +334,7 @@ impl Source<'_> {
                         .collect())
                 };
                 let (g, u, d) = (stacked("ffn_gate_exps.weight", ei, h)?, stacked("ffn_up_exps.weight", ei, h)?, stacked("ffn_down_exps.weight", h, ei)?);
-                Ok(g.into_iter().zip(u).zip(d).map(|((gate, up), down)| Mlp { gate, up, down, width: ei }).collect())
+                Ok(g.into_iter().zip(u).zip(d).map(|((gate, up), down)| [gate, up, down]).collect())
             }
         }
     }
@@ -350,174 +347,179 @@ impl Source<'_> {
     }
 }
 
-/// The kernels' view of a weight matrix.
-fn wts(m: &Matrix) -> Weights<'_> {
-    match m {
-        Matrix::F32(t) => Weights::F32(t.data()),
-        Matrix::Bf16(t) => Weights::Bf16(t.data()),
-        Matrix::Q8_0(t) => Weights::Q8_0(t.data()),
+/// Rows `rows` of a matrix as an f32 matrix (decoded from the stored dtype: exact).
+fn select_rows(m: &Matrix, name: String, rows: impl Iterator<Item = usize>) -> Result<Matrix> {
+    let cols = m.shape()[1];
+    let w = Weights::from(m);
+    let mut data = Vec::new();
+    let mut n = 0;
+    for r in rows {
+        let at = data.len();
+        data.resize(at + cols, 0.0);
+        w.row_into(r, cols, &mut data[at..])?;
+        n += 1;
+    }
+    Ok(Matrix::F32(Tensor::owned(name, vec![n, cols], data)))
+}
+
+/// Weights read per token, counted as stored in the file (what a backend keeping them so
+/// reads), for the benchmark's roofline.
+#[derive(Clone, Copy, Debug, Default)]
+struct Footprint {
+    /// Every layer matrix a token always reads (MoE: router and shared expert), elements and bytes.
+    dense: (usize, usize),
+    /// One expert of each MoE layer, summed over the layers.
+    expert: (usize, usize),
+    top_k: usize,
+    /// All experts of all layers.
+    all_experts: (usize, usize),
+    head: (usize, usize),
+    embed: (usize, usize),
+}
+
+impl Footprint {
+    fn add(acc: &mut (usize, usize), m: &Matrix) {
+        let w = Weights::from(m);
+        acc.0 += w.len();
+        acc.1 += w.bytes();
     }
 }
 
-struct LinearAttention {
-    in_qkv: Matrix,
-    in_z: Matrix,
-    in_b: Matrix,
-    in_a: Matrix,
-    conv: Vec<f32>,
-    dt_bias: Vec<f32>,
+struct LinearAttention<O: Ops> {
+    in_qkv: O::Mat,
+    in_z: O::Mat,
+    in_b: O::Mat,
+    in_a: O::Mat,
+    conv: O::Vector,
+    dt_bias: O::Vector,
     /// −exp(A_log), computed once.
-    a: Vec<f32>,
-    norm: Vec<f32>,
-    out: Matrix,
+    a: O::Vector,
+    norm: O::Vector,
+    out: O::Mat,
 }
 
-struct FullAttention {
-    q_gate: Matrix,
-    k: Matrix,
-    v: Matrix,
-    o: Matrix,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
+struct FullAttention<O: Ops> {
+    /// `[q | gate | k | v]`: q_proj's rows regrouped at load (the checkpoint interleaves query
+    /// and gate per head) and stacked with k and v, so one product yields all four and q, the
+    /// gate, k and v are each a strided view of it.
+    qgkv: O::Mat,
+    o: O::Mat,
+    q_norm: O::Vector,
+    k_norm: O::Vector,
 }
 
-enum Mixer {
-    Linear(LinearAttention),
-    Full(FullAttention),
+enum Mixer<O: Ops> {
+    Linear(LinearAttention<O>),
+    Full(FullAttention<O>),
 }
 
-struct Layer {
-    mixer: Mixer,
-    input_norm: Vec<f32>,
-    post_norm: Vec<f32>,
-    ffn: Ffn,
+struct Layer<O: Ops> {
+    mixer: Mixer<O>,
+    input_norm: O::Vector,
+    post_norm: O::Vector,
+    ffn: Ffn<O>,
 }
 
-/// A gated SiLU MLP: down(silu(gate·x) · up·x).
-struct Mlp {
-    gate: Matrix,
-    up: Matrix,
-    down: Matrix,
+/// A gated SiLU MLP, down(silu(gate·x) · up·x), gate and up stacked into one product.
+struct Mlp<O: Ops> {
+    gate_up: O::Mat,
+    down: O::Mat,
     width: usize,
 }
 
-impl Mlp {
-    fn forward(&self, x: &[f32], n: usize, h: usize) -> Result<Vec<f32>> {
-        let mut g = linear_w(x, n, wts(&self.gate), self.width, h)?;
-        let u = linear_w(x, n, wts(&self.up), self.width, h)?;
-        silu_mul(&mut g, &u)?;
-        linear_w(&g, n, wts(&self.down), h, self.width)
-    }
-}
-
-enum Ffn {
-    Dense(Mlp),
+enum Ffn<O: Ops> {
+    Dense(Mlp<O>),
     /// Router [experts][hidden] (softmax in f32 → top-k → renormalise), the experts, and the
     /// shared expert with its sigmoid gate [1][hidden].
-    Moe { router: Matrix, experts: Vec<Mlp>, top_k: usize, shared: Mlp, shared_gate: Matrix },
+    Moe { router: O::Mat, experts: O::Experts, top_k: usize, shared: Mlp<O>, shared_gate: O::Mat },
 }
 
-impl Ffn {
-    fn forward(&self, x: &[f32], n: usize, h: usize) -> Result<Vec<f32>> {
-        let (router, experts, top_k, shared, shared_gate) = match self {
-            Ffn::Dense(m) => return m.forward(x, n, h),
-            Ffn::Moe { router, experts, top_k, shared, shared_gate } => (router, experts, *top_k, shared, shared_gate),
-        };
-        let ne = experts.len();
-        let logits = linear_w(x, n, wts(router), ne, h)?;
-        // Per expert: the tokens routed to it and their renormalised weights.
-        let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); ne];
-        for (t, row) in logits.chunks(ne).enumerate() {
-            let mx = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let e: Vec<f32> = row.iter().map(|&v| (v - mx).exp()).collect();
-            let total: f32 = e.iter().sum();
-            let probs: Vec<f32> = e.iter().map(|&v| v / total).collect();
-            let mut order: Vec<usize> = (0..ne).collect();
-            // Highest probability first; ties keep the lower expert index, as torch.topk does.
-            order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
-            let top = &order[..top_k];
-            let sum: f32 = top.iter().map(|&i| probs[i]).sum();
-            for &i in top {
-                routed[i].push((t, probs[i] / sum));
-            }
-        }
-        let mut out = vec![0.0f32; n * h];
-        for (expert, tokens) in experts.iter().zip(&routed) {
-            if tokens.is_empty() {
-                continue;
-            }
-            let gathered: Vec<f32> = tokens.iter().flat_map(|&(t, _)| x[t * h..(t + 1) * h].iter().copied()).collect();
-            let y = expert.forward(&gathered, tokens.len(), h)?;
-            for (row, &(t, w)) in y.chunks(h).zip(tokens) {
-                out[t * h..(t + 1) * h].iter_mut().zip(row).for_each(|(o, &v)| *o += v * w);
-            }
-        }
-        let s = shared.forward(x, n, h)?;
-        let gate = linear_w(x, n, wts(shared_gate), 1, h)?;
-        for t in 0..n {
-            let g = sigmoid(gate[t]);
-            out[t * h..(t + 1) * h].iter_mut().zip(&s[t * h..(t + 1) * h]).for_each(|(o, &v)| *o += g * v);
-        }
-        Ok(out)
-    }
-}
-
-/// Per-sequence state: conv and recurrent state of each linear layer, KV cache of each full one.
-pub struct Qwen35State {
-    conv: Vec<Vec<f32>>,
-    recurrent: Vec<Vec<f32>>,
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+/// Per-sequence state: conv and recurrent state of each linear layer, KV cache of each full
+/// one, on the model's backend.
+pub struct Qwen35State<O: Ops = CpuOps> {
+    conv: Vec<O::Buf>,
+    recurrent: Vec<O::Buf>,
+    kv: Vec<O::Kv>,
     /// Tokens processed so far.
     pub position: usize,
 }
 
-pub struct Qwen35 {
+pub struct Qwen35<O: Ops = CpuOps> {
     pub cfg: Qwen35Config,
-    embed: Matrix,
-    lm_head: Option<Matrix>,
-    layers: Vec<Layer>,
-    final_norm: Vec<f32>,
-    rope: RopeTable,
+    ops: O,
+    embed: O::Table,
+    head: O::Mat,
+    layers: Vec<Layer<O>>,
+    final_norm: O::Vector,
+    rope: O::Rope,
+    footprint: Footprint,
 }
 
-impl Qwen35 {
-    /// Loads a Hugging Face checkpoint directory or a `.gguf` file.
-    pub fn load(path: &Path) -> Result<Qwen35> {
-        // A missing path is named as given, not as the config.json a directory would hold.
-        std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
-        if path.is_file() {
-            return Self::from_gguf(&GgufFile::open(path)?);
-        }
-        Self::build(Qwen35Config::from_dir(path)?, Source::Hf(SafetensorsWeights::open_dir(path)?))
+impl Qwen35<CpuOps> {
+    /// Loads a Hugging Face checkpoint directory or a `.gguf` file for the CPU.
+    pub fn load(path: &Path) -> Result<Qwen35<CpuOps>> {
+        Self::load_on(path, CpuOps)
     }
 
     /// The model of an opened GGUF file (whose tokenizer the caller may read too).
-    pub fn from_gguf(f: &GgufFile) -> Result<Qwen35> {
-        Self::build(Qwen35Config::from_gguf(f)?, Source::Gguf(f))
+    pub fn from_gguf(f: &GgufFile) -> Result<Qwen35<CpuOps>> {
+        Self::from_gguf_on(f, CpuOps)
+    }
+}
+
+impl<O: Ops> Qwen35<O> {
+    /// Loads a Hugging Face checkpoint directory or a `.gguf` file onto backend `ops`.
+    pub fn load_on(path: &Path, ops: O) -> Result<Qwen35<O>> {
+        // A missing path is named as given, not as the config.json a directory would hold.
+        std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+        if path.is_file() {
+            return Self::from_gguf_on(&GgufFile::open(path)?, ops);
+        }
+        Self::build(Qwen35Config::from_dir(path)?, Source::Hf(SafetensorsWeights::open_dir(path)?), ops)
     }
 
-    fn build(cfg: Qwen35Config, w: Source) -> Result<Qwen35> {
+    pub fn from_gguf_on(f: &GgufFile, ops: O) -> Result<Qwen35<O>> {
+        Self::build(Qwen35Config::from_gguf(f)?, Source::Gguf(f), ops)
+    }
+
+    pub fn ops(&self) -> &O {
+        &self.ops
+    }
+
+    fn build(cfg: Qwen35Config, w: Source, ops: O) -> Result<Qwen35<O>> {
         let gguf = matches!(w, Source::Gguf(_));
         let p = cfg.prefix.clone();
         let h = cfg.hidden;
-        let mat = |name: &str, r: usize, c: usize| w.matrix(&p, name, &[r, c]);
+        // Counted as loaded, before a backend converts anything.
+        let fp = std::cell::RefCell::new(Footprint::default());
+        let raw = |name: &str, r: usize, c: usize| w.matrix(&p, name, &[r, c]);
         // (1 + w) norms: HF stores w, GGUF stores 1 + w already.
-        let plus_one = |name: &str, d: usize| -> Result<Vec<f32>> {
+        let plus_one = |name: &str, d: usize| -> Result<O::Vector> {
             let t = w.get(&p, name, &[d])?;
-            Ok(if gguf { t.data().to_vec() } else { t.data().iter().map(|&x| 1.0 + x).collect() })
+            ops.vector(if gguf { t.data().to_vec() } else { t.data().iter().map(|&x| 1.0 + x).collect() })
         };
         let vec = |name: &str, d: usize| -> Result<Vec<f32>> { Ok(w.get(&p, name, &[d])?.data().to_vec()) };
         let (kd, vd) = (cfg.lin_k_heads * cfg.lin_k_dim, cfg.lin_v_heads * cfg.lin_v_dim);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let l = format!("layers.{i}.");
+            let mat = |name: &str, r: usize, c: usize| -> Result<O::Mat> {
+                let m = raw(name, r, c)?;
+                Footprint::add(&mut fp.borrow_mut().dense, &m);
+                ops.matrix(m)
+            };
             let mixer = if cfg.is_full_attention(i) {
                 let hd = cfg.head_dim;
+                let qg = raw(&format!("{l}self_attn.q_proj.weight"), cfg.q_heads * hd * 2, h)?;
+                let (k, v) = (raw(&format!("{l}self_attn.k_proj.weight"), cfg.kv_heads * hd, h)?, raw(&format!("{l}self_attn.v_proj.weight"), cfg.kv_heads * hd, h)?);
+                for m in [&qg, &k, &v] {
+                    Footprint::add(&mut fp.borrow_mut().dense, m);
+                }
+                let heads = 0..cfg.q_heads;
+                let q = select_rows(&qg, format!("{l}q"), heads.clone().flat_map(|hh| hh * 2 * hd..hh * 2 * hd + hd))?;
+                let gate = select_rows(&qg, format!("{l}gate"), heads.flat_map(|hh| hh * 2 * hd + hd..(hh + 1) * 2 * hd))?;
                 Mixer::Full(FullAttention {
-                    q_gate: mat(&format!("{l}self_attn.q_proj.weight"), cfg.q_heads * hd * 2, h)?,
-                    k: mat(&format!("{l}self_attn.k_proj.weight"), cfg.kv_heads * hd, h)?,
-                    v: mat(&format!("{l}self_attn.v_proj.weight"), cfg.kv_heads * hd, h)?,
+                    qgkv: ops.stacked(format!("{l}self_attn.qgkv"), vec![q, gate, k, v])?,
                     o: mat(&format!("{l}self_attn.o_proj.weight"), h, cfg.q_heads * hd)?,
                     q_norm: plus_one(&format!("{l}self_attn.q_norm.weight"), hd)?,
                     k_norm: plus_one(&format!("{l}self_attn.k_norm.weight"), hd)?,
@@ -533,116 +535,92 @@ impl Qwen35 {
                     in_z: mat(&format!("{l}linear_attn.in_proj_z.weight"), vd, h)?,
                     in_b: mat(&format!("{l}linear_attn.in_proj_b.weight"), cfg.lin_v_heads, h)?,
                     in_a: mat(&format!("{l}linear_attn.in_proj_a.weight"), cfg.lin_v_heads, h)?,
-                    conv,
-                    dt_bias: vec(&format!("{l}linear_attn.dt_bias"), cfg.lin_v_heads)?,
+                    conv: ops.vector(conv)?,
+                    dt_bias: ops.vector(vec(&format!("{l}linear_attn.dt_bias"), cfg.lin_v_heads)?)?,
                     // GGUF's ssm_a is −exp(A_log) already.
-                    a: if gguf { a_log } else { a_log.iter().map(|&x| -x.exp()).collect() },
-                    norm: vec(&format!("{l}linear_attn.norm.weight"), cfg.lin_v_dim)?,
+                    a: ops.vector(if gguf { a_log } else { a_log.iter().map(|&x| -x.exp()).collect() })?,
+                    norm: ops.vector(vec(&format!("{l}linear_attn.norm.weight"), cfg.lin_v_dim)?)?,
                     out: mat(&format!("{l}linear_attn.out_proj.weight"), h, vd)?,
                 })
+            };
+            let mlp = |prefix: &str, width: usize| -> Result<Mlp<O>> {
+                let (g, u, d) = (raw(&format!("{prefix}gate_proj.weight"), width, h)?, raw(&format!("{prefix}up_proj.weight"), width, h)?, raw(&format!("{prefix}down_proj.weight"), h, width)?);
+                for m in [&g, &u, &d] {
+                    Footprint::add(&mut fp.borrow_mut().dense, m);
+                }
+                Ok(Mlp { gate_up: ops.stacked(format!("{prefix}gate_up"), vec![g, u])?, down: ops.matrix(d)?, width })
+            };
+            let ffn = match &cfg.moe {
+                None => Ffn::Dense(mlp(&format!("{l}mlp."), cfg.intermediate)?),
+                Some(moe) => {
+                    let (ne, ei, si) = (moe.experts, moe.expert_intermediate, moe.shared_intermediate);
+                    let shared = mlp(&format!("{l}mlp.shared_expert."), si)?;
+                    let experts = w.experts(&p, i, ne, ei, h)?;
+                    for (e, ms) in experts.iter().enumerate() {
+                        for m in ms {
+                            Footprint::add(&mut fp.borrow_mut().all_experts, m);
+                            if e == 0 {
+                                Footprint::add(&mut fp.borrow_mut().expert, m);
+                            }
+                        }
+                    }
+                    fp.borrow_mut().top_k = moe.top_k;
+                    let router = raw(&format!("{l}mlp.gate.weight"), ne, h)?;
+                    let shared_gate = raw(&format!("{l}mlp.shared_expert_gate.weight"), 1, h)?;
+                    for m in [&router, &shared_gate] {
+                        Footprint::add(&mut fp.borrow_mut().dense, m);
+                    }
+                    Ffn::Moe {
+                        router: ops.matrix(router)?,
+                        experts: ops.experts(experts)?,
+                        top_k: moe.top_k,
+                        shared,
+                        shared_gate: ops.matrix(shared_gate)?,
+                    }
+                }
             };
             layers.push(Layer {
                 mixer,
                 input_norm: plus_one(&format!("{l}input_layernorm.weight"), h)?,
                 post_norm: plus_one(&format!("{l}post_attention_layernorm.weight"), h)?,
-                ffn: match &cfg.moe {
-                    None => Ffn::Dense(Mlp {
-                        gate: mat(&format!("{l}mlp.gate_proj.weight"), cfg.intermediate, h)?,
-                        up: mat(&format!("{l}mlp.up_proj.weight"), cfg.intermediate, h)?,
-                        down: mat(&format!("{l}mlp.down_proj.weight"), h, cfg.intermediate)?,
-                        width: cfg.intermediate,
-                    }),
-                    Some(moe) => {
-                        let (ne, ei, si) = (moe.experts, moe.expert_intermediate, moe.shared_intermediate);
-                        Ffn::Moe {
-                            router: mat(&format!("{l}mlp.gate.weight"), ne, h)?,
-                            experts: w.experts(&p, i, ne, ei, h)?,
-                            top_k: moe.top_k,
-                            shared: Mlp {
-                                gate: mat(&format!("{l}mlp.shared_expert.gate_proj.weight"), si, h)?,
-                                up: mat(&format!("{l}mlp.shared_expert.up_proj.weight"), si, h)?,
-                                down: mat(&format!("{l}mlp.shared_expert.down_proj.weight"), h, si)?,
-                                width: si,
-                            },
-                            shared_gate: mat(&format!("{l}mlp.shared_expert_gate.weight"), 1, h)?,
-                        }
-                    }
-                },
+                ffn,
             });
         }
-        let embed = mat("embed_tokens.weight", cfg.vocab_size, h)?;
-        let lm_head = if cfg.tie_embeddings && !w.has_lm_head() {
-            None
+        let embed = raw("embed_tokens.weight", cfg.vocab_size, h)?;
+        Footprint::add(&mut fp.borrow_mut().embed, &embed);
+        let head = if cfg.tie_embeddings && !w.has_lm_head() {
+            embed.clone()
         } else {
             // The head sits outside the model prefix in HF checkpoints.
-            Some(w.matrix("", "lm_head.weight", &[cfg.vocab_size, h])?)
+            w.matrix("", "lm_head.weight", &[cfg.vocab_size, h])?
         };
+        Footprint::add(&mut fp.borrow_mut().head, &head);
         Ok(Qwen35 {
-            rope: RopeTable::new(cfg.rope_theta, cfg.rotary_dim, cfg.max_positions),
+            rope: ops.rope(RopeTable::new(cfg.rope_theta, cfg.rotary_dim, cfg.max_positions))?,
             final_norm: plus_one("norm.weight", h)?,
-            embed,
-            lm_head,
+            head: ops.matrix(head)?,
+            embed: ops.table(embed)?,
             layers,
+            footprint: fp.into_inner(),
             cfg,
+            ops,
         })
     }
 
-    /// Every weight matrix of the layers (per-token work), then the head.
-    fn layer_matrices(&self) -> Vec<&Matrix> {
-        let mut out = Vec::new();
-        for l in &self.layers {
-            match &l.mixer {
-                Mixer::Linear(m) => out.extend([&m.in_qkv, &m.in_z, &m.in_b, &m.in_a, &m.out]),
-                Mixer::Full(m) => out.extend([&m.q_gate, &m.k, &m.v, &m.o]),
-            }
-            match &l.ffn {
-                Ffn::Dense(m) => out.extend([&m.gate, &m.up, &m.down]),
-                Ffn::Moe { router, experts, shared, shared_gate, .. } => {
-                    out.extend([router, shared_gate, &shared.gate, &shared.up, &shared.down]);
-                    out.extend(experts.iter().flat_map(|e| [&e.gate, &e.up, &e.down]));
-                }
-            }
-        }
-        out
-    }
-
-    fn head(&self) -> &Matrix {
-        self.lm_head.as_ref().unwrap_or(&self.embed)
-    }
-
-    /// Bytes of all weight matrices as held (bf16 kept as stored counts 2 per value), embedding
-    /// and head included once each.
+    /// Bytes of all weight matrices as stored (bf16 counts 2 per value, Q8_0 its blocks),
+    /// embedding and head included once each (a tied head counts once).
     pub fn weight_bytes(&self) -> usize {
-        let mut b: usize = self.layer_matrices().iter().map(|m| wts(m).bytes()).sum();
-        b += wts(&self.embed).bytes();
-        if let Some(h) = &self.lm_head {
-            b += wts(h).bytes();
-        }
-        b
+        let f = &self.footprint;
+        let head = if self.cfg.tie_embeddings { 0 } else { f.head.1 };
+        f.dense.1 + f.all_experts.1 + f.embed.1 + head
     }
 
-    /// The fewest bytes one decode step at context `ctx` must read: every layer matrix (all
-    /// experts for MoE counted as top-k of them), the head, one embedding row, the recurrent and
-    /// conv state (read and written back) and the KV cache.
+    /// The fewest bytes one decode step at context `ctx` must read: every layer matrix (MoE:
+    /// top-k experts), the head, one embedding row, the recurrent and conv state (read and
+    /// written back) and the KV cache.
     pub fn decode_bytes_per_token(&self, ctx: usize) -> usize {
-        let c = &self.cfg;
-        let mut b = 0usize;
-        for l in &self.layers {
-            let ms: Vec<&Matrix> = match &l.mixer {
-                Mixer::Linear(m) => vec![&m.in_qkv, &m.in_z, &m.in_b, &m.in_a, &m.out],
-                Mixer::Full(m) => vec![&m.q_gate, &m.k, &m.v, &m.o],
-            };
-            b += ms.iter().map(|m| wts(m).bytes()).sum::<usize>();
-            b += match &l.ffn {
-                Ffn::Dense(m) => [&m.gate, &m.up, &m.down].iter().map(|m| wts(m).bytes()).sum::<usize>(),
-                Ffn::Moe { router, experts, top_k, shared, shared_gate } => {
-                    let one = experts.first().map_or(0, |e| [&e.gate, &e.up, &e.down].iter().map(|m| wts(m).bytes()).sum());
-                    [router, shared_gate, &shared.gate, &shared.up, &shared.down].iter().map(|m| wts(m).bytes()).sum::<usize>()
-                        + top_k * one
-                }
-            };
-        }
-        b += wts(self.head()).bytes() + 4 * c.hidden;
+        let (c, f) = (&self.cfg, &self.footprint);
+        let mut b = f.dense.1 + f.top_k * f.expert.1 + f.head.1 + 4 * c.hidden;
         let linear = (0..c.n_layers).filter(|&i| !c.is_full_attention(i)).count();
         let conv_dim = 2 * c.lin_k_heads * c.lin_k_dim + c.lin_v_heads * c.lin_v_dim;
         b += linear * 2 * 4 * (c.lin_v_heads * c.lin_v_dim * c.lin_k_dim + conv_dim * (c.conv_kernel - 1));
@@ -655,48 +633,30 @@ impl Qwen35 {
     /// rule at its sequential count (≈ 6·d_k·d_v per value head and token), and the head for
     /// the last token.
     pub fn prefill_flops(&self, n: usize) -> f64 {
-        let c = &self.cfg;
-        let per_token: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                let mixer: usize = match &l.mixer {
-                    Mixer::Linear(m) => [&m.in_qkv, &m.in_z, &m.in_b, &m.in_a, &m.out].iter().map(|m| wts(m).len()).sum(),
-                    Mixer::Full(m) => [&m.q_gate, &m.k, &m.v, &m.o].iter().map(|m| wts(m).len()).sum(),
-                };
-                let ffn: usize = match &l.ffn {
-                    Ffn::Dense(m) => [&m.gate, &m.up, &m.down].iter().map(|m| wts(m).len()).sum(),
-                    Ffn::Moe { router, experts, top_k, shared, shared_gate } => {
-                        let one: usize = experts.first().map_or(0, |e| [&e.gate, &e.up, &e.down].iter().map(|m| wts(m).len()).sum());
-                        [router, shared_gate, &shared.gate, &shared.up, &shared.down].iter().map(|m| wts(m).len()).sum::<usize>()
-                            + top_k * one
-                    }
-                };
-                mixer + ffn
-            })
-            .sum();
+        let (c, f) = (&self.cfg, &self.footprint);
+        let per_token = f.dense.0 + f.top_k * f.expert.0;
         let linear = (0..c.n_layers).filter(|&i| !c.is_full_attention(i)).count();
         let pairs = (n * (n + 1) / 2) as f64;
         let attention = (c.n_layers - linear) as f64 * pairs * 4.0 * (c.q_heads * c.head_dim) as f64;
         let delta = linear as f64 * n as f64 * 6.0 * (c.lin_v_heads * c.lin_k_dim * c.lin_v_dim) as f64;
-        2.0 * per_token as f64 * n as f64 + attention + delta + 2.0 * wts(self.head()).len() as f64
+        2.0 * per_token as f64 * n as f64 + attention + delta + 2.0 * f.head.0 as f64
     }
 
-    pub fn new_state(&self) -> Qwen35State {
+    pub fn new_state(&self) -> Result<Qwen35State<O>> {
         let c = &self.cfg;
         let conv_dim = 2 * c.lin_k_heads * c.lin_k_dim + c.lin_v_heads * c.lin_v_dim;
         let linear = (0..c.n_layers).filter(|&i| !c.is_full_attention(i)).count();
-        Qwen35State {
-            conv: vec![vec![0.0; conv_dim * (c.conv_kernel - 1)]; linear],
-            recurrent: vec![vec![0.0; c.lin_v_heads * c.lin_v_dim * c.lin_k_dim]; linear],
-            keys: vec![Vec::new(); c.n_layers - linear],
-            values: vec![Vec::new(); c.n_layers - linear],
+        let ops = &self.ops;
+        Ok(Qwen35State {
+            conv: (0..linear).map(|_| ops.zeros(conv_dim * (c.conv_kernel - 1))).collect::<Result<_>>()?,
+            recurrent: (0..linear).map(|_| ops.zeros(c.lin_v_heads * c.lin_v_dim * c.lin_k_dim)).collect::<Result<_>>()?,
+            kv: (linear..c.n_layers).map(|_| ops.kv_cache(c.kv_heads * c.head_dim)).collect::<Result<_>>()?,
             position: 0,
-        }
+        })
     }
 
     /// Runs `ids` after what `state` has seen and returns the logits of the last token.
-    pub fn forward(&self, ids: &[u32], state: &mut Qwen35State) -> Result<Vec<f32>> {
+    pub fn forward(&self, ids: &[u32], state: &mut Qwen35State<O>) -> Result<Vec<f32>> {
         let mut out = self.forward_batch(&mut [(ids, state)])?;
         out.pop().ok_or_else(|| Error::Input("no sequence to run".into()))
     }
@@ -705,8 +665,8 @@ impl Qwen35 {
     /// and returns each one's last-token logits. The matrix products run over the rows of all
     /// sequences at once, so a decode step of B sequences reads the weights once instead of B
     /// times; the convolution, recurrence and attention run per sequence on its own state.
-    pub fn forward_batch(&self, batch: &mut [(&[u32], &mut Qwen35State)]) -> Result<Vec<Vec<f32>>> {
-        let c = &self.cfg;
+    pub fn forward_batch(&self, batch: &mut [(&[u32], &mut Qwen35State<O>)]) -> Result<Vec<Vec<f32>>> {
+        let (c, ops) = (&self.cfg, &self.ops);
         let h = c.hidden;
         if batch.is_empty() {
             return Ok(Vec::new());
@@ -726,148 +686,235 @@ impl Qwen35 {
                 return Err(Error::Input(format!("token id {id} is outside the vocabulary of {}", c.vocab_size)));
             }
         }
-        let lens: Vec<usize> = batch.iter().map(|(ids, _)| ids.len()).collect();
-        let n: usize = lens.iter().sum();
-        let segs = pack(lens.iter().copied());
-        let table = wts(&self.embed);
-        let mut x = vec![0.0f32; n * h];
-        for (&id, row) in batch.iter().flat_map(|(ids, _)| ids.iter()).zip(x.chunks_mut(h)) {
-            table.row_into(id as usize, h, row)?;
-        }
-        let positions: Vec<u32> =
-            batch.iter().flat_map(|(ids, s)| (s.position..s.position + ids.len()).map(|p| p as u32)).collect();
-        let mut a = vec![0.0f32; n * h];
+        let segs = pack(batch.iter().map(|(ids, _)| ids.len()));
+        let n: usize = segs.iter().map(|s| s.len).sum();
+        let ids: Vec<u32> = batch.iter().flat_map(|(ids, _)| ids.iter().copied()).collect();
+        let past: Vec<usize> = batch.iter().map(|(_, s)| s.position).collect();
+        let _one_at_a_time = ops.serialize();
+        let b = ops.batch_at(&segs, &ids, &past)?;
+        let mut x = ops.embed(&self.embed, &b, 1.0)?;
+        let first_norm = self.layers.first().map_or(&self.final_norm, |l| &l.input_norm);
+        let mut a = ops.rms_norm(&x, h, Some(first_norm), 1.0, c.eps)?;
         let (mut lin_i, mut full_i) = (0, 0);
-        for layer in &self.layers {
-            rms_norm(&x, h, Some(&layer.input_norm), 1.0, c.eps, &mut a)?;
+        for (i, layer) in self.layers.iter().enumerate() {
             let mixed = match &layer.mixer {
                 Mixer::Linear(m) => {
-                    let (mut convs, mut recs): (Vec<&mut [f32]>, Vec<&mut [f32]>) = batch
+                    let (mut convs, mut recs): (Vec<&mut O::Buf>, Vec<&mut O::Buf>) = batch
                         .iter_mut()
                         .map(|(_, s)| {
                             let Qwen35State { conv, recurrent, .. } = &mut **s;
-                            (conv[lin_i].as_mut_slice(), recurrent[lin_i].as_mut_slice())
+                            (&mut conv[lin_i], &mut recurrent[lin_i])
                         })
                         .unzip();
                     lin_i += 1;
-                    self.linear_attention(m, &a, &segs, &mut convs, &mut recs)?
+                    self.linear_attention(m, &a, n, &b, &mut convs, &mut recs)?
                 }
                 Mixer::Full(m) => {
-                    let out = self.full_attention(m, &a, &positions, &segs, batch, full_i)?;
+                    let mut caches: Vec<&mut O::Kv> = batch.iter_mut().map(|(_, s)| &mut s.kv[full_i]).collect();
                     full_i += 1;
-                    out
+                    self.full_attention(m, &a, n, &b, &mut caches)?
                 }
             };
-            x.iter_mut().zip(&mixed).for_each(|(xv, &m)| *xv += m);
-            rms_norm(&x, h, Some(&layer.post_norm), 1.0, c.eps, &mut a)?;
-            let m = layer.ffn.forward(&a, n, h)?;
-            x.iter_mut().zip(&m).for_each(|(xv, &mv)| *xv += mv);
+            ops.residual_norm(&mut x, &mixed, &layer.post_norm, h, c.eps, &mut a)?;
+            let m = self.ffn(&layer.ffn, &a, n)?;
+            // The next layer's pre-norm, or after the last layer the final norm.
+            let next = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
+            ops.residual_norm(&mut x, &m, next, h, c.eps, &mut a)?;
         }
-        let mut normed = vec![0.0f32; batch.len() * h];
-        for ((seg, (ids, state)), out) in segs.iter().zip(batch.iter_mut()).zip(normed.chunks_mut(h)) {
-            let last = seg.start + seg.len - 1;
-            rms_norm(&x[last * h..(last + 1) * h], h, Some(&self.final_norm), 1.0, c.eps, out)?;
+        let last = ops.last_rows(&a, h, &b)?;
+        let logits = ops.to_host(&ops.linear(&last, batch.len(), &self.head, None)?)?;
+        for (ids, state) in batch.iter_mut() {
             state.position += ids.len();
         }
-        let logits = linear_w(&normed, batch.len(), wts(self.head()), c.vocab_size, h)?;
         Ok(logits.chunks(c.vocab_size).map(|r| r.to_vec()).collect())
+    }
+
+    fn mlp(&self, m: &Mlp<O>, a: &O::Buf, n: usize) -> Result<O::Buf> {
+        let ops = &self.ops;
+        let gu = ops.linear(a, n, &m.gate_up, None)?;
+        let w = m.width;
+        let act = ops.silu_mul(View::new(&gu, 0, 2 * w), View::new(&gu, w, 2 * w), n, w)?;
+        ops.linear(&act, n, &m.down, None)
+    }
+
+    fn ffn(&self, f: &Ffn<O>, a: &O::Buf, n: usize) -> Result<O::Buf> {
+        let ops = &self.ops;
+        match f {
+            Ffn::Dense(m) => self.mlp(m, a, n),
+            Ffn::Moe { router, experts, top_k, shared, shared_gate } => {
+                let h = self.cfg.hidden;
+                let logits = ops.linear(a, n, router, None)?;
+                let mut out = ops.moe(a, h, &logits, experts, *top_k)?;
+                let s = self.mlp(shared, a, n)?;
+                let gate = ops.linear(a, n, shared_gate, None)?;
+                ops.add_sigmoid_gated(&mut out, &s, &gate, h)?;
+                Ok(out)
+            }
+        }
     }
 
     fn linear_attention(
         &self,
-        m: &LinearAttention,
-        a: &[f32],
-        segs: &[Segment],
-        conv_states: &mut [&mut [f32]],
-        rec_states: &mut [&mut [f32]],
-    ) -> Result<Vec<f32>> {
-        let c = &self.cfg;
-        let n: usize = segs.iter().map(|s| s.len).sum();
-        let h = c.hidden;
-        let (kd, vd, nv) = (c.lin_k_heads * c.lin_k_dim, c.lin_v_heads * c.lin_v_dim, c.lin_v_heads);
+        m: &LinearAttention<O>,
+        a: &O::Buf,
+        n: usize,
+        b: &O::Batch,
+        conv_states: &mut [&mut O::Buf],
+        rec_states: &mut [&mut O::Buf],
+    ) -> Result<O::Buf> {
+        let (c, ops) = (&self.cfg, &self.ops);
+        let (kd, vd) = (c.lin_k_heads * c.lin_k_dim, c.lin_v_heads * c.lin_v_dim);
         let conv_dim = 2 * kd + vd;
-        let mixed = linear_w(a, n, wts(&m.in_qkv), conv_dim, h)?;
-        let z = linear_w(a, n, wts(&m.in_z), vd, h)?;
-        let b = linear_w(a, n, wts(&m.in_b), nv, h)?;
-        let alpha = linear_w(a, n, wts(&m.in_a), nv, h)?;
-        let mut conv_out = vec![0.0f32; n * conv_dim];
-        conv1d_silu_scan(&mixed, segs, &m.conv, c.conv_kernel, conv_states, &mut conv_out)?;
-        let (mut q, mut k, mut v) = (Vec::with_capacity(n * kd), Vec::with_capacity(n * kd), Vec::with_capacity(n * vd));
-        for row in conv_out.chunks(conv_dim) {
-            q.extend_from_slice(&row[..kd]);
-            k.extend_from_slice(&row[kd..2 * kd]);
-            v.extend_from_slice(&row[2 * kd..]);
-        }
-        normalize_qk(&mut q, &mut k, c.lin_k_dim)?;
-        let mut g = vec![0.0f32; n * nv];
-        decay_gate(&alpha, &m.dt_bias, &m.a, &mut g)?;
-        let mut beta = vec![0.0f32; n * nv];
-        beta_gate(&b, &mut beta)?;
+        let mixed = ops.linear(a, n, &m.in_qkv, None)?;
+        let z = ops.linear(a, n, &m.in_z, None)?;
+        let beta_in = ops.linear(a, n, &m.in_b, None)?;
+        let alpha = ops.linear(a, n, &m.in_a, None)?;
+        let qkv = ops.conv1d_silu(&mixed, conv_dim, &m.conv, c.conv_kernel, b, conv_states)?;
+        let (g, beta) = ops.gdn_gates(&alpha, &beta_in, &m.dt_bias, &m.a)?;
         let heads = DeltaRuleHeads {
             n_k_heads: c.lin_k_heads,
-            n_v_heads: nv,
+            n_v_heads: c.lin_v_heads,
             d_k: c.lin_k_dim,
             d_v: c.lin_v_dim,
             key_head: c.key_head,
         };
-        let inputs = DeltaRuleInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
-        let mut core = vec![0.0f32; n * vd];
-        // Prefill takes the chunked form (the reference's prefill path); short runs and decode
-        // take the scan, which the chunked form equals to f32 rounding.
-        if segs.iter().any(|s| s.len >= crate::kernels::gated_delta::DELTA_RULE_CHUNK) {
-            delta_rule_chunked(&heads, inputs, segs, rec_states, &mut core)?;
-        } else {
-            delta_rule_scan(&heads, inputs, segs, rec_states, &mut core)?;
-        }
-        gated_rms_norm_inplace(&mut core, &z, &m.norm, c.eps)?;
-        linear_w(&core, n, wts(&m.out), h, vd)
+        let core = ops.delta_rule(&qkv, &g, &beta, &heads, b, rec_states)?;
+        let normed = ops.gated_rms_norm(&core, &z, &m.norm, c.eps)?;
+        ops.linear(&normed, n, &m.out, None)
     }
 
-    /// Gated attention of layer `full_i` (its index among the full-attention layers) for the
-    /// packed rows of every sequence in `batch`, each attending to its own KV cache.
-    fn full_attention(
-        &self,
-        m: &FullAttention,
-        a: &[f32],
-        positions: &[u32],
-        segs: &[Segment],
-        batch: &mut [(&[u32], &mut Qwen35State)],
-        full_i: usize,
-    ) -> Result<Vec<f32>> {
-        let c = &self.cfg;
-        let (n, h, hd) = (positions.len(), c.hidden, c.head_dim);
-        let qg = linear_w(a, n, wts(&m.q_gate), c.q_heads * hd * 2, h)?;
-        // q_proj rows are [query | gate] per head.
-        let (mut q, mut gate) = (Vec::with_capacity(n * c.q_heads * hd), Vec::with_capacity(n * c.q_heads * hd));
-        for head in qg.chunks(2 * hd) {
-            q.extend_from_slice(&head[..hd]);
-            gate.extend_from_slice(&head[hd..]);
-        }
-        let mut k = linear_w(a, n, wts(&m.k), c.kv_heads * hd, h)?;
-        let v = linear_w(a, n, wts(&m.v), c.kv_heads * hd, h)?;
-        let prep = HeadPrep { heads: c.q_heads, hd, norm: Some(Some(&m.q_norm)), eps: c.eps, rope: Some(&self.rope) };
-        head_prep(&mut q, n, positions, &prep)?;
-        head_prep(&mut k, n, positions, &HeadPrep { heads: c.kv_heads, norm: Some(Some(&m.k_norm)), ..prep })?;
-        let shape = AttentionShape {
-            q_heads: c.q_heads,
-            kv_heads: c.kv_heads,
-            hd,
-            scale: (hd as f32).powf(-0.5),
-            max_distance: None,
-        };
+    /// Gated attention for the packed rows of every sequence, each attending to its own cache.
+    fn full_attention(&self, m: &FullAttention<O>, a: &O::Buf, n: usize, b: &O::Batch, caches: &mut [&mut O::Kv]) -> Result<O::Buf> {
+        let (c, ops) = (&self.cfg, &self.ops);
+        let hd = c.head_dim;
         let (qw, kw) = (c.q_heads * hd, c.kv_heads * hd);
-        let mut att = vec![0.0f32; n * qw];
-        for (seg, (_, state)) in segs.iter().zip(batch.iter_mut()) {
-            let rows = seg.start..seg.start + seg.len;
-            let (keys, values) = (&mut state.keys[full_i], &mut state.values[full_i]);
-            keys.extend_from_slice(&k[rows.start * kw..rows.end * kw]);
-            values.extend_from_slice(&v[rows.start * kw..rows.end * kw]);
-            let past = state.position;
-            causal_attention(&q[rows.start * qw..rows.end * qw], seg.len, past, keys, values, &shape, &mut att[rows.start * qw..rows.end * qw])?;
+        let stride = 2 * qw + 2 * kw;
+        let mut y = ops.linear(a, n, &m.qgkv, None)?;
+        let q_prep = HeadOps::<O> { heads: c.q_heads, hd, norm: Some(Some(&m.q_norm)), eps: c.eps, rope: Some(&self.rope) };
+        ops.head_prep(&mut y, 0, stride, b, &q_prep)?;
+        ops.head_prep(&mut y, 2 * qw, stride, b, &HeadOps { heads: c.kv_heads, norm: Some(Some(&m.k_norm)), ..q_prep })?;
+        let shape = AttentionShape { q_heads: c.q_heads, kv_heads: c.kv_heads, hd, scale: (hd as f32).powf(-0.5), max_distance: None };
+        let view = |offset| View::new(&y, offset, stride);
+        let att = ops.kv_attention(view(0), view(2 * qw), view(2 * qw + kw), view(qw), b, caches, &shape)?;
+        ops.linear(&att, n, &m.o, None)
+    }
+}
+
+/// Evaluates `$body` with `$m` bound to the model of a [`PlacedQwen35`], whichever backend
+/// holds it (the same code, compiled once per backend).
+macro_rules! on_model {
+    ($placed:expr, $m:ident => $body:expr) => {
+        match $placed {
+            PlacedQwen35::Cpu($m) => $body,
+            PlacedQwen35::Cuda($m) => $body,
         }
-        for (o, &gv) in att.iter_mut().zip(&gate) {
-            *o *= sigmoid(gv);
+    };
+}
+
+/// A Qwen3.5 model on the CPU or a GPU, with the interface the generation loop uses.
+pub enum PlacedQwen35 {
+    Cpu(Qwen35<CpuOps>),
+    Cuda(Qwen35<CudaOps>),
+}
+
+/// A sequence's state on the backend of the model that made it.
+pub enum PlacedState {
+    Cpu(Qwen35State<CpuOps>),
+    Cuda(Qwen35State<CudaOps>),
+}
+
+impl PlacedState {
+    /// Tokens processed so far.
+    pub fn position(&self) -> usize {
+        match self {
+            PlacedState::Cpu(s) => s.position,
+            PlacedState::Cuda(s) => s.position,
         }
-        linear_w(&att, n, wts(&m.o), h, c.q_heads * hd)
+    }
+}
+
+fn foreign_state() -> Error {
+    Error::Input("a sequence state made by a model on another device".into())
+}
+
+impl PlacedQwen35 {
+    /// Loads a checkpoint directory or a GGUF file onto `placement`.
+    pub fn load(path: &Path, placement: &Placement) -> Result<PlacedQwen35> {
+        Ok(match placement {
+            Placement::Cpu => PlacedQwen35::Cpu(Qwen35::load(path)?),
+            Placement::Cuda(gpu, precision) => PlacedQwen35::Cuda(Qwen35::load_on(path, CudaOps::new(gpu.clone(), *precision)?)?),
+        })
+    }
+
+    /// The model of an opened GGUF file, on `placement`.
+    pub fn from_gguf(f: &GgufFile, placement: &Placement) -> Result<PlacedQwen35> {
+        Ok(match placement {
+            Placement::Cpu => PlacedQwen35::Cpu(Qwen35::from_gguf(f)?),
+            Placement::Cuda(gpu, precision) => PlacedQwen35::Cuda(Qwen35::from_gguf_on(f, CudaOps::new(gpu.clone(), *precision)?)?),
+        })
+    }
+
+    pub fn cfg(&self) -> &Qwen35Config {
+        on_model!(self, m => &m.cfg)
+    }
+
+    /// `cpu`, or the GPU and precision.
+    pub fn device(&self) -> String {
+        match self {
+            PlacedQwen35::Cpu(_) => "cpu".into(),
+            PlacedQwen35::Cuda(m) => m.ops().describe(),
+        }
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        on_model!(self, m => m.weight_bytes())
+    }
+
+    pub fn decode_bytes_per_token(&self, ctx: usize) -> usize {
+        on_model!(self, m => m.decode_bytes_per_token(ctx))
+    }
+
+    pub fn prefill_flops(&self, n: usize) -> f64 {
+        on_model!(self, m => m.prefill_flops(n))
+    }
+
+    pub fn new_state(&self) -> Result<PlacedState> {
+        Ok(match self {
+            PlacedQwen35::Cpu(m) => PlacedState::Cpu(m.new_state()?),
+            PlacedQwen35::Cuda(m) => PlacedState::Cuda(m.new_state()?),
+        })
+    }
+
+    pub fn forward(&self, ids: &[u32], state: &mut PlacedState) -> Result<Vec<f32>> {
+        match (self, state) {
+            (PlacedQwen35::Cpu(m), PlacedState::Cpu(s)) => m.forward(ids, s),
+            (PlacedQwen35::Cuda(m), PlacedState::Cuda(s)) => m.forward(ids, s),
+            _ => Err(foreign_state()),
+        }
+    }
+
+    pub fn forward_batch(&self, batch: &mut [(&[u32], &mut PlacedState)]) -> Result<Vec<Vec<f32>>> {
+        match self {
+            PlacedQwen35::Cpu(m) => {
+                let mut own = batch
+                    .iter_mut()
+                    .map(|(ids, s)| match s {
+                        PlacedState::Cpu(s) => Ok((*ids, s)),
+                        _ => Err(foreign_state()),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                m.forward_batch(&mut own)
+            }
+            PlacedQwen35::Cuda(m) => {
+                let mut own = batch
+                    .iter_mut()
+                    .map(|(ids, s)| match s {
+                        PlacedState::Cuda(s) => Ok((*ids, s)),
+                        _ => Err(foreign_state()),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                m.forward_batch(&mut own)
+            }
+        }
     }
 }

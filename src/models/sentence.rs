@@ -14,7 +14,7 @@ use crate::formats::config::JsonFile;
 use crate::formats::safetensors::SafetensorsWeights;
 use crate::formats::Tensor;
 use crate::kernels::backend::{CpuOps, Ops};
-use crate::kernels::cuda_ops::{CudaOps, Precision};
+use crate::kernels::cuda_ops::CudaOps;
 use crate::kernels::pool::l2_normalize;
 use crate::kernels::Segment;
 use crate::models::egemma::{Encoder, EncoderConfig};
@@ -45,7 +45,7 @@ impl<O: Ops> Stack<O> {
         let ops = encoder.ops();
         let dense = dense
             .into_iter()
-            .map(|d| Ok(DenseOn { weight: ops.matrix(d.weight)?, bias: d.bias.map(|b| ops.vector(b)).transpose()? }))
+            .map(|d| Ok(DenseOn { weight: ops.matrix(d.weight.into())?, bias: d.bias.map(|b| ops.vector(b)).transpose()? }))
             .collect::<Result<Vec<_>>>()?;
         Ok(Stack { encoder, dense })
     }
@@ -82,13 +82,7 @@ pub enum Placed {
     Cuda(Stack<CudaOps>),
 }
 
-/// Where to load a pipeline: the CPU, or a GPU with a precision.
-#[derive(Clone, Debug, Default)]
-pub enum Placement {
-    #[default]
-    Cpu,
-    Cuda(std::sync::Arc<crate::cuda::Gpu>, Precision),
-}
+pub use super::Placement;
 
 pub struct SentencePipeline {
     pub dir: PathBuf,

@@ -16,14 +16,15 @@ use serde_json::{json, Value as Json};
 use crate::error::{Error, Result};
 use crate::formats::config::JsonFile;
 use crate::formats::gguf::GgufFile;
-use crate::models::qwen35::{Qwen35, Qwen35State};
+use crate::models::qwen35::{PlacedQwen35, PlacedState};
+use crate::models::Placement;
 use crate::runtime::chat_template::ChatTemplate;
 use crate::runtime::sampler::{Sampler, SamplingOptions};
 use crate::runtime::tokenizer::Tokenizer;
 
 /// A loaded LLM: weights, tokenizer, chat template, end-of-turn ids, sampling defaults.
 pub struct Llm {
-    pub model: Qwen35,
+    pub model: PlacedQwen35,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
     /// Tokens that end a generation (EOS and end-of-turn).
@@ -42,7 +43,7 @@ const _: () = {
 
 /// Per-conversation state.
 pub struct Session {
-    state: Qwen35State,
+    state: PlacedState,
     /// Every token of the conversation, the pending one included.
     ids: Vec<u32>,
     /// Sampled last and not yet run through the model.
@@ -57,7 +58,7 @@ impl Session {
 
     /// Tokens the model has run (the pending token excluded).
     pub fn processed(&self) -> usize {
-        self.state.position
+        self.state.position()
     }
 }
 
@@ -130,10 +131,15 @@ impl Llm {
     /// A Hugging Face checkpoint directory (`qwen3_5_text`, `qwen3_5_moe_text` or a wrapper) or a
     /// llama.cpp GGUF file (`qwen35`, `qwen35moe`) with its embedded tokenizer.
     pub fn load(path: &Path, threads: usize) -> Result<Llm> {
+        Self::load_on(path, threads, &Placement::Cpu)
+    }
+
+    /// [`Llm::load`] with the weights on `placement` (`threads` serve the CPU's work).
+    pub fn load_on(path: &Path, threads: usize, placement: &Placement) -> Result<Llm> {
         let (model, tokenizer, template, mut stop_ids, default_sampling) = if path.is_file() {
             // One parse of the header (a 248k-entry vocabulary) serves the weights and tokenizer.
             let f = GgufFile::open(path)?;
-            let model = Qwen35::from_gguf(&f)?;
+            let model = PlacedQwen35::from_gguf(&f, placement)?;
             let tokenizer = Tokenizer::from_gguf(&f)?;
             let mut stops: Vec<u32> = Vec::new();
             for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
@@ -144,15 +150,15 @@ impl Llm {
             stops.extend(["<|im_end|>", "<|endoftext|>"].iter().filter_map(|t| special.get(*t).copied()));
             (model, tokenizer, ChatTemplate::from_gguf(&f)?, stops, SamplingOptions::default())
         } else {
-            let model = Qwen35::load(path)?;
+            let model = PlacedQwen35::load(path, placement)?;
             let tokenizer = Tokenizer::load_file(path)?;
             let (stops, sampling) = generation_config(path)?;
             (model, tokenizer, ChatTemplate::from_dir(path)?, stops, sampling)
         };
-        stop_ids.extend(&model.cfg.eos_ids);
+        stop_ids.extend(&model.cfg().eos_ids);
         stop_ids.sort_unstable();
         stop_ids.dedup();
-        let token_bytes = tokenizer.token_bytes(model.cfg.vocab_size);
+        let token_bytes = tokenizer.token_bytes(model.cfg().vocab_size);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
@@ -165,15 +171,16 @@ impl Llm {
     }
 
     pub fn context_length(&self) -> usize {
-        self.model.cfg.max_positions
+        self.model.cfg().max_positions
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.model.cfg.vocab_size
+        self.model.cfg().vocab_size
     }
 
-    pub fn new_session(&self) -> Session {
-        Session { state: self.model.new_state(), ids: Vec::new(), pending: None }
+    /// A fresh conversation (its state allocated on the model's device).
+    pub fn new_session(&self) -> Result<Session> {
+        Ok(Session { state: self.model.new_state()?, ids: Vec::new(), pending: None })
     }
 
     /// Token ids of a prompt given as text (no special tokens added; written ones are matched).
@@ -279,7 +286,7 @@ impl Llm {
         if !need.is_empty() {
             let t = Instant::now();
             let tokens: Vec<[u32; 1]> = need.iter().map(|&i| [items[i].1.pending.unwrap_or_default()]).collect();
-            let mut batch: Vec<(&[u32], &mut Qwen35State)> = items
+            let mut batch: Vec<(&[u32], &mut PlacedState)> = items
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, _)| need.contains(i))
@@ -551,7 +558,7 @@ impl<'m> ChatSession<'m> {
         let template = llm.template.as_ref().ok_or_else(|| {
             Error::Input(format!("{}: the model has no chat template (tokenizer_config.json `chat_template` or GGUF `tokenizer.chat_template`)", llm.path.display()))
         })?;
-        Ok(ChatSession { llm, template, session: llm.new_session(), messages: Vec::new(), variables: serde_json::Map::new(), closed_turn: false })
+        Ok(ChatSession { llm, template, session: llm.new_session()?, messages: Vec::new(), variables: serde_json::Map::new(), closed_turn: false })
     }
 
     pub fn push_system(&mut self, text: &str) {

@@ -82,9 +82,9 @@ fn run_scheduler(llm: &Llm, rx: std::sync::mpsc::Receiver<GenJob>, max_sequences
             if job.events.is_closed() {
                 continue;
             }
-            let mut session = llm.new_session();
-            match llm.start(&mut session, &job.ids, &job.opts) {
-                Ok(generator) => {
+            let started = llm.new_session().and_then(|mut session| Ok((llm.start(&mut session, &job.ids, &job.opts)?, session)));
+            match started {
+                Ok((generator, session)) => {
                     m.prompt_tokens.fetch_add(job.ids.len() as u64, Ordering::Relaxed);
                     active.push(Active { generator, session, events: job.events, prompt_tokens: job.ids.len() });
                 }

@@ -270,12 +270,8 @@ fn load_model(spec: &str, opts: &ServeOptions, state: &Arc<AppState>) -> Result<
         .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
         .unwrap_or_else(|| spec.to_string());
     let engine = if crate::runtime::generate::is_llm(&path)? {
-        if let crate::cuda::DeviceSpec::Cuda(n) = opts.device {
-            return Err(crate::Error::Input(format!(
-                "--device cuda:{n}: {spec} is an LLM, and LLMs run on the CPU in this version (use --device auto or cpu)"
-            )));
-        }
-        let llm = Llm::load(&path, opts.threads)?;
+        let placement = LoadOptions { threads: opts.threads, max_tokens: None, device: opts.device, dtype: opts.dtype }.placement()?;
+        let llm = Llm::load_on(&path, opts.threads, &placement)?;
         Engine::Llm(generation::LlmModel::start(llm, opts, state.clone()))
     } else {
         let e = Embedder::load(&path, &LoadOptions { threads: opts.threads, max_tokens: None, device: opts.device, dtype: opts.dtype })?;

@@ -1,4 +1,4 @@
-//! Gated activations: `gelu_tanh(G)·U`, elementwise, in place on G.
+//! Gated activations: `gelu_tanh(G)·U` and `silu(G)·U`, elementwise.
 
 pub mod cuda;
 
@@ -33,12 +33,19 @@ fn gated(what: &str, g: &mut [f32], u: &[f32], act: impl Fn(f32) -> f32 + Sync) 
     Ok(())
 }
 
-/// out[r] = gelu_tanh(g[r])·u[r] for `rows` rows of `width`, each operand a strided view
+/// out[r] = act(g[r])·u[r] for `rows` rows of `width`, each operand a strided view
 /// `(buffer, offset, row stride)` (the gate and up halves of one fused projection).
-pub fn gelu_tanh_mul_views(g: (&[f32], usize, usize), u: (&[f32], usize, usize), rows: usize, width: usize) -> Result<Vec<f32>> {
+fn gated_views(
+    what: &str,
+    g: (&[f32], usize, usize),
+    u: (&[f32], usize, usize),
+    rows: usize,
+    width: usize,
+    act: impl Fn(f32) -> f32 + Sync,
+) -> Result<Vec<f32>> {
     use crate::kernels::backend::check_view;
-    check_view("gelu_tanh_mul gate", g.0.len(), g.1, g.2, rows, width)?;
-    check_view("gelu_tanh_mul up", u.0.len(), u.1, u.2, rows, width)?;
+    check_view(&format!("{what} gate"), g.0.len(), g.1, g.2, rows, width)?;
+    check_view(&format!("{what} up"), u.0.len(), u.1, u.2, rows, width)?;
     let mut out = vec![0.0f32; rows * width];
     if width == 0 {
         return Ok(out);
@@ -46,10 +53,20 @@ pub fn gelu_tanh_mul_views(g: (&[f32], usize, usize), u: (&[f32], usize, usize),
     out.par_chunks_mut(width).enumerate().for_each(|(r, o)| {
         let (gr, ur) = (&g.0[g.1 + r * g.2..][..width], &u.0[u.1 + r * u.2..][..width]);
         for ((o, &gv), &uv) in o.iter_mut().zip(gr).zip(ur) {
-            *o = gelu_tanh(gv) * uv;
+            *o = act(gv) * uv;
         }
     });
     Ok(out)
+}
+
+/// gelu_tanh(g)·u over strided views (see [`gated_views`]).
+pub fn gelu_tanh_mul_views(g: (&[f32], usize, usize), u: (&[f32], usize, usize), rows: usize, width: usize) -> Result<Vec<f32>> {
+    gated_views("gelu_tanh_mul", g, u, rows, width, gelu_tanh)
+}
+
+/// silu(g)·u over strided views (see [`gated_views`]).
+pub fn silu_mul_views(g: (&[f32], usize, usize), u: (&[f32], usize, usize), rows: usize, width: usize) -> Result<Vec<f32>> {
+    gated_views("silu_mul", g, u, rows, width, silu)
 }
 
 /// G ← gelu_tanh(G)·U.

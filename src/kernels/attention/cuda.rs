@@ -270,3 +270,137 @@ fn check_args(
         _ => -1,
     })
 }
+
+pub const SOURCE_KV: KernelSource =
+    KernelSource { name: "tern_attention_kv", code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("kv.cu")) };
+
+/// One sequence's KV cache of one layer on the device: `rows` of `width` keys and values, in
+/// buffers of `capacity` rows that grow by doubling (a copy) when a step needs more.
+pub struct GpuKv {
+    pub keys: CudaSlice<f32>,
+    pub values: CudaSlice<f32>,
+    pub rows: usize,
+    pub capacity: usize,
+    pub width: usize,
+}
+
+/// Rows a fresh cache holds before its first growth.
+const KV_FIRST_CAPACITY: usize = 256;
+
+impl GpuKv {
+    pub fn new(gpu: &Gpu, width: usize) -> Result<Self> {
+        Ok(GpuKv { keys: gpu.alloc(KV_FIRST_CAPACITY * width)?, values: gpu.alloc(KV_FIRST_CAPACITY * width)?, rows: 0, capacity: KV_FIRST_CAPACITY, width })
+    }
+
+    /// Makes room for `more` rows after the current ones, keeping them.
+    fn reserve(&mut self, gpu: &Gpu, more: usize) -> Result<()> {
+        let need = self.rows + more;
+        if need <= self.capacity {
+            return Ok(());
+        }
+        let capacity = need.max(2 * self.capacity);
+        for buf in [&mut self.keys, &mut self.values] {
+            let mut grown = gpu.alloc::<f32>(capacity * self.width)?;
+            gpu.copy_range(buf, 0, &mut grown, 0, self.rows * self.width)?;
+            *buf = grown;
+        }
+        self.capacity = capacity;
+        Ok(())
+    }
+}
+
+/// Launchers of `kv.cu`.
+pub struct KvAttentionCuda {
+    gpu: Arc<Gpu>,
+    append: CudaFunction,
+    attend: CudaFunction,
+}
+
+/// Threads per block of tern_kv_attention (TERN_KV_WARPS warps).
+const KV_BLOCK: u32 = 128;
+
+impl KvAttentionCuda {
+    pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
+        Ok(KvAttentionCuda { append: gpu.function(&SOURCE_KV, "tern_kv_append")?, attend: gpu.function(&SOURCE_KV, "tern_kv_attention")?, gpu })
+    }
+
+    /// For each sequence: appends its rows of k and v to its cache, then its queries attend
+    /// causally over the cache, times sigmoid(gate), into `out` [rows][q_heads·hd]. CPU twin:
+    /// the CPU backend's kv_attention ([`super::causal_attention`] per sequence).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_attention(
+        &self,
+        q: View<CudaSlice<f32>>,
+        k: View<CudaSlice<f32>>,
+        v: View<CudaSlice<f32>>,
+        gate: View<CudaSlice<f32>>,
+        segments: &[Segment],
+        positions: &[usize],
+        caches: &mut [&mut GpuKv],
+        shape: &AttentionShape,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let AttentionShape { q_heads, kv_heads, hd, scale, max_distance } = *shape;
+        if kv_heads == 0 || q_heads % kv_heads != 0 || max_distance.is_some() || hd == 0 || hd > MAX_HEAD_DIM {
+            return Err(Error::Shape(format!(
+                "kv_attention: {q_heads} query heads over {kv_heads} kv heads of {hd} (at most {MAX_HEAD_DIM}), window {max_distance:?}"
+            )));
+        }
+        let rows: usize = segments.iter().map(|s| s.len).sum();
+        let (qw, kw) = (q_heads * hd, kv_heads * hd);
+        check_view("kv_attention q", q.buf.len(), q.offset, q.stride, rows, qw)?;
+        check_view("kv_attention gate", gate.buf.len(), gate.offset, gate.stride, rows, qw)?;
+        check_view("kv_attention k", k.buf.len(), k.offset, k.stride, rows, kw)?;
+        check_view("kv_attention v", v.buf.len(), v.offset, v.stride, rows, kw)?;
+        check_len("kv_attention output", out.len(), rows * qw)?;
+        if caches.len() != segments.len() || positions.len() != segments.len() {
+            return Err(Error::Shape(format!("kv_attention: {} caches and {} positions for {} sequences", caches.len(), positions.len(), segments.len())));
+        }
+        let g = &self.gpu;
+        let (heads, kvh, hdi) = (int_arg("query heads", q_heads)?, int_arg("kv heads", kv_heads)?, int_arg("head dim", hd)?);
+        for ((seg, cache), &past) in segments.iter().zip(caches.iter_mut()).zip(positions) {
+            if cache.width != kw || cache.rows != past {
+                return Err(Error::Shape(format!(
+                    "kv_attention: a sequence at position {past} has a cache of {} rows of {} (rows of {kw} expected)",
+                    cache.rows, cache.width
+                )));
+            }
+            if seg.len == 0 {
+                continue;
+            }
+            cache.reserve(g, seg.len)?;
+            let at = 4 * (cache.rows * kw) as u64;
+            let (kc, vc) = (g.ptr(&cache.keys) + at, g.ptr(&cache.values) + at);
+            let first = seg.start;
+            let (n, w) = (int_arg("kv rows", seg.len)?, int_arg("kv width", kw)?);
+            let (k_off, v_off) = (long_arg(k.offset + first * k.stride), long_arg(v.offset + first * v.stride));
+            let (k_ld, v_ld) = (long_arg(k.stride), long_arg(v.stride));
+            let (kp, vp) = (g.ptr(k.buf), g.ptr(v.buf));
+            let mut l = g.stream().launch_builder(&self.append);
+            l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&n).arg(&w).arg(&kc).arg(&vc);
+            let blocks = crate::cuda::grid_for(seg.len * kw, 256)?.min(65_535);
+            // SAFETY: argument types match tern_kv_append; the views hold the segment's rows
+            // (checked) and the caches have room for them (reserved just above).
+            unsafe { l.launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
+                .map_err(driver_err("launching tern_kv_append"))?;
+            cache.rows += seg.len;
+
+            let past32 = int_arg("cache rows", past)?;
+            let (q_off, g_off) = (long_arg(q.offset + first * q.stride), long_arg(gate.offset + first * gate.stride));
+            let (q_ld, g_ld) = (long_arg(q.stride), long_arg(gate.stride));
+            let (qp, gp, kc0, vc0) = (g.ptr(q.buf), g.ptr(gate.buf), g.ptr(&cache.keys), g.ptr(&cache.values));
+            let op = g.ptr(out) + 4 * (first * qw) as u64;
+            let mut l = g.stream().launch_builder(&self.attend);
+            l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld).arg(&kc0).arg(&vc0).arg(&past32);
+            l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).arg(&op);
+            let grid_rows = u32::try_from(seg.len).ok().filter(|&r| r <= 65_535).ok_or_else(|| {
+                Error::Shape(format!("kv_attention: {} new rows of one sequence, at most 65535 per launch", seg.len))
+            })?;
+            let cfg = LaunchConfig { grid_dim: (q_heads as u32, grid_rows, 1), block_dim: (KV_BLOCK, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: argument types match tern_kv_attention; query row i reads cache rows
+            // ≤ past + i < cache.rows, and writes its own output row inside `out` (checked).
+            unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_kv_attention"))?;
+        }
+        Ok(())
+    }
+}

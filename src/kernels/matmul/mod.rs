@@ -72,6 +72,35 @@ impl Weights<'_> {
     }
 }
 
+impl<'a> From<&'a crate::formats::Matrix> for Weights<'a> {
+    fn from(m: &'a crate::formats::Matrix) -> Self {
+        use crate::formats::Matrix;
+        match m {
+            Matrix::F32(t) => Weights::F32(t.data()),
+            Matrix::Bf16(t) => Weights::Bf16(t.data()),
+            Matrix::Q8_0(t) => Weights::Q8_0(t.data()),
+        }
+    }
+}
+
+impl Weights<'_> {
+    /// Every weight decoded to f32 (`cols` per row): a backend that multiplies in another
+    /// dtype converts from this.
+    pub fn to_f32(&self, cols: usize) -> Result<Vec<f32>> {
+        match self {
+            Weights::F32(w) => Ok(w.to_vec()),
+            _ => {
+                let rows = if cols == 0 { 0 } else { self.len() / cols };
+                let mut out = vec![0.0f32; rows * cols];
+                for (r, row) in out.chunks_mut(cols.max(1)).enumerate() {
+                    self.row_into(r, cols, row)?;
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
 /// [`linear`] over weights of any stored dtype.
 pub fn linear_w(x: &[f32], rows: usize, w: Weights, out_features: usize, in_features: usize) -> Result<Vec<f32>> {
     let mut y = vec![0.0f32; rows * out_features];

@@ -46,11 +46,17 @@ pub struct NormCuda {
     gpu: Arc<Gpu>,
     rms: CudaFunction,
     add: CudaFunction,
+    residual: CudaFunction,
 }
 
 impl NormCuda {
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
-        Ok(NormCuda { rms: gpu.function(&SOURCE, "tern_rms_norm")?, add: gpu.function(&SOURCE, "tern_add_norm")?, gpu })
+        Ok(NormCuda {
+            rms: gpu.function(&SOURCE, "tern_rms_norm")?,
+            add: gpu.function(&SOURCE, "tern_add_norm")?,
+            residual: gpu.function(&SOURCE, "tern_residual_norm")?,
+            gpu,
+        })
     }
 
     /// y = rms(pre·x)·w per row of `d`. CPU twin: [`super::rms_norm`].
@@ -110,6 +116,26 @@ impl NormCuda {
         let cfg = LaunchConfig { grid_dim: (rows32, 1, 1), block_dim: (row_block(d), 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_add_norm; all buffers hold rows × d (checked).
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_add_norm"))?;
+        Ok(())
+    }
+
+    /// x += y, then a = rms(x)·w per row of `d`. CPU twin: [`super::residual_norm`].
+    pub fn residual_norm(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, w: &CudaSlice<f32>, d: usize, eps: f32, a: NormOut) -> Result<()> {
+        let rows = rows_of("residual_norm", x.len(), d)?;
+        check_len("residual_norm input", y.len(), x.len())?;
+        check_len("residual_norm weight", w.len(), d)?;
+        a.check("residual_norm output", x.len())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let g = &self.gpu;
+        let (dw, rows32) = (int_arg("residual_norm width", d)?, grid_for(rows, 1)?);
+        let (xp, yp, wp, ap, a16p) = (g.ptr(x), g.ptr(y), g.ptr(w), g.ptr_opt(a.f32.as_deref()), g.ptr_opt(a.bf16.as_deref()));
+        let mut l = g.stream().launch_builder(&self.residual);
+        l.arg(&xp).arg(&yp).arg(&wp).arg(&eps).arg(&dw).arg(&ap).arg(&a16p);
+        let cfg = LaunchConfig { grid_dim: (rows32, 1, 1), block_dim: (row_block(d), 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match tern_residual_norm; all buffers hold rows × d (checked).
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_residual_norm"))?;
         Ok(())
     }
 }

@@ -82,6 +82,26 @@ pub fn rms_norm_inplace(x: &mut [f32], d: usize, w: Option<&[f32]>, eps: f32) ->
     Ok(())
 }
 
+/// The pre-norm residual step: X += Y, then A = rms(X)·w, per row of `d`.
+pub fn residual_norm(x: &mut [f32], y: &[f32], w: &[f32], d: usize, eps: f32, a: &mut [f32]) -> Result<()> {
+    check_len("residual_norm input", y.len(), x.len())?;
+    check_len("residual_norm weight", w.len(), d)?;
+    check_len("residual_norm output", a.len(), x.len())?;
+    if d == 0 || x.len() % d != 0 {
+        return Err(crate::Error::Shape(format!("residual_norm: {} elements are not rows of {d}", x.len())));
+    }
+    let run = |((xr, yr), ar): ((&mut [f32], &[f32]), &mut [f32])| {
+        xr.iter_mut().zip(yr).for_each(|(xv, &yv)| *xv += yv);
+        norm_row(xr, Some(w), 1.0, eps, ar);
+    };
+    if x.len() / d >= PARALLEL_ROWS {
+        x.par_chunks_mut(d).zip(y.par_chunks(d)).zip(a.par_chunks_mut(d)).for_each(run);
+    } else {
+        x.chunks_mut(d).zip(y.chunks(d)).zip(a.chunks_mut(d)).for_each(run);
+    }
+    Ok(())
+}
+
 /// H = (H + rms(Y)·w)·post, then, when `next` is given, A = rms(H)·w2.
 pub fn add_norm(
     h: &mut [f32],

@@ -51,3 +51,18 @@ extern "C" __global__ void tern_add_norm(float* __restrict__ h, const float* __r
         if (a16) a16[off + i] = tern_bf16_from_f32(v);
     }
 }
+
+// The pre-norm residual step: x[r] += y[r], then a[r] = rms(x[r])·w. CPU twin: residual_norm.
+extern "C" __global__ void tern_residual_norm(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
+                                              float eps, int d, float* __restrict__ a, tern_bf16* __restrict__ a16) {
+    __shared__ double scratch[32];
+    const size_t off = (size_t)blockIdx.x * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) x[off + i] = x[off + i] + y[off + i];
+    // Each thread re-reads only the entries it wrote itself (tern_block_sum_d has its barrier).
+    const float inv = tern_inv_rms(x + off, d, 1.0f, eps, scratch);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = (x[off + i] * inv) * w[i];
+        if (a) a[off + i] = v;
+        if (a16) a16[off + i] = tern_bf16_from_f32(v);
+    }
+}

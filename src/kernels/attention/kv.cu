@@ -1,0 +1,93 @@
+// Causal attention of a sequence's new queries over its KV cache, f32, CUDA form. CPU twin:
+// attention/mod.rs `causal_attention`, then × sigmoid(gate) (the gated attention of Qwen3.5).
+// One block of TERN_KV_WARPS warps per (query row, query head): the warps take the visible
+// keys round-robin, each keeps an online softmax (running max, sum, and hd/32 accumulators per
+// lane), and the block merges the warps' partial results at the end. Keys and values are read
+// straight from the cache; the query heads that share a kv head find them in L2.
+
+#define TERN_KV_WARPS 4
+#define TERN_KV_MAX_HD 512
+#define TERN_KV_PER_LANE (TERN_KV_MAX_HD / 32)
+
+// Rows of k and v (strided views of the fused projection) appended to the caches, whose
+// pointers are at the first new row.
+extern "C" __global__ void tern_kv_append(const float* __restrict__ k, long long k_off, long long k_ld,
+                                          const float* __restrict__ v, long long v_off, long long v_ld, int rows,
+                                          int width, float* __restrict__ k_cache, float* __restrict__ v_cache) {
+    const size_t n = (size_t)rows * width;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = e / width, i = e % width;
+        k_cache[e] = k[k_off + r * k_ld + i];
+        v_cache[e] = v[v_off + r * v_ld + i];
+    }
+}
+
+// Query row i (blockIdx.y) of the segment sits at position past + i and sees cache rows
+// 0 ..= past + i. q and gate are strided views; out is the segment's first output row.
+extern "C" __global__ void tern_kv_attention(const float* __restrict__ q, long long q_off, long long q_ld,
+                                             const float* __restrict__ gate, long long g_off, long long g_ld,
+                                             const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+                                             int past, int q_heads, int kv_heads, int hd, float scale,
+                                             float* __restrict__ out) {
+    const int h = blockIdx.x, i = blockIdx.y;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int kvh = h / (q_heads / kv_heads);
+    const size_t kw = (size_t)kv_heads * hd;
+    const int per = (hd + 31) / 32;
+    __shared__ float qs[TERN_KV_MAX_HD];
+    __shared__ float warp_max[TERN_KV_WARPS], warp_sum[TERN_KV_WARPS];
+    __shared__ float warp_acc[TERN_KV_WARPS][TERN_KV_MAX_HD];
+    const float* qr = q + q_off + (size_t)i * q_ld + (size_t)h * hd;
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) qs[c] = qr[c];
+    __syncthreads();
+
+    const int keys = past + i + 1;
+    float m = -tern_inf(), l = 0.0f, acc[TERN_KV_PER_LANE];
+#pragma unroll
+    for (int t = 0; t < TERN_KV_PER_LANE; ++t) acc[t] = 0.0f;
+    for (int j = warp; j < keys; j += TERN_KV_WARPS) {
+        const float* kr = k_cache + (size_t)j * kw + (size_t)kvh * hd;
+        float s = 0.0f;
+#pragma unroll
+        for (int t = 0; t < TERN_KV_PER_LANE; ++t) {
+            const int c = lane + 32 * t;
+            if (t < per && c < hd) s += qs[c] * kr[c];
+        }
+        s = tern_warp_sum(s) * scale;
+        const float m_new = fmaxf(m, s);
+        // The first key: m is −inf, so the old terms get weight exp(−inf) = 0.
+        const float corr = expf(m - m_new), p = expf(s - m_new);
+        l = l * corr + p;
+        const float* vr = v_cache + (size_t)j * kw + (size_t)kvh * hd;
+#pragma unroll
+        for (int t = 0; t < TERN_KV_PER_LANE; ++t) {
+            const int c = lane + 32 * t;
+            if (t < per && c < hd) acc[t] = acc[t] * corr + p * vr[c];
+        }
+        m = m_new;
+    }
+    if (lane == 0) {
+        warp_max[warp] = m;
+        warp_sum[warp] = l;
+    }
+#pragma unroll
+    for (int t = 0; t < TERN_KV_PER_LANE; ++t) {
+        const int c = lane + 32 * t;
+        if (t < per && c < hd) warp_acc[warp][c] = acc[t];
+    }
+    __syncthreads();
+    // Warp 0 always saw key 0, so the overall max is finite; a warp that saw no key has max
+    // −inf and weight 0.
+    float mx = -tern_inf();
+    for (int w = 0; w < TERN_KV_WARPS; ++w) mx = fmaxf(mx, warp_max[w]);
+    float total = 0.0f;
+    for (int w = 0; w < TERN_KV_WARPS; ++w) total += warp_sum[w] * expf(warp_max[w] - mx);
+    const size_t ld = (size_t)q_heads * hd;
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < TERN_KV_WARPS; ++w) o += warp_acc[w][c] * expf(warp_max[w] - mx);
+        o = o / total;
+        const float gv = gate[g_off + (size_t)i * g_ld + (size_t)h * hd + c];
+        out[(size_t)i * ld + (size_t)h * hd + c] = o * (1.0f / (1.0f + expf(-gv)));
+    }
+}
