@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA device tests (every kernel against its CPU twin, whole embeddings against the CPU), on a machine with an NVIDIA GPU and
+# The CUDA device tests (every kernel against its CPU twin, whole embeddings and Qwen3.5 models against the CPU), on a machine with an NVIDIA GPU and
 # no Rust toolchain: runs test binaries built elsewhere with `cargo test --release --no-run`.
 #   scripts/device-test.sh DIR [memcheck]
 # DIR holds the library's unit-test binary (tern-*). With `memcheck`, the same tests run once
@@ -11,7 +11,7 @@ mode=${2:-}
 bin=$(ls "$dir"/tern-* | head -1)
 . "$(dirname "$0")/device-env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-"$bin" --ignored --test-threads=1 --nocapture kernels::gated_delta::cuda kernels::cuda_tests
+"$bin" --ignored --test-threads=1 --nocapture kernels::gated_delta::cuda kernels::cuda_tests models::qwen35_cuda_tests
 if [ "$mode" = memcheck ]; then
-  compute-sanitizer --tool memcheck --error-exitcode 1 "$bin" --ignored --test-threads=1 kernels::gated_delta::cuda kernels::cuda_tests
+  compute-sanitizer --tool memcheck --error-exitcode 1 "$bin" --ignored --test-threads=1 kernels::gated_delta::cuda kernels::cuda_tests models::qwen35_cuda_tests
 fi

@@ -15,7 +15,7 @@ attention); Gated DeltaNet 16 heads for V and 16 for QK, head dimension 128; gat
 heads and 2 KV heads of dimension 256, rotary dimension 64 (partial factor 0.25), RoPE theta 1e7;
 FFN intermediate 3584; 248320 (padded) token embeddings tied to the LM output; context 262144.
 
-    python scripts/make_bench_qwen35.py [OUT_DIR]    (default ~/.cache/tern/bench)
+    python scripts/make_bench_qwen35.py [OUT_DIR] [--no-gguf]    (default ~/.cache/tern/bench)
 
 writes OUT_DIR/qwen35-0.8b/ (the checkpoint) and OUT_DIR/qwen35-0.8b-bf16.gguf. Needs the golden
 environment (../shared/tools/golden-env.sh) and llama.cpp's source (../shared/tools/llama-cpp-src.sh).
@@ -36,7 +36,10 @@ import make_qwen35_goldens as goldens  # noqa: E402  (its randomise(), converter
 
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 
-OUT = os.path.abspath(os.path.expanduser(sys.argv[1] if len(sys.argv) > 1 else "~/.cache/tern/bench"))
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+# --no-gguf: the checkpoint only (a GPU machine without llama.cpp's converter; tern reads it).
+NO_GGUF = "--no-gguf" in sys.argv[1:]
+OUT = os.path.abspath(os.path.expanduser(ARGS[0] if ARGS else "~/.cache/tern/bench"))
 NAME = "qwen35-0.8b"
 SEED = 3508
 N_LAYERS = 24
@@ -107,6 +110,9 @@ def main():
     model.save_pretrained(model_dir)
     del model
     write_tokenizer(model_dir)
+    if NO_GGUF:
+        print(json.dumps({"checkpoint": model_dir, "parameters": n_params}))
+        return
     llama_dir = goldens.llama_cpp_dir()
     cmd = [sys.executable, os.path.join(goldens.SHARED_TOOLS, "hf-to-gguf.py"), llama_dir, "--pre", "qwen35", model_dir,
            "--outtype", "bf16", "--outfile", gguf_path, "--no-mtp", "--model-name", "tern-bench-qwen35-0.8b-random"]

@@ -2,6 +2,8 @@
 
 pub mod egemma;
 pub mod qwen35;
+#[cfg(test)]
+mod qwen35_cuda_tests;
 pub mod sentence;
 
 /// Where to load a model: the CPU, or a GPU with a precision.

@@ -1,0 +1,198 @@
+//! Device tests of the Qwen3.5 forward on CUDA: the LLM ops of the CUDA backend against the
+//! CPU backend through the op-set interface (fresh random inputs, outputs poisoned with NaN),
+//! then whole models (the tiny golden checkpoints, HF and GGUF) on the GPU against the CPU path:
+//! f32 logits within 1e-4 of the logit scale and the same greedy tokens for prompts of 1, 64, 65
+//! and 300 tokens and 16 generated tokens; batched decode of sequences of different lengths equal
+//! to each sequence alone; the bf16 fast mode's argmax agreement and logit error, printed.
+//! Ignored without a GPU; scripts/device-test.sh runs them.
+
+use std::path::PathBuf;
+
+use crate::cuda::test_util::{check, gpu, nan, rng};
+use crate::kernels::attention::AttentionShape;
+use crate::kernels::backend::{CpuOps, Ops, View};
+use crate::kernels::cuda_ops::{CudaOps, Precision};
+use crate::kernels::pack;
+use crate::models::qwen35::{Qwen35, Qwen35State};
+
+const BOUND: f64 = 1e-5;
+/// f32 logits against the CPU, relative to the row's logit scale (the golden tests' measure).
+const LOGIT_BOUND: f64 = 1e-4;
+
+fn fixture(rel: &str) -> PathBuf {
+    let here = PathBuf::from("tests/fixtures/qwen35").join(rel);
+    if here.exists() {
+        return here;
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen35").join(rel)
+}
+
+fn rel_to_scale(got: &[f32], want: &[f32]) -> f64 {
+    assert!(got.iter().all(|v| v.is_finite()), "non-finite logits");
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+    got.iter().zip(want).map(|(a, b)| (a - b).abs() as f64).fold(0.0, f64::max) / scale
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0))).map_or(0, |(i, _)| i)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_llm_ops_match_cpu() {
+    let gpu = gpu();
+    let ops = CudaOps::new(gpu.clone(), Precision::F32).unwrap();
+    let cpu = CpuOps;
+    let mut rng = rng("cuda_llm_ops_match_cpu");
+    let up = |v: &[f32]| gpu.upload(v).unwrap();
+
+    for &(rows, d) in &[(1usize, 64usize), (37, 1024), (300, 96)] {
+        let (x, y, w) = (rng.vec(rows * d, -2.0, 2.0), rng.vec(rows * d, -2.0, 2.0), rng.vec(d, 0.5, 1.5));
+        let (mut xc, mut ac) = (x.clone(), vec![0.0; rows * d]);
+        cpu.residual_norm(&mut xc, &y, &w, d, 1e-6, &mut ac).unwrap();
+        let (mut xg, mut ag) = (up(&x), nan(&gpu, rows * d));
+        ops.residual_norm(&mut xg, &up(&y), &up(&w), d, 1e-6, &mut ag).unwrap();
+        check("residual_norm sum", &gpu.download(&xg).unwrap(), &xc, BOUND);
+        check("residual_norm out", &gpu.download(&ag).unwrap(), &ac, BOUND);
+
+        // silu over the two halves of a fused [gate | up] row.
+        let gu = rng.vec(rows * 2 * d, -6.0, 6.0);
+        let want = cpu.silu_mul(View::new(&gu, 0, 2 * d), View::new(&gu, d, 2 * d), rows, d).unwrap();
+        let gug = up(&gu);
+        let got = ops.silu_mul(View::new(&gug, 0, 2 * d), View::new(&gug, d, 2 * d), rows, d).unwrap();
+        check("silu_mul", &gpu.download(&got).unwrap(), &want, BOUND);
+
+        let (s, gate) = (rng.vec(rows * d, -2.0, 2.0), rng.vec(rows, -4.0, 4.0));
+        let mut oc = x.clone();
+        cpu.add_sigmoid_gated(&mut oc, &s, &gate, d).unwrap();
+        let mut og = up(&x);
+        ops.add_sigmoid_gated(&mut og, &up(&s), &up(&gate), d).unwrap();
+        check("add_sigmoid_gated", &gpu.download(&og).unwrap(), &oc, BOUND);
+    }
+
+    // KV attention: two calls per sequence (a prefill, then new rows after it), GQA and not,
+    // several head sizes; the q | gate | k | v rows as views of one fused projection.
+    for &(qh, kvh, hd) in &[(8usize, 2usize, 256usize), (4, 4, 64), (2, 1, 128), (6, 3, 32)] {
+        let shape = AttentionShape { q_heads: qh, kv_heads: kvh, hd, scale: (hd as f32).powf(-0.5), max_distance: None };
+        let (qw, kw) = (qh * hd, kvh * hd);
+        let stride = 2 * qw + 2 * kw;
+        let mut cpu_caches: Vec<_> = (0..3).map(|_| cpu.kv_cache(kw).unwrap()).collect();
+        let mut gpu_caches: Vec<_> = (0..3).map(|_| ops.kv_cache(kw).unwrap()).collect();
+        let mut past = vec![0usize; 3];
+        for lens in [[3usize, 70, 1], [1, 5, 300]] {
+            let segs = pack(lens);
+            let n: usize = lens.iter().sum();
+            let y = rng.vec(n * stride, -1.5, 1.5);
+            let ids = vec![0u32; n];
+            let cb = cpu.batch_at(&segs, &ids, &past).unwrap();
+            let gb = ops.batch_at(&segs, &ids, &past).unwrap();
+            let at = |o| View::new(&y, o, stride);
+            let mut cc: Vec<_> = cpu_caches.iter_mut().collect();
+            let want = cpu.kv_attention(at(0), at(2 * qw), at(2 * qw + kw), at(qw), &cb, &mut cc, &shape).unwrap();
+            let yg = up(&y);
+            let atg = |o| View::new(&yg, o, stride);
+            let mut gc: Vec<_> = gpu_caches.iter_mut().collect();
+            let got = ops.kv_attention(atg(0), atg(2 * qw), atg(2 * qw + kw), atg(qw), &gb, &mut gc, &shape).unwrap();
+            check(&format!("kv_attention {qh}/{kvh}×{hd} lens {lens:?} past {past:?}"), &gpu.download(&got).unwrap(), &want, BOUND);
+            past.iter_mut().zip(lens).for_each(|(p, l)| *p += l);
+        }
+        // A cache that does not end where the batch starts is refused.
+        let segs = pack([1]);
+        let y = vec![0.0f32; stride];
+        let gb = ops.batch_at(&segs, &[0], &[0]).unwrap();
+        let yg = up(&y);
+        let mut one = vec![&mut gpu_caches[0]];
+        let at = |o| View::new(&yg, o, stride);
+        assert!(ops.kv_attention(at(0), at(2 * qw), at(2 * qw + kw), at(qw), &gb, &mut one, &shape).is_err());
+    }
+
+    // The routed experts: host routing, then per expert a gathered product and a weighted
+    // scatter-add, against the CPU's loop.
+    for &(rows, d, width, ne, k) in &[(1usize, 64usize, 32usize, 8usize, 2usize), (45, 128, 48, 16, 4), (9, 64, 32, 4, 4)] {
+        use crate::formats::{Matrix, Tensor};
+        let mk = |r: usize, c: usize, rng: &mut crate::kernels::gated_delta::test_util::Lcg| {
+            Matrix::F32(Tensor::owned("e", vec![r, c], rng.vec(r * c, -0.2, 0.2)))
+        };
+        let experts: Vec<[Matrix; 3]> = (0..ne).map(|_| [mk(width, d, &mut rng), mk(width, d, &mut rng), mk(d, width, &mut rng)]).collect();
+        let x = rng.vec(rows * d, -1.0, 1.0);
+        let logits = rng.vec(rows * ne, -3.0, 3.0);
+        let want = cpu.moe(&x, d, &logits, &cpu.experts(experts.clone()).unwrap(), k).unwrap();
+        let got = ops.moe(&up(&x), d, &up(&logits), &ops.experts(experts).unwrap(), k).unwrap();
+        check(&format!("moe {rows}×{d}, {ne} experts top-{k}"), &gpu.download(&got).unwrap(), &want, BOUND);
+    }
+}
+
+/// Feeds `ids` to both models and compares the last-token logits.
+fn step(cpu: &Qwen35, gpu: &Qwen35<CudaOps>, ids: &[u32], cs: &mut Qwen35State, gs: &mut Qwen35State<CudaOps>) -> (Vec<f32>, Vec<f32>) {
+    (cpu.forward(ids, cs).unwrap(), gpu.forward(ids, gs).unwrap())
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_qwen35_matches_cpu() {
+    let g = gpu();
+    let mut rng = rng("cuda_qwen35_matches_cpu");
+    let models = [
+        "dense-untied",
+        "dense-tied/gguf/dense-tied-f32.gguf",
+        "dense-untied/gguf/dense-untied-q8_0.gguf",
+        "moe",
+        "moe/gguf/moe-bf16.gguf",
+    ];
+    for rel in models {
+        let path = fixture(rel);
+        let cpu = Qwen35::load(&path).unwrap();
+        let f32m = Qwen35::load_on(&path, CudaOps::new(g.clone(), Precision::F32).unwrap()).unwrap();
+        let bf16m = Qwen35::load_on(&path, CudaOps::new(g.clone(), Precision::Bf16).unwrap()).unwrap();
+        let vocab = cpu.cfg.vocab_size as u32;
+        let (mut worst, mut worst_fast, mut fast_agree, mut steps) = (0.0f64, 0.0f64, 0usize, 0usize);
+        for len in [1usize, 64, 65, 300] {
+            let prompt: Vec<u32> = (0..len).map(|_| rng.next_u32() % vocab).collect();
+            let (mut cs, mut gs, mut fs) = (cpu.new_state().unwrap(), f32m.new_state().unwrap(), bf16m.new_state().unwrap());
+            let mut feed = prompt;
+            for t in 0..=16 {
+                let (want, got) = step(&cpu, &f32m, &feed, &mut cs, &mut gs);
+                let fast = bf16m.forward(&feed, &mut fs).unwrap();
+                let e = rel_to_scale(&got, &want);
+                assert!(e <= LOGIT_BOUND, "{rel}: prompt {len}, step {t}: GPU f32 logits {e:e} of the scale from the CPU's");
+                assert_eq!(argmax(&got), argmax(&want), "{rel}: prompt {len}, step {t}: greedy tokens differ");
+                worst = worst.max(e);
+                worst_fast = worst_fast.max(rel_to_scale(&fast, &want));
+                fast_agree += (argmax(&fast) == argmax(&want)) as usize;
+                steps += 1;
+                // Greedy: the CPU's token goes to all three, so later steps compare like with like.
+                feed = vec![argmax(&want) as u32];
+            }
+        }
+        // Batched decode: sequences of different lengths step together; each gets the logits
+        // it gets alone.
+        let lens = [1usize, 64, 65];
+        let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| (0..n).map(|_| rng.next_u32() % vocab).collect()).collect();
+        let mut together: Vec<_> = prompts.iter().map(|_| f32m.new_state().unwrap()).collect();
+        let mut alone: Vec<_> = prompts.iter().map(|_| f32m.new_state().unwrap()).collect();
+        let mut next: Vec<u32> = Vec::new();
+        for (p, (a, b)) in prompts.iter().zip(together.iter_mut().zip(alone.iter_mut())) {
+            let l = f32m.forward(p, a).unwrap();
+            f32m.forward(p, b).unwrap();
+            next.push(argmax(&l) as u32);
+        }
+        let mut worst_batch = 0.0f64;
+        for round in 0..4 {
+            let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+            let mut batch: Vec<(&[u32], &mut Qwen35State<CudaOps>)> = toks.iter().map(|t| t.as_slice()).zip(together.iter_mut()).collect();
+            let out = f32m.forward_batch(&mut batch).unwrap();
+            for (i, (t, s)) in toks.iter().zip(alone.iter_mut()).enumerate() {
+                let own = f32m.forward(t, s).unwrap();
+                let e = rel_to_scale(&out[i], &own);
+                assert!(e <= LOGIT_BOUND, "{rel}: round {round}, sequence {i}: batched vs alone {e:e}");
+                worst_batch = worst_batch.max(e);
+                next[i] = argmax(&own) as u32;
+            }
+        }
+        eprintln!(
+            "{rel}: GPU f32 vs CPU ≤ {worst:.2e} of the logit scale; batched vs alone ≤ {worst_batch:.2e}; \
+             bf16: argmax agrees {fast_agree}/{steps}, logits ≤ {worst_fast:.2e} of the scale; {} device weight bytes (f32)",
+            f32m.ops().weight_bytes()
+        );
+    }
+}
