@@ -66,7 +66,6 @@ import sys
 import numpy as np
 import torch
 
-import gguf
 import tokenizers
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
@@ -475,6 +474,8 @@ def convert(model_dir, name, llama_dir):
 
 def gguf_tensors(path):
     """name -> (ggml type name, numpy shape in PyTorch order, float32 values)."""
+    import gguf  # only the GGUF checks need it (a GPU machine may run randomise() alone)
+
     reader = gguf.GGUFReader(path)
     out = {}
     for t in reader.tensors:

@@ -589,12 +589,21 @@ impl Ops for CudaOps {
         let rows = |offset| Rows { buf: qkv, offset, stride: width };
         let x = GpuDeltaRuleInputs { q: rows(0), k: rows(kd), v: rows(2 * kd), g, beta, normalize_qk: true };
         let mut out = self.gpu.alloc::<f32>(batch.att.rows * vd)?;
+        // As on the CPU: prefill takes the chunked form, decode and short runs the scan. The
+        // scan keeps a state row in a warp's registers (d_k of 32 … 256) and the tensor-core
+        // form takes head sizes of 64 or 128; other sizes (the tiny test checkpoints' 16) take
+        // the f32 chunked form, which equals the scan to f32 rounding at any length.
         let long = batch.att.segments.iter().any(|s| s.len >= DELTA_RULE_CHUNK);
-        self.with_pool(states, heads.state_len(), |pool| match (long, self.precision) {
-            // As on the CPU: prefill takes the chunked form, decode and short runs the scan.
-            (false, _) => gdn.delta_rule(heads, &x, &batch.gdn, pool, &mut out),
-            (true, Precision::F32) => gdn.delta_rule_chunked(heads, &x, &batch.gdn, pool, &mut out, ChunkAccumulate::F64),
-            (true, Precision::Bf16) => gdn.delta_rule_chunked_fast(heads, &x, &batch.gdn, pool, &mut out),
+        let scan_fits = matches!(heads.d_k, 32 | 64 | 128 | 256);
+        let fast_fits = [heads.d_k, heads.d_v].iter().all(|d| matches!(d, 64 | 128));
+        self.with_pool(states, heads.state_len(), |pool| {
+            if !long && scan_fits {
+                gdn.delta_rule(heads, &x, &batch.gdn, pool, &mut out)
+            } else if long && fast_fits && self.precision == Precision::Bf16 {
+                gdn.delta_rule_chunked_fast(heads, &x, &batch.gdn, pool, &mut out)
+            } else {
+                gdn.delta_rule_chunked(heads, &x, &batch.gdn, pool, &mut out, ChunkAccumulate::F64)
+            }
         })?;
         Ok(out)
     }
