@@ -80,7 +80,7 @@ impl FromStr for Precision {
             "f32" | "float32" => Ok(Precision::F32),
             "bf16" | "bfloat16" => Ok(Precision::Bf16),
             "f16" | "fp16" | "float16" | "half" => Err(Error::Input(
-                "dtype fp16 is refused: EmbeddingGemma's activations overflow half precision (use bf16 or f32)".into(),
+                "dtype fp16 is refused: the fast mode is bf16 (EmbeddingGemma's activations overflow half precision); use bf16 or f32".into(),
             )),
             _ => Err(Error::Input(format!("dtype `{s}`: expected f32 or bf16"))),
         }
