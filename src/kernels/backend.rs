@@ -30,6 +30,14 @@ pub struct View<'a, B> {
     pub stride: usize,
 }
 
+// Copy for any B (a derive would ask B: Copy): a view is a reference and two numbers.
+impl<B> Clone for View<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B> Copy for View<'_, B> {}
+
 impl<'a, B> View<'a, B> {
     pub fn new(buf: &'a B, offset: usize, stride: usize) -> Self {
         View { buf, offset, stride }

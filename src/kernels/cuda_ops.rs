@@ -625,7 +625,15 @@ impl Ops for CudaOps {
         shape: &AttentionShape,
     ) -> Result<CudaSlice<f32>> {
         let mut out = self.gpu.alloc::<f32>(batch.att.rows * shape.q_heads * shape.hd)?;
-        self.llm()?.kv.kv_attention(q, k, v, gate, &batch.att.segments, &batch.past, caches, shape, &mut out)?;
+        let kv = &self.llm()?.kv;
+        // A prompt from empty caches (the prefill) runs on the tiled flash kernels; decode and
+        // continued prompts attend over the cache.
+        let views_fit = [&q, &k, &v].iter().all(|x| x.offset % 4 == 0 && x.stride % 4 == 0) && shape.hd % 4 == 0;
+        if batch.past.iter().all(|&p| p == 0) && views_fit && batch.att.rows > batch.past.len() {
+            kv.prefill(&self.attention, q, k, v, gate, &batch.att, caches, shape, &mut out, self.precision == Precision::Bf16)?;
+        } else {
+            kv.kv_attention(q, k, v, gate, &batch.att.segments, &batch.past, caches, shape, &mut out)?;
+        }
         Ok(out)
     }
 

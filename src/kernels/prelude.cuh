@@ -47,3 +47,8 @@ __device__ __forceinline__ tern_bf16 tern_bf16_from_f32(float x) {
     return (tern_bf16)(u >> 16);
 }
 __device__ __forceinline__ float tern_bf16_to_f32(tern_bf16 b) { return __uint_as_float(((tern_u32)b) << 16); }
+
+// The attention kernels' window argument: a distance >= 0 (|i - j| <= it), TERN_ATT_NO_WINDOW
+// (the whole sequence, both directions) or TERN_ATT_CAUSAL (j <= i: a prompt from an empty cache).
+#define TERN_ATT_NO_WINDOW (-1)
+#define TERN_ATT_CAUSAL (-2)

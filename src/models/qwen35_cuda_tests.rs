@@ -42,6 +42,7 @@ fn argmax(v: &[f32]) -> usize {
 fn cuda_llm_ops_match_cpu() {
     let gpu = gpu();
     let ops = CudaOps::new(gpu.clone(), Precision::F32).unwrap();
+    let ops16 = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap();
     let cpu = CpuOps;
     let mut rng = rng("cuda_llm_ops_match_cpu");
     let up = |v: &[f32]| gpu.upload(v).unwrap();
@@ -94,6 +95,17 @@ fn cuda_llm_ops_match_cpu() {
             let mut gc: Vec<_> = gpu_caches.iter_mut().collect();
             let got = ops.kv_attention(atg(0), atg(2 * qw), atg(2 * qw + kw), atg(qw), &gb, &mut gc, &shape).unwrap();
             check(&format!("kv_attention {qh}/{kvh}×{hd} lens {lens:?} past {past:?}"), &gpu.download(&got).unwrap(), &want, BOUND);
+            if past.iter().all(|&p| p == 0) {
+                // From empty caches the prefill runs on the flash kernels; the bf16 form's
+                // tensor-core products round q, k, v and P to bf16 (the encoder test's bound).
+                let gb16 = ops16.batch_at(&segs, &ids, &past).unwrap();
+                let mut caches16: Vec<_> = (0..3).map(|_| ops16.kv_cache(kw).unwrap()).collect();
+                let mut gc16: Vec<_> = caches16.iter_mut().collect();
+                let fast = ops16.kv_attention(atg(0), atg(2 * qw), atg(2 * qw + kw), atg(qw), &gb16, &mut gc16, &shape).unwrap();
+                check(&format!("kv prefill bf16 {qh}/{kvh}×{hd} lens {lens:?}"), &gpu.download(&fast).unwrap(), &want, 1.5e-2);
+                let keys16 = gpu.download(&caches16[1].keys).unwrap();
+                assert_eq!(&keys16[..lens[1] * kw], &cpu_caches[1].keys[..], "bf16 prefill: the cache holds the f32 keys");
+            }
             past.iter_mut().zip(lens).for_each(|(p, l)| *p += l);
         }
         // A cache that does not end where the batch starts is refused.

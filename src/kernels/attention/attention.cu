@@ -46,6 +46,8 @@ __device__ void tern_attention_tile(const float* __restrict__ q, long long q_off
         lo = max(0, q0 - max_distance);
         hi = min(len, q1 - 1 + max_distance + 1);
     }
+    const bool causal = max_distance == TERN_ATT_CAUSAL;
+    if (causal) hi = q1;  // the tile's last query sees keys up to itself
     const int h4 = hd / 4;
 
     // Q tile; rows past the sequence are zero (their results are never written).
@@ -103,6 +105,7 @@ __device__ void tern_attention_tile(const float* __restrict__ q, long long q_off
             const int qi = q0 + 4 * warp + i, kj = k0 + lane;
             bool visible = kj < hi;
             if (max_distance >= 0) visible = visible && kj >= qi - max_distance && kj <= qi + max_distance;
+            if (causal) visible = visible && kj <= qi;
             const float sc = visible ? ss[(4 * warp + i) * (TERN_ATT_BK + 1) + lane] * scale : -tern_inf();
             const float m_new = fmaxf(m_run[i], tern_warp_max(sc));
             // A query past the sequence end, or one whose window has not started yet, has no

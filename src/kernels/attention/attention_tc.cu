@@ -94,6 +94,8 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
         lo = max(0, q0 - max_distance);
         hi = min(len, q1 - 1 + max_distance + 1);
     }
+    const bool causal = max_distance == TERN_ATT_CAUSAL;
+    if (causal) hi = q1;  // the tile's last query sees keys up to itself
     const float* kbase = k + k_off + start * k_ld + (long long)kv_head * hd;
     const float* vbase = v + v_off + start * v_ld + (long long)kv_head * hd;
     const tern_u32 stage_a = tern_tc_smem(stage);
@@ -183,6 +185,10 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
                 if (max_distance >= 0) {
                     vlo = vlo && kj >= qlo - max_distance && kj <= qlo + max_distance;
                     vhi = vhi && kj >= qhi - max_distance && kj <= qhi + max_distance;
+                }
+                if (causal) {
+                    vlo = vlo && kj <= qlo;
+                    vhi = vhi && kj <= qhi;
                 }
                 s[t][j] = vlo ? s[t][j] * scale : -tern_inf();
                 s[t][2 + j] = vhi ? s[t][2 + j] * scale : -tern_inf();

@@ -186,6 +186,44 @@ impl AttentionCuda {
         unsafe { self.launch(f, tiles, tc_smem_bytes(*padded), "launching tern_attention_tc", q, k, v, batch, shape, out, window) }
     }
 
+    /// Causal attention within each sequence (query i sees keys 0 ..= i of its own sequence):
+    /// a prompt run from an empty KV cache, on the flash kernels (`tensor_cores`: the bf16
+    /// form). `shape.max_distance` must be None. CPU twin: [`super::causal_attention`] with no past.
+    #[allow(clippy::too_many_arguments)]
+    pub fn causal(
+        &self,
+        q: View<CudaSlice<f32>>,
+        k: View<CudaSlice<f32>>,
+        v: View<CudaSlice<f32>>,
+        batch: &GpuAttentionBatch,
+        shape: &AttentionShape,
+        out: NormOut,
+        tensor_cores: bool,
+    ) -> Result<()> {
+        if shape.max_distance.is_some() {
+            return Err(Error::Shape("causal attention takes no window".into()));
+        }
+        check_args(&q, &k, &v, batch, shape, &out)?;
+        if tensor_cores {
+            let (padded, f) = self.tc_kernels.iter().find(|(max, _)| shape.hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
+            let list = &batch.tc_tiles[TC_QUERY_TILES.iter().position(|&t| t == tc_query_tile(*padded)).expect("a tile list per tile size")];
+            if list.count == 0 {
+                return Ok(());
+            }
+            let tiles = Tiles { seg: &list.seg, q0: &list.q0, count: list.count };
+            // SAFETY: as in attention_bf16.
+            unsafe { self.launch(f, tiles, tc_smem_bytes(*padded), "launching tern_attention_tc", q, k, v, batch, shape, out, CAUSAL_WINDOW) }
+        } else {
+            if batch.tiles == 0 {
+                return Ok(());
+            }
+            let (_, f) = self.kernels.iter().find(|(max, _)| shape.hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
+            let tiles = Tiles { seg: &batch.tile_seg, q0: &batch.tile_q0, count: batch.tiles };
+            // SAFETY: as in attention.
+            unsafe { self.launch(f, tiles, smem_bytes(shape.hd), "launching tern_attention", q, k, v, batch, shape, out, CAUSAL_WINDOW) }
+        }
+    }
+
     /// # Safety
     /// `f` takes (q, q_off, q_ld, k.., v.., out, out_ld, out16, seg_start, seg_len, tile_seg,
     /// tile_q0, group, hd, scale, max_distance), runs 256 threads, walks tiles of the size
@@ -231,6 +269,9 @@ struct Tiles<'a> {
     q0: &'a CudaSlice<u32>,
     count: usize,
 }
+
+/// The kernels' window argument for causal attention (TERN_ATT_CAUSAL in prelude.cuh).
+const CAUSAL_WINDOW: i32 = -2;
 
 /// The checks both kernels need; returns the window as the kernels take it (-1: none).
 fn check_args(
@@ -314,6 +355,7 @@ pub struct KvAttentionCuda {
     gpu: Arc<Gpu>,
     append: CudaFunction,
     attend: CudaFunction,
+    gate: CudaFunction,
 }
 
 /// Threads per block of tern_kv_attention (TERN_KV_WARPS warps).
@@ -321,7 +363,83 @@ const KV_BLOCK: u32 = 128;
 
 impl KvAttentionCuda {
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
-        Ok(KvAttentionCuda { append: gpu.function(&SOURCE_KV, "tern_kv_append")?, attend: gpu.function(&SOURCE_KV, "tern_kv_attention")?, gpu })
+        Ok(KvAttentionCuda {
+            append: gpu.function(&SOURCE_KV, "tern_kv_append")?,
+            attend: gpu.function(&SOURCE_KV, "tern_kv_attention")?,
+            gate: gpu.function(&SOURCE_KV, "tern_sigmoid_gate")?,
+            gpu,
+        })
+    }
+
+    /// A prompt from empty caches: each sequence's k, v rows appended to its cache, causal
+    /// attention on the flash kernels (`attention`'s, over the batch's tiles), then × sigmoid(gate).
+    /// The same results as [`Self::kv_attention`] with every past 0, to f32 rounding (f32 kernel)
+    /// or bf16 operand rounding (`tensor_cores`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill(
+        &self,
+        flash: &AttentionCuda,
+        q: View<CudaSlice<f32>>,
+        k: View<CudaSlice<f32>>,
+        v: View<CudaSlice<f32>>,
+        gate: View<CudaSlice<f32>>,
+        batch: &GpuAttentionBatch,
+        caches: &mut [&mut GpuKv],
+        shape: &AttentionShape,
+        out: &mut CudaSlice<f32>,
+        tensor_cores: bool,
+    ) -> Result<()> {
+        let (qw, kw) = (shape.q_heads * shape.hd, shape.kv_heads * shape.hd);
+        check_view("kv prefill gate", gate.buf.len(), gate.offset, gate.stride, batch.rows, qw)?;
+        check_view("kv prefill k", k.buf.len(), k.offset, k.stride, batch.rows, kw)?;
+        check_view("kv prefill v", v.buf.len(), v.offset, v.stride, batch.rows, kw)?;
+        if caches.len() != batch.segments.len() {
+            return Err(Error::Shape(format!("kv prefill: {} caches for {} sequences", caches.len(), batch.segments.len())));
+        }
+        if let Some(c) = caches.iter().find(|c| c.rows != 0 || c.width != kw) {
+            return Err(Error::Shape(format!("kv prefill: a cache of {} rows of {} (empty, rows of {kw} expected)", c.rows, c.width)));
+        }
+        flash.causal(q, k, v, batch, shape, NormOut { f32: Some(&mut *out), bf16: None }, tensor_cores)?;
+        for (seg, cache) in batch.segments.iter().zip(caches.iter_mut()) {
+            self.append_rows(&k, &v, seg, cache)?;
+        }
+        let g = &self.gpu;
+        let (n, w) = (int_arg("gate rows", batch.rows)?, int_arg("gate width", qw)?);
+        let (op, gp, g_off, g_ld) = (g.ptr(out), g.ptr(gate.buf), long_arg(gate.offset), long_arg(gate.stride));
+        let mut l = g.stream().launch_builder(&self.gate);
+        l.arg(&op).arg(&gp).arg(&g_off).arg(&g_ld).arg(&n).arg(&w);
+        let blocks = crate::cuda::grid_for(batch.rows * qw, 256)?.min(65_535);
+        // SAFETY: argument types match tern_sigmoid_gate; out holds rows × qw (checked by the
+        // attention launch) and the gate view its rows (checked above).
+        unsafe { l.launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
+            .map_err(driver_err("launching tern_sigmoid_gate"))?;
+        Ok(())
+    }
+
+    /// Appends a segment's rows of the k, v views to the end of `cache` (grown as needed).
+    fn append_rows(&self, k: &View<CudaSlice<f32>>, v: &View<CudaSlice<f32>>, seg: &Segment, cache: &mut GpuKv) -> Result<()> {
+        if seg.len == 0 {
+            return Ok(());
+        }
+        let g = &self.gpu;
+        let kw = cache.width;
+        cache.reserve(g, seg.len)?;
+        let at = 4 * (cache.rows * kw) as u64;
+        let (kc, vc) = (g.ptr(&cache.keys) + at, g.ptr(&cache.values) + at);
+        let first = seg.start;
+        let (n, w) = (int_arg("kv rows", seg.len)?, int_arg("kv width", kw)?);
+        let (k_off, v_off) = (long_arg(k.offset + first * k.stride), long_arg(v.offset + first * v.stride));
+        let (k_ld, v_ld) = (long_arg(k.stride), long_arg(v.stride));
+        let (kp, vp) = (g.ptr(k.buf), g.ptr(v.buf));
+        let mut l = g.stream().launch_builder(&self.append);
+        l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&n).arg(&w).arg(&kc).arg(&vc);
+        let blocks = crate::cuda::grid_for(seg.len * kw, 256)?.min(65_535);
+        // SAFETY: argument types match tern_kv_append; the views hold the segment's rows
+        // (checked by the callers) and the caches have room for them (reserved just above).
+        unsafe { l.launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
+            .map_err(driver_err("launching tern_kv_append"))?;
+        cache.rows += seg.len;
+        Ok(())
     }
 
     /// For each sequence: appends its rows of k and v to its cache, then its queries attend
@@ -368,22 +486,8 @@ impl KvAttentionCuda {
             if seg.len == 0 {
                 continue;
             }
-            cache.reserve(g, seg.len)?;
-            let at = 4 * (cache.rows * kw) as u64;
-            let (kc, vc) = (g.ptr(&cache.keys) + at, g.ptr(&cache.values) + at);
+            self.append_rows(&k, &v, seg, cache)?;
             let first = seg.start;
-            let (n, w) = (int_arg("kv rows", seg.len)?, int_arg("kv width", kw)?);
-            let (k_off, v_off) = (long_arg(k.offset + first * k.stride), long_arg(v.offset + first * v.stride));
-            let (k_ld, v_ld) = (long_arg(k.stride), long_arg(v.stride));
-            let (kp, vp) = (g.ptr(k.buf), g.ptr(v.buf));
-            let mut l = g.stream().launch_builder(&self.append);
-            l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&n).arg(&w).arg(&kc).arg(&vc);
-            let blocks = crate::cuda::grid_for(seg.len * kw, 256)?.min(65_535);
-            // SAFETY: argument types match tern_kv_append; the views hold the segment's rows
-            // (checked) and the caches have room for them (reserved just above).
-            unsafe { l.launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
-                .map_err(driver_err("launching tern_kv_append"))?;
-            cache.rows += seg.len;
 
             let past32 = int_arg("cache rows", past)?;
             let (q_off, g_off) = (long_arg(q.offset + first * q.stride), long_arg(gate.offset + first * gate.stride));

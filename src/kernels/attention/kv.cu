@@ -91,3 +91,14 @@ extern "C" __global__ void tern_kv_attention(const float* __restrict__ q, long l
         out[(size_t)i * ld + (size_t)h * hd + c] = o * (1.0f / (1.0f + expf(-gv)));
     }
 }
+
+// out[r][c] *= sigmoid(gate[g_off + r·g_ld + c]) over rows × width (the prefill path, after the
+// flash kernels' causal attention).
+extern "C" __global__ void tern_sigmoid_gate(float* __restrict__ out, const float* __restrict__ gate, long long g_off,
+                                             long long g_ld, int rows, int width) {
+    const size_t n = (size_t)rows * width;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = e / width, c = e % width;
+        out[e] = out[e] * (1.0f / (1.0f + expf(-gate[g_off + r * g_ld + c])));
+    }
+}
