@@ -52,3 +52,22 @@ __device__ __forceinline__ float tern_bf16_to_f32(tern_bf16 b) { return __uint_a
 // (the whole sequence, both directions) or TERN_ATT_CAUSAL (j <= i: a prompt from an empty cache).
 #define TERN_ATT_NO_WINDOW (-1)
 #define TERN_ATT_CAUSAL (-2)
+
+// The keys [lo, hi) that a tile of queries q0 .. q1 - 1 of a sequence of `len` can see.
+__device__ __forceinline__ void tern_att_band(int q0, int q1, int len, int max_distance, int& lo, int& hi) {
+    lo = 0;
+    hi = len;
+    if (max_distance >= 0) {
+        lo = max(0, q0 - max_distance);
+        hi = min(len, q1 - 1 + max_distance + 1);
+    }
+    if (max_distance == TERN_ATT_CAUSAL) hi = q1;  // the tile's last query sees keys up to itself
+}
+
+// Whether query qi sees key kj, for a key below its tile's `hi`.
+__device__ __forceinline__ bool tern_att_visible(int qi, int kj, int hi, int max_distance) {
+    bool visible = kj < hi;
+    if (max_distance >= 0) visible = visible && kj >= qi - max_distance && kj <= qi + max_distance;
+    if (max_distance == TERN_ATT_CAUSAL) visible = visible && kj <= qi;
+    return visible;
+}

@@ -41,13 +41,8 @@ __device__ void tern_attention_tile(const float* __restrict__ q, long long q_off
     const int len = (int)seg_len[tile_seg[blockIdx.x]];
     const int q0 = (int)tile_q0[blockIdx.x];
     const int q1 = min(q0 + TERN_ATT_BQ, len);
-    int lo = 0, hi = len;
-    if (max_distance >= 0) {
-        lo = max(0, q0 - max_distance);
-        hi = min(len, q1 - 1 + max_distance + 1);
-    }
-    const bool causal = max_distance == TERN_ATT_CAUSAL;
-    if (causal) hi = q1;  // the tile's last query sees keys up to itself
+    int lo, hi;
+    tern_att_band(q0, q1, len, max_distance, lo, hi);
     const int h4 = hd / 4;
 
     // Q tile; rows past the sequence are zero (their results are never written).
@@ -103,9 +98,7 @@ __device__ void tern_attention_tile(const float* __restrict__ q, long long q_off
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int qi = q0 + 4 * warp + i, kj = k0 + lane;
-            bool visible = kj < hi;
-            if (max_distance >= 0) visible = visible && kj >= qi - max_distance && kj <= qi + max_distance;
-            if (causal) visible = visible && kj <= qi;
+            const bool visible = tern_att_visible(qi, kj, hi, max_distance);
             const float sc = visible ? ss[(4 * warp + i) * (TERN_ATT_BK + 1) + lane] * scale : -tern_inf();
             const float m_new = fmaxf(m_run[i], tern_warp_max(sc));
             // A query past the sequence end, or one whose window has not started yet, has no

@@ -89,13 +89,8 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
     const int len = (int)seg_len[tile_seg[blockIdx.x]];
     const int q0 = (int)tile_q0[blockIdx.x];
     const int q1 = min(q0 + BQ, len);
-    int lo = 0, hi = len;
-    if (max_distance >= 0) {
-        lo = max(0, q0 - max_distance);
-        hi = min(len, q1 - 1 + max_distance + 1);
-    }
-    const bool causal = max_distance == TERN_ATT_CAUSAL;
-    if (causal) hi = q1;  // the tile's last query sees keys up to itself
+    int lo, hi;
+    tern_att_band(q0, q1, len, max_distance, lo, hi);
     const float* kbase = k + k_off + start * k_ld + (long long)kv_head * hd;
     const float* vbase = v + v_off + start * v_ld + (long long)kv_head * hd;
     const tern_u32 stage_a = tern_tc_smem(stage);
@@ -181,15 +176,8 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const int kj = k0 + wd * NK + 8 * t + 2 * tig + j;
-                bool vlo = kj < hi, vhi = kj < hi;
-                if (max_distance >= 0) {
-                    vlo = vlo && kj >= qlo - max_distance && kj <= qlo + max_distance;
-                    vhi = vhi && kj >= qhi - max_distance && kj <= qhi + max_distance;
-                }
-                if (causal) {
-                    vlo = vlo && kj <= qlo;
-                    vhi = vhi && kj <= qhi;
-                }
+                const bool vlo = tern_att_visible(qlo, kj, hi, max_distance);
+                const bool vhi = tern_att_visible(qhi, kj, hi, max_distance);
                 s[t][j] = vlo ? s[t][j] * scale : -tern_inf();
                 s[t][2 + j] = vhi ? s[t][2 + j] * scale : -tern_inf();
                 mx_lo = fmaxf(mx_lo, s[t][j]);

@@ -152,13 +152,7 @@ impl AttentionCuda {
         out: NormOut,
     ) -> Result<()> {
         let window = check_args(&q, &k, &v, batch, shape, &out)?;
-        if batch.tiles == 0 {
-            return Ok(());
-        }
-        let (_, f) = self.kernels.iter().find(|(max, _)| shape.hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
-        let tiles = Tiles { seg: &batch.tile_seg, q0: &batch.tile_q0, count: batch.tiles };
-        // SAFETY: tern_attention_hd* takes the arguments `launch` passes.
-        unsafe { self.launch(f, tiles, smem_bytes(shape.hd), "launching tern_attention", q, k, v, batch, shape, out, window) }
+        self.run(q, k, v, batch, shape, out, window, false)
     }
 
     /// The fast-mode form of [`Self::attention`], same operands and checks: Q, K, V rounded to
@@ -175,15 +169,7 @@ impl AttentionCuda {
         out: NormOut,
     ) -> Result<()> {
         let window = check_args(&q, &k, &v, batch, shape, &out)?;
-        let (padded, f) = self.tc_kernels.iter().find(|(max, _)| shape.hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
-        let list = &batch.tc_tiles[TC_QUERY_TILES.iter().position(|&t| t == tc_query_tile(*padded)).expect("a tile list per tile size")];
-        if list.count == 0 {
-            return Ok(());
-        }
-        let tiles = Tiles { seg: &list.seg, q0: &list.q0, count: list.count };
-        // SAFETY: tern_attention_tc_hd* takes the arguments `launch` passes; its tiles are
-        // tc_query_tile(padded) queries, as this list's.
-        unsafe { self.launch(f, tiles, tc_smem_bytes(*padded), "launching tern_attention_tc", q, k, v, batch, shape, out, window) }
+        self.run(q, k, v, batch, shape, out, window, true)
     }
 
     /// Causal attention within each sequence (query i sees keys 0 ..= i of its own sequence):
@@ -204,6 +190,23 @@ impl AttentionCuda {
             return Err(Error::Shape("causal attention takes no window".into()));
         }
         check_args(&q, &k, &v, batch, shape, &out)?;
+        self.run(q, k, v, batch, shape, out, CAUSAL_WINDOW, tensor_cores)
+    }
+
+    /// The f32 kernel or the tensor-core one over the batch's tiles, with the window argument
+    /// the kernels take; the operands passed [`check_args`].
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        q: View<CudaSlice<f32>>,
+        k: View<CudaSlice<f32>>,
+        v: View<CudaSlice<f32>>,
+        batch: &GpuAttentionBatch,
+        shape: &AttentionShape,
+        out: NormOut,
+        window: i32,
+        tensor_cores: bool,
+    ) -> Result<()> {
         if tensor_cores {
             let (padded, f) = self.tc_kernels.iter().find(|(max, _)| shape.hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
             let list = &batch.tc_tiles[TC_QUERY_TILES.iter().position(|&t| t == tc_query_tile(*padded)).expect("a tile list per tile size")];
@@ -211,16 +214,17 @@ impl AttentionCuda {
                 return Ok(());
             }
             let tiles = Tiles { seg: &list.seg, q0: &list.q0, count: list.count };
-            // SAFETY: as in attention_bf16.
-            unsafe { self.launch(f, tiles, tc_smem_bytes(*padded), "launching tern_attention_tc", q, k, v, batch, shape, out, CAUSAL_WINDOW) }
+            // SAFETY: tern_attention_tc_hd* takes the arguments `launch` passes; its tiles are
+            // tc_query_tile(padded) queries, as this list's.
+            unsafe { self.launch(f, tiles, tc_smem_bytes(*padded), "launching tern_attention_tc", q, k, v, batch, shape, out, window) }
         } else {
             if batch.tiles == 0 {
                 return Ok(());
             }
             let (_, f) = self.kernels.iter().find(|(max, _)| shape.hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
             let tiles = Tiles { seg: &batch.tile_seg, q0: &batch.tile_q0, count: batch.tiles };
-            // SAFETY: as in attention.
-            unsafe { self.launch(f, tiles, smem_bytes(shape.hd), "launching tern_attention", q, k, v, batch, shape, out, CAUSAL_WINDOW) }
+            // SAFETY: tern_attention_hd* takes the arguments `launch` passes.
+            unsafe { self.launch(f, tiles, smem_bytes(shape.hd), "launching tern_attention", q, k, v, batch, shape, out, window) }
         }
     }
 
