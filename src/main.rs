@@ -869,6 +869,14 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
         };
         let bytes_per_token = model.decode_bytes_per_token(args.gen_tokens / 2);
         let flops = model.prefill_flops(args.prompt_tokens);
+        // Decode steps recorded as CUDA graphs, and why any recording failed.
+        let graphs = match &model {
+            PlacedQwen35::Cpu(_) => serde_json::Value::Null,
+            PlacedQwen35::Cuda(q) => {
+                let (recorded, failed) = q.ops().graph_stats();
+                serde_json::json!({ "recorded": recorded, "failed": failed })
+            }
+        };
         let report = serde_json::json!({
             "model": args.model.display().to_string(),
             "device": model.device(),
@@ -881,6 +889,7 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             "decode_tokens_per_s": 1.0 / decode_s,
             "decode_tokens_per_s_mean": 1.0 / decode_mean_s,
             "concurrent_decode": concurrent,
+            "cuda_graphs": graphs,
             "weight_bytes": model.weight_bytes(),
             "device_weight_bytes": device_bytes,
             "decode_bytes_per_token": bytes_per_token,

@@ -94,14 +94,33 @@ pub trait Ops: Send + Sync + Sized {
     fn zeros(&self, len: usize) -> Result<Self::Buf>;
     /// An empty KV cache for rows of `width` keys and as many values.
     fn kv_cache(&self, width: usize) -> Result<Self::Kv>;
-    /// Runs `f` on the batch of `ids` and returns its result on the host. A backend may record
-    /// the work `f` queues for one shape of batch and replay it for the next batch of that shape
-    /// (CUDA graphs), so `f` must queue the same work for batches of the same shape.
-    fn run_batch(&self, segments: &[Segment], ids: &[u32], f: &dyn Fn(&Self::Batch) -> Result<Self::Buf>) -> Result<Vec<f32>> {
-        let batch = self.batch(segments, ids)?;
+    /// Makes room in `kv`, which holds `filled` rows, for `need` rows. A step that may be
+    /// recorded ([`Ops::run_step`]) reserves before it runs, so that recording allocates nothing
+    /// that outlives the step.
+    fn kv_reserve(&self, kv: &mut Self::Kv, filled: usize, need: usize) -> Result<()>;
+    /// Runs one forward step `f` on the batch of `ids` (sequence s after `past[s]` positions)
+    /// and returns its result on the host. Given a `key`, a backend may record the work `f`
+    /// queues and replay it for later steps of the same key (CUDA graphs). A replay changes only
+    /// the batch's ids and positions, so the key must name everything else the work depends on:
+    /// the batch's shape and every buffer the step reads or writes besides the weights (see
+    /// [`Ops::buf_handle`]); and `f` must queue the same work for equal keys.
+    fn run_step(
+        &self,
+        segments: &[Segment],
+        ids: &[u32],
+        past: &[usize],
+        key: Option<&[u64]>,
+        f: &mut dyn FnMut(&Self::Batch) -> Result<Self::Buf>,
+    ) -> Result<Vec<f32>> {
+        let _ = key;
+        let batch = self.batch_at(segments, ids, past)?;
         let y = f(&batch)?;
         self.to_host(&y)
     }
+    /// A number that names a buffer in [`Ops::run_step`] keys (its address).
+    fn buf_handle(&self, b: &Self::Buf) -> u64;
+    /// Numbers that name a KV cache's buffers, as [`Ops::buf_handle`].
+    fn kv_handle(&self, kv: &Self::Kv) -> [u64; 2];
     /// The segments a batch was made from.
     fn segments<'b>(&self, batch: &'b Self::Batch) -> &'b [Segment];
     /// A guard that a forward pass holds when the backend runs one pass at a time.
@@ -322,6 +341,21 @@ impl Ops for CpuOps {
     }
     fn kv_cache(&self, width: usize) -> Result<CpuKv> {
         Ok(CpuKv { keys: Vec::new(), values: Vec::new(), width })
+    }
+
+    fn kv_reserve(&self, kv: &mut CpuKv, _filled: usize, need: usize) -> Result<()> {
+        let more = (need * kv.width).saturating_sub(kv.keys.len());
+        kv.keys.reserve(more);
+        kv.values.reserve(more);
+        Ok(())
+    }
+
+    fn buf_handle(&self, b: &Vec<f32>) -> u64 {
+        b.as_ptr() as u64
+    }
+
+    fn kv_handle(&self, kv: &CpuKv) -> [u64; 2] {
+        [kv.keys.as_ptr() as u64, kv.keys.capacity() as u64]
     }
 
     fn segments<'b>(&self, batch: &'b CpuBatch) -> &'b [Segment] {

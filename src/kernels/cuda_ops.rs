@@ -2,10 +2,11 @@
 //! family's CUDA form (`src/kernels/<family>/cuda.rs`, source beside it). Everything is queued
 //! on the GPU's one stream; only [`Ops::to_host`] waits.
 //!
-//! Two precisions ([`Precision`]): f32 (the same maths as the CPU, plain SGEMM) and bf16
-//! (weights stored as bf16, GEMM inputs rounded to bf16, tensor-core GEMMs with f32
-//! accumulation; activations, norms, attention and the residual stay f32). fp16 is refused:
-//! EmbeddingGemma's activations overflow half precision.
+//! Two precisions ([`Precision`]): f32 (the same maths as the CPU: weights kept as stored, f32
+//! products) and bf16 (f32 weights rounded to bf16; GEMM inputs rounded to bf16 for tensor-core
+//! GEMMs with f32 accumulation, while few-row products take f32 inputs; activations, norms,
+//! attention and the residual stay f32). fp16 is refused: EmbeddingGemma's activations overflow
+//! half precision.
 
 use std::collections::HashMap;
 use std::str::FromStr;
@@ -22,7 +23,7 @@ use crate::kernels::backend::{check_past, matrix_shape, HeadOps, Ops, View};
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::cuda::{ChunkAccumulate, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
-use crate::kernels::matmul::cuda::{Blas, GpuMatrix, GpuWeights};
+use crate::kernels::matmul::cuda::{Blas, GpuMatrix};
 use crate::kernels::matmul::Weights;
 use crate::kernels::moe::cuda::MoeCuda;
 use crate::kernels::norm::cuda::{NormCuda, NormOut};
@@ -52,7 +53,7 @@ pub const GRAPH_MAX_TOKENS: usize = 512;
 /// Recorded graphs kept per model (distinct batch shapes); the cache is cleared when full.
 const GRAPH_CACHE: usize = 64;
 
-/// A recorded forward pass: its batch (whose id buffer a replay reads) and output buffer.
+/// A recorded step: its batch (whose ids and positions a replay rewrites) and output buffer.
 struct Recorded {
     batch: CudaBatch,
     graph: cudarc::driver::CudaGraph,
@@ -69,7 +70,7 @@ pub enum Precision {
     /// f32 operands, f32 arithmetic: the reference maths.
     #[default]
     F32,
-    /// bf16 weights and GEMM inputs on tensor cores, f32 accumulation and activations.
+    /// bf16 weights (Q8_0 kept), bf16 GEMM inputs on tensor cores, f32 accumulation and activations.
     Bf16,
 }
 
@@ -144,15 +145,15 @@ pub struct CudaOps {
     weight_bytes: AtomicUsize,
     /// cuBLAS handles are not thread-safe and forward passes share the stream: one at a time.
     exclusive: Mutex<()>,
-    /// Recorded forward passes by sequence lengths (Err: recording failed, run plainly).
-    graphs: Mutex<HashMap<Vec<usize>, std::result::Result<Recorded, String>>>,
+    /// Recorded steps by their keys (Err: recording failed, run plainly).
+    graphs: Mutex<HashMap<Vec<u64>, std::result::Result<Recorded, String>>>,
 }
 
 impl CudaOps {
     /// Compiles (through the cache) and loads every encoder kernel on `gpu`.
     pub fn new(gpu: Arc<Gpu>, precision: Precision) -> Result<Self> {
         Ok(CudaOps {
-            blas: Blas::new(gpu.clone())?,
+            blas: Blas::new(gpu.clone(), precision == Precision::Bf16)?,
             norm: NormCuda::new(gpu.clone())?,
             activation: ActivationCuda::new(gpu.clone())?,
             rope: RopeCuda::new(gpu.clone())?,
@@ -189,15 +190,14 @@ impl CudaOps {
     /// FLOP/s of this backend's GEMM (its precision) on `[m × k]·[k × n]`, median of timed
     /// runs: the roofline that benchmarks report their fraction of.
     pub fn measure_gemm_rate(&self, m: usize, n: usize, k: usize) -> Result<f64> {
-        let w = self.blas.matrix(&vec![0.01f32; n * k], n, k, self.precision == Precision::Bf16)?;
+        let w = self.blas.matrix(&Weights::F32(&vec![0.01f32; n * k]), n, k)?;
         let x = self.gpu.upload(&vec![0.5f32; m * k])?;
-        let x16 = self.gemm_input(&x, &w)?;
         let mut y = self.gpu.alloc::<f32>(m * n)?;
         let (start, end) = (self.gpu.event()?, self.gpu.event()?);
         let mut times = Vec::new();
         for rep in 0..12 {
             start.record(self.gpu.stream()).map_err(crate::cuda::driver_err("recording an event"))?;
-            self.blas.linear(Some(&x), x16.as_ref(), m, &w, &mut y)?;
+            self.blas.linear(&x, m, &w, &mut y)?;
             end.record(self.gpu.stream()).map_err(crate::cuda::driver_err("recording an event"))?;
             end.synchronize().map_err(crate::cuda::driver_err("waiting for an event"))?;
             let ms = start.elapsed_ms(&end).map_err(crate::cuda::driver_err("timing"))? as f64;
@@ -247,18 +247,6 @@ impl CudaOps {
         self.gpu.upload(v)
     }
 
-    /// A bf16 copy of `x` when the weights are bf16 (the GEMM's operand), else None.
-    fn gemm_input(&self, x: &CudaSlice<f32>, w: &GpuMatrix) -> Result<Option<CudaSlice<u16>>> {
-        match w.w {
-            GpuWeights::F32(_) => Ok(None),
-            GpuWeights::Bf16(_) => {
-                let mut x16 = self.gpu.alloc::<u16>(x.len())?;
-                self.blas.to_bf16(x, &mut x16)?;
-                Ok(Some(x16))
-            }
-        }
-    }
-
     fn out(f32: &mut CudaSlice<f32>) -> NormOut<'_> {
         NormOut { f32: Some(f32), bf16: None }
     }
@@ -277,10 +265,10 @@ impl CudaOps {
         Ok(self.llm.get().expect("set just above"))
     }
 
-    /// A weight matrix decoded to f32 on the host, then uploaded in this backend's precision.
+    /// A weight matrix uploaded in its stored type (f32 as bf16 in the fast mode).
     fn upload_matrix(&self, w: &Matrix) -> Result<GpuMatrix> {
         let (out, inp) = matrix_shape(w)?;
-        let m = self.blas.matrix(&Weights::from(w).to_f32(inp)?, out, inp, self.precision == Precision::Bf16)?;
+        let m = self.blas.matrix(&Weights::from(w), out, inp)?;
         self.count(m.bytes());
         Ok(m)
     }
@@ -312,6 +300,11 @@ impl CudaOps {
     }
 }
 
+/// Each row's position: sequence s's rows follow its `past[s]`.
+fn positions(segments: &[Segment], past: &[usize]) -> Vec<u32> {
+    segments.iter().zip(past).flat_map(|(s, &p)| (p..p + s.len).map(|v| v as u32)).collect()
+}
+
 impl Ops for CudaOps {
     type Buf = CudaSlice<f32>;
     type Mat = GpuMatrix;
@@ -327,17 +320,16 @@ impl Ops for CudaOps {
     }
 
     fn stacked(&self, name: String, parts: Vec<Matrix>) -> Result<GpuMatrix> {
-        let (mut out, mut inp, mut data) = (0, None, Vec::new());
+        let mut inp = None;
         for p in &parts {
-            let (o, i) = matrix_shape(p)?;
+            let (_, i) = matrix_shape(p)?;
             if *inp.get_or_insert(i) != i {
                 return Err(Error::tensor(p.name(), format!("{i} columns cannot stack in {name} under rows of {}", inp.unwrap_or(0))));
             }
-            data.extend(Weights::from(p).to_f32(i)?);
-            out += o;
         }
         let inp = inp.ok_or_else(|| Error::tensor(&name, "nothing to stack"))?;
-        let m = self.blas.matrix(&data, out, inp, self.precision == Precision::Bf16)?;
+        let weights: Vec<Weights> = parts.iter().map(Weights::from).collect();
+        let m = self.blas.stacked(&weights, inp)?;
         self.count(m.bytes());
         Ok(m)
     }
@@ -377,7 +369,7 @@ impl Ops for CudaOps {
         if ids.len() != att.rows {
             return Err(Error::Shape(format!("batch: {} ids for segments covering {} rows", ids.len(), att.rows)));
         }
-        let positions: Vec<u32> = segments.iter().zip(past).flat_map(|(s, &p)| (p..p + s.len).map(|v| v as u32)).collect();
+        let positions = positions(segments, past);
         let max_position = segments.iter().zip(past).map(|(s, &p)| (p + s.len).saturating_sub(1)).max().unwrap_or(0);
         let last: Vec<u32> = segments.iter().filter(|s| s.len > 0).map(|s| (s.start + s.len - 1) as u32).collect();
         let slots: Vec<usize> = (0..segments.len()).collect();
@@ -404,29 +396,57 @@ impl Ops for CudaOps {
         &batch.att.segments
     }
 
-    fn run_batch(&self, segments: &[Segment], ids: &[u32], f: &dyn Fn(&CudaBatch) -> Result<CudaSlice<f32>>) -> Result<Vec<f32>> {
-        let plain = || -> Result<Vec<f32>> {
-            let batch = self.batch(segments, ids)?;
+    fn kv_reserve(&self, kv: &mut GpuKv, filled: usize, need: usize) -> Result<()> {
+        kv.reserve(&self.gpu, filled, need)
+    }
+
+    fn buf_handle(&self, b: &CudaSlice<f32>) -> u64 {
+        self.gpu.ptr(b)
+    }
+
+    fn kv_handle(&self, kv: &GpuKv) -> [u64; 2] {
+        kv.handle(&self.gpu)
+    }
+
+    fn run_step(
+        &self,
+        segments: &[Segment],
+        ids: &[u32],
+        past: &[usize],
+        key: Option<&[u64]>,
+        f: &mut dyn FnMut(&CudaBatch) -> Result<CudaSlice<f32>>,
+    ) -> Result<Vec<f32>> {
+        let mut plain = || -> Result<Vec<f32>> {
+            let batch = self.batch_at(segments, ids, past)?;
             let y = f(&batch)?;
             self.to_host(&y)
         };
-        if ids.len() > GRAPH_MAX_TOKENS || std::env::var_os("TERN_NO_CUDA_GRAPHS").is_some() {
-            return plain();
-        }
-        let key: Vec<usize> = segments.iter().map(|s| s.len).collect();
+        let key = match key {
+            Some(k) if ids.len() <= GRAPH_MAX_TOKENS && std::env::var_os("TERN_NO_CUDA_GRAPHS").is_none() => k,
+            _ => return plain(),
+        };
         let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        match graphs.get_mut(&key) {
+        match graphs.get_mut(key) {
             Some(Ok(r)) => {
+                if r.batch.att.segments != segments {
+                    return Err(Error::Shape("a recorded step replayed with other segments under the same key".into()));
+                }
+                // The only inputs that change between steps of one key.
                 r.batch.ids.write(&self.gpu, ids)?;
-                r.graph.launch().map_err(driver_err("launching a recorded forward pass"))?;
+                self.gpu.write(&positions(segments, past), &mut r.batch.positions)?;
+                r.graph.launch().map_err(driver_err("launching a recorded step"))?;
                 return self.to_host(&r.out);
             }
-            Some(Err(_)) => return plain(),
+            Some(Err(_)) => {
+                drop(graphs);
+                return plain();
+            }
             None => {}
         }
-        // First batch of this shape: run it plainly (which also loads every kernel and lets
-        // cuBLAS set up its workspace), then record the same work for the next one.
-        let batch = self.batch(segments, ids)?;
+        // First step of this key: run it plainly (which also loads every kernel and lets
+        // cuBLAS set up its workspace), then record the same work for the next one. Recording
+        // queues nothing that runs now, so the step's effects on its buffers happen once.
+        let batch = self.batch_at(segments, ids, past)?;
         let y = f(&batch)?;
         let host = self.to_host(&y)?;
         let mut out = self.gpu.alloc::<f32>(y.len())?;
@@ -449,7 +469,7 @@ impl Ops for CudaOps {
             Ok(None) => Err("the capture recorded no graph".to_string()),
             Err(e) => Err(e.to_string()),
         };
-        graphs.insert(key, entry);
+        graphs.insert(key.to_vec(), entry);
         Ok(host)
     }
 
@@ -464,9 +484,8 @@ impl Ops for CudaOps {
     }
 
     fn linear(&self, x: &CudaSlice<f32>, rows: usize, w: &GpuMatrix, bias: Option<&CudaSlice<f32>>) -> Result<CudaSlice<f32>> {
-        let x16 = self.gemm_input(x, w)?;
         let mut y = self.gpu.alloc::<f32>(rows * w.out)?;
-        self.blas.linear(Some(x), x16.as_ref(), rows, w, &mut y)?;
+        self.blas.linear(x, rows, w, &mut y)?;
         if let Some(b) = bias {
             self.blas.add_bias(&mut y, b)?;
         }
@@ -630,9 +649,9 @@ impl Ops for CudaOps {
         // continued prompts attend over the cache.
         let views_fit = [&q, &k, &v].iter().all(|x| x.offset % 4 == 0 && x.stride % 4 == 0) && shape.hd % 4 == 0;
         if batch.past.iter().all(|&p| p == 0) && views_fit && batch.att.rows > batch.past.len() {
-            kv.prefill(&self.attention, q, k, v, gate, &batch.att, caches, shape, &mut out, self.precision == Precision::Bf16)?;
+            kv.prefill(&self.attention, q, k, v, gate, &batch.att, &batch.positions, caches, shape, &mut out, self.precision == Precision::Bf16)?;
         } else {
-            kv.kv_attention(q, k, v, gate, &batch.att.segments, &batch.past, caches, shape, &mut out)?;
+            kv.kv_attention(q, k, v, gate, &batch.att.segments, &batch.past, &batch.positions, caches, shape, &mut out)?;
         }
         Ok(out)
     }

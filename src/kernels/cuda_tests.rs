@@ -15,7 +15,8 @@ use crate::kernels::backend::View;
 use crate::kernels::cuda_ops::Precision;
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::test_util::rel_err;
-use crate::kernels::matmul::cuda::Blas;
+use crate::kernels::matmul::cuda::{Blas, GEMV_MAX_ROWS};
+use crate::kernels::matmul::Weights;
 use crate::kernels::norm::cuda::{NormCuda, NormOut};
 use crate::kernels::pool::cuda::PoolCuda;
 use crate::kernels::rope::cuda::{GpuHeadPrep, GpuRope, RopeCuda};
@@ -275,30 +276,67 @@ fn cuda_pool_embedding_and_linear_match_cpu() {
     let outside = GpuIds::new(&gpu, &[1000]).unwrap();
     assert!(emb.embed_lookup(&dt, 64, &outside, 8.0, &mut nan(&gpu, 64)).is_err(), "id outside the table");
 
-    let blas = Blas::new(gpu.clone()).unwrap();
-    for &(rows, out_f, in_f) in &[(1usize, 768usize, 768usize), (10, 1152, 768), (333, 3072, 768), (64, 17, 5)] {
+    let blas = Blas::new(gpu.clone(), false).unwrap();
+    let blas16 = Blas::new(gpu.clone(), true).unwrap();
+    // Row counts on both sides of the GEMV bound, shapes with and without whole 256-wide steps.
+    for &(rows, out_f, in_f) in &[(1usize, 768usize, 768usize), (3, 1000, 1056), (8, 257, 64), (10, 1152, 768), (333, 3072, 768), (64, 17, 5)] {
         let x = rng.vec(rows * in_f, -1.0, 1.0);
         let w = rng.vec(out_f * in_f, -0.1, 0.1);
         let bias = rng.vec(out_f, -1.0, 1.0);
+        let dx = gpu.upload(&x).unwrap();
         let mut want = super::matmul::linear(&x, rows, &w, out_f, in_f).unwrap();
         super::matmul::add_bias(&mut want, &bias).unwrap();
-        let dx = gpu.upload(&x).unwrap();
-        let m = blas.matrix(&w, out_f, in_f, false).unwrap();
+        let m = blas.matrix(&Weights::F32(&w), out_f, in_f).unwrap();
         let mut y = nan(&gpu, rows * out_f);
-        blas.linear(Some(&dx), None, rows, &m, &mut y).unwrap();
+        blas.linear(&dx, rows, &m, &mut y).unwrap();
         blas.add_bias(&mut y, &gpu.upload(&bias).unwrap()).unwrap();
         let e = check("linear f32", &gpu.download(&y).unwrap(), &want, BOUND);
-        // bf16: the CPU product of the same bf16-rounded operands, f32 accumulation.
+        // Stored bf16 and Q8_0 weights in the f32 mode: the CPU's product of the same weights
+        // (formed exactly in f32 on both sides).
+        let w16: Vec<u16> = w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let mut stored = vec![("bf16", Weights::Bf16(&w16))];
+        let q8 = (in_f % 32 == 0).then(|| quantize_q8_0(&w));
+        if let Some(q) = &q8 {
+            stored.push(("q8_0", Weights::Q8_0(q)));
+        }
+        for (name, sw) in &stored {
+            let want = super::matmul::linear_w(&x, rows, *sw, out_f, in_f).unwrap();
+            let m = blas.matrix(sw, out_f, in_f).unwrap();
+            let mut y = nan(&gpu, rows * out_f);
+            blas.linear(&dx, rows, &m, &mut y).unwrap();
+            check(&format!("linear {name} weights, f32 mode, {rows} rows"), &gpu.download(&y).unwrap(), &want, BOUND);
+        }
+        // Fast mode: a GEMV takes f32 rows against the bf16 weights; a GEMM the CPU product of
+        // the same bf16-rounded operands, f32 accumulation.
         let r16 = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect() };
-        let want16 = super::matmul::linear(&r16(&x), rows, &r16(&w), out_f, in_f).unwrap();
-        let m16 = blas.matrix(&w, out_f, in_f, true).unwrap();
-        let mut x16 = gpu.upload(&vec![0u16; x.len()]).unwrap();
-        blas.to_bf16(&dx, &mut x16).unwrap();
+        let gemv = rows <= GEMV_MAX_ROWS && in_f % 8 == 0;
+        let want16 = super::matmul::linear(&if gemv { x.clone() } else { r16(&x) }, rows, &r16(&w), out_f, in_f).unwrap();
+        let m16 = blas16.matrix(&Weights::F32(&w), out_f, in_f).unwrap();
         let mut y = nan(&gpu, rows * out_f);
-        blas.linear(None, Some(&x16), rows, &m16, &mut y).unwrap();
+        blas16.linear(&dx, rows, &m16, &mut y).unwrap();
         let e16 = check("linear bf16", &gpu.download(&y).unwrap(), &want16, BOUND);
+        if let Some(q) = &q8 {
+            let deq: Vec<f32> = Weights::Q8_0(q).to_f32(in_f).unwrap();
+            let want = super::matmul::linear(&if gemv { x.clone() } else { r16(&x) }, rows, &if gemv { deq.clone() } else { r16(&deq) }, out_f, in_f).unwrap();
+            let m = blas16.matrix(&Weights::Q8_0(q), out_f, in_f).unwrap();
+            let mut y = nan(&gpu, rows * out_f);
+            blas16.linear(&dx, rows, &m, &mut y).unwrap();
+            check(&format!("linear q8_0 weights, fast mode, {rows} rows"), &gpu.download(&y).unwrap(), &want, BOUND);
+        }
         eprintln!("linear {rows}x{in_f} -> {out_f}: f32 {e:.2e}, bf16 (vs rounded operands) {e16:.2e}");
     }
+}
+
+/// Q8_0 blocks of `w` (an f16 scale max|w|/127, then the rounded quants), as GGUF writes them.
+fn quantize_q8_0(w: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(w.len() / 32 * 34);
+    for b in w.chunks_exact(32) {
+        let d = half::f16::from_f32(b.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0);
+        out.extend_from_slice(&d.to_le_bytes());
+        let inv = if d.to_f32() > 0.0 { 1.0 / d.to_f32() } else { 0.0 };
+        out.extend(b.iter().map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
+    }
+    out
 }
 
 fn fixture(name: &str) -> PathBuf {

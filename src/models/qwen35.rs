@@ -667,7 +667,6 @@ impl<O: Ops> Qwen35<O> {
     /// times; the convolution, recurrence and attention run per sequence on its own state.
     pub fn forward_batch(&self, batch: &mut [(&[u32], &mut Qwen35State<O>)]) -> Result<Vec<Vec<f32>>> {
         let (c, ops) = (&self.cfg, &self.ops);
-        let h = c.hidden;
         if batch.is_empty() {
             return Ok(Vec::new());
         }
@@ -691,8 +690,38 @@ impl<O: Ops> Qwen35<O> {
         let ids: Vec<u32> = batch.iter().flat_map(|(ids, _)| ids.iter().copied()).collect();
         let past: Vec<usize> = batch.iter().map(|(_, s)| s.position).collect();
         let _one_at_a_time = ops.serialize();
-        let b = ops.batch_at(&segs, &ids, &past)?;
-        let mut x = ops.embed(&self.embed, &b, 1.0)?;
+        // Caches grow before the step, so that a recorded step allocates nothing that outlives it.
+        for (ids, state) in batch.iter_mut() {
+            let (filled, need) = (state.position, state.position + ids.len());
+            for kv in &mut state.kv {
+                ops.kv_reserve(kv, filled, need)?;
+            }
+        }
+        // A decode step (one token per sequence) may be recorded and replayed: its work depends
+        // on the number of sequences and on their state and cache buffers, which the key names.
+        // MoE routing reads the router's logits back to the host mid-step, so it is never recorded.
+        let decode = segs.iter().all(|s| s.len == 1) && c.moe.is_none();
+        let key: Option<Vec<u64>> = decode.then(|| {
+            let mut key = vec![batch.len() as u64];
+            for (_, s) in batch.iter() {
+                key.extend(s.conv.iter().chain(&s.recurrent).map(|b| ops.buf_handle(b)));
+                key.extend(s.kv.iter().flat_map(|kv| ops.kv_handle(kv)));
+            }
+            key
+        });
+        let logits = ops.run_step(&segs, &ids, &past, key.as_deref(), &mut |b| self.step(b, n, batch))?;
+        for (ids, state) in batch.iter_mut() {
+            state.position += ids.len();
+        }
+        Ok(logits.chunks(c.vocab_size).map(|r| r.to_vec()).collect())
+    }
+
+    /// The forward pass of one step over the packed batch `b` of `n` rows: each sequence's
+    /// last-token logits, [sequences][vocab], on the backend.
+    fn step(&self, b: &O::Batch, n: usize, batch: &mut [(&[u32], &mut Qwen35State<O>)]) -> Result<O::Buf> {
+        let (c, ops) = (&self.cfg, &self.ops);
+        let h = c.hidden;
+        let mut x = ops.embed(&self.embed, b, 1.0)?;
         let first_norm = self.layers.first().map_or(&self.final_norm, |l| &l.input_norm);
         let mut a = ops.rms_norm(&x, h, Some(first_norm), 1.0, c.eps)?;
         let (mut lin_i, mut full_i) = (0, 0);
@@ -707,12 +736,12 @@ impl<O: Ops> Qwen35<O> {
                         })
                         .unzip();
                     lin_i += 1;
-                    self.linear_attention(m, &a, n, &b, &mut convs, &mut recs)?
+                    self.linear_attention(m, &a, n, b, &mut convs, &mut recs)?
                 }
                 Mixer::Full(m) => {
                     let mut caches: Vec<&mut O::Kv> = batch.iter_mut().map(|(_, s)| &mut s.kv[full_i]).collect();
                     full_i += 1;
-                    self.full_attention(m, &a, n, &b, &mut caches)?
+                    self.full_attention(m, &a, n, b, &mut caches)?
                 }
             };
             ops.residual_norm(&mut x, &mixed, &layer.post_norm, h, c.eps, &mut a)?;
@@ -721,12 +750,8 @@ impl<O: Ops> Qwen35<O> {
             let next = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
             ops.residual_norm(&mut x, &m, next, h, c.eps, &mut a)?;
         }
-        let last = ops.last_rows(&a, h, &b)?;
-        let logits = ops.to_host(&ops.linear(&last, batch.len(), &self.head, None)?)?;
-        for (ids, state) in batch.iter_mut() {
-            state.position += ids.len();
-        }
-        Ok(logits.chunks(c.vocab_size).map(|r| r.to_vec()).collect())
+        let last = ops.last_rows(&a, h, b)?;
+        ops.linear(&last, batch.len(), &self.head, None)
     }
 
     fn mlp(&self, m: &Mlp<O>, a: &O::Buf, n: usize) -> Result<O::Buf> {

@@ -55,7 +55,9 @@ impl<O: Ops> Stack<O> {
         let ops = self.encoder.ops();
         let ids = self.encoder.checked_ids(ids, segments)?;
         let _one_at_a_time = ops.serialize();
-        ops.run_batch(segments, &ids, &|batch| {
+        // The encoder's work depends on nothing but the segments' lengths.
+        let key: Vec<u64> = segments.iter().map(|s| s.len as u64).collect();
+        ops.run_step(segments, &ids, &vec![0; segments.len()], Some(&key), &mut |batch| {
             let mut x = self.encoder.forward_batch(batch)?;
             for d in &self.dense {
                 x = ops.linear(&x, segments.len(), &d.weight, d.bias.as_ref())?;

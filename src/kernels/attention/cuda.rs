@@ -319,12 +319,13 @@ fn check_args(
 pub const SOURCE_KV: KernelSource =
     KernelSource { name: "tern_attention_kv", code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("kv.cu")) };
 
-/// One sequence's KV cache of one layer on the device: `rows` of `width` keys and values, in
-/// buffers of `capacity` rows that grow by doubling (a copy) when a step needs more.
+/// One sequence's KV cache of one layer on the device: `width` keys and values per row, in
+/// buffers of `capacity` rows that grow by doubling (a copy) when a step needs more. How many
+/// rows are filled is the sequence's position, which the batch carries (on the host, and on the
+/// device for the kernels), so that a recorded decode step needs no host-side bookkeeping here.
 pub struct GpuKv {
     pub keys: CudaSlice<f32>,
     pub values: CudaSlice<f32>,
-    pub rows: usize,
     pub capacity: usize,
     pub width: usize,
 }
@@ -334,23 +335,27 @@ const KV_FIRST_CAPACITY: usize = 256;
 
 impl GpuKv {
     pub fn new(gpu: &Gpu, width: usize) -> Result<Self> {
-        Ok(GpuKv { keys: gpu.alloc(KV_FIRST_CAPACITY * width)?, values: gpu.alloc(KV_FIRST_CAPACITY * width)?, rows: 0, capacity: KV_FIRST_CAPACITY, width })
+        Ok(GpuKv { keys: gpu.alloc(KV_FIRST_CAPACITY * width)?, values: gpu.alloc(KV_FIRST_CAPACITY * width)?, capacity: KV_FIRST_CAPACITY, width })
     }
 
-    /// Makes room for `more` rows after the current ones, keeping them.
-    fn reserve(&mut self, gpu: &Gpu, more: usize) -> Result<()> {
-        let need = self.rows + more;
+    /// Makes room for `need` rows, keeping the first `filled`.
+    pub fn reserve(&mut self, gpu: &Gpu, filled: usize, need: usize) -> Result<()> {
         if need <= self.capacity {
             return Ok(());
         }
         let capacity = need.max(2 * self.capacity);
         for buf in [&mut self.keys, &mut self.values] {
             let mut grown = gpu.alloc::<f32>(capacity * self.width)?;
-            gpu.copy_range(buf, 0, &mut grown, 0, self.rows * self.width)?;
+            gpu.copy_range(buf, 0, &mut grown, 0, filled.min(self.capacity) * self.width)?;
             *buf = grown;
         }
         self.capacity = capacity;
         Ok(())
+    }
+
+    /// The buffers' identity (a recorded step that writes this cache is valid while it holds).
+    pub fn handle(&self, gpu: &Gpu) -> [u64; 2] {
+        [gpu.ptr(&self.keys), self.capacity as u64]
     }
 }
 
@@ -388,6 +393,7 @@ impl KvAttentionCuda {
         v: View<CudaSlice<f32>>,
         gate: View<CudaSlice<f32>>,
         batch: &GpuAttentionBatch,
+        positions: &CudaSlice<u32>,
         caches: &mut [&mut GpuKv],
         shape: &AttentionShape,
         out: &mut CudaSlice<f32>,
@@ -400,12 +406,13 @@ impl KvAttentionCuda {
         if caches.len() != batch.segments.len() {
             return Err(Error::Shape(format!("kv prefill: {} caches for {} sequences", caches.len(), batch.segments.len())));
         }
-        if let Some(c) = caches.iter().find(|c| c.rows != 0 || c.width != kw) {
-            return Err(Error::Shape(format!("kv prefill: a cache of {} rows of {} (empty, rows of {kw} expected)", c.rows, c.width)));
+        if let Some(c) = caches.iter().find(|c| c.width != kw) {
+            return Err(Error::Shape(format!("kv prefill: a cache of rows of {} (rows of {kw} expected)", c.width)));
         }
+        check_len("kv prefill positions", positions.len(), batch.rows)?;
         flash.causal(q, k, v, batch, shape, NormOut { f32: Some(&mut *out), bf16: None }, tensor_cores)?;
         for (seg, cache) in batch.segments.iter().zip(caches.iter_mut()) {
-            self.append_rows(&k, &v, seg, cache)?;
+            self.append_rows(&k, &v, seg, 0, positions, cache)?;
         }
         let g = &self.gpu;
         let (n, w) = (int_arg("gate rows", batch.rows)?, int_arg("gate width", qw)?);
@@ -420,29 +427,30 @@ impl KvAttentionCuda {
         Ok(())
     }
 
-    /// Appends a segment's rows of the k, v views to the end of `cache` (grown as needed).
-    fn append_rows(&self, k: &View<CudaSlice<f32>>, v: &View<CudaSlice<f32>>, seg: &Segment, cache: &mut GpuKv) -> Result<()> {
+    /// Writes a segment's rows of the k, v views into `cache` after its `past` rows (grown as
+    /// needed), each at its row's position on the device (`positions`, the batch's).
+    fn append_rows(&self, k: &View<CudaSlice<f32>>, v: &View<CudaSlice<f32>>, seg: &Segment, past: usize, positions: &CudaSlice<u32>, cache: &mut GpuKv) -> Result<()> {
         if seg.len == 0 {
             return Ok(());
         }
         let g = &self.gpu;
         let kw = cache.width;
-        cache.reserve(g, seg.len)?;
-        let at = 4 * (cache.rows * kw) as u64;
-        let (kc, vc) = (g.ptr(&cache.keys) + at, g.ptr(&cache.values) + at);
+        cache.reserve(g, past, past + seg.len)?;
+        let (kc, vc) = (g.ptr(&cache.keys), g.ptr(&cache.values));
         let first = seg.start;
+        let pp = g.ptr(positions) + 4 * first as u64;
         let (n, w) = (int_arg("kv rows", seg.len)?, int_arg("kv width", kw)?);
         let (k_off, v_off) = (long_arg(k.offset + first * k.stride), long_arg(v.offset + first * v.stride));
         let (k_ld, v_ld) = (long_arg(k.stride), long_arg(v.stride));
         let (kp, vp) = (g.ptr(k.buf), g.ptr(v.buf));
         let mut l = g.stream().launch_builder(&self.append);
-        l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&n).arg(&w).arg(&kc).arg(&vc);
+        l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&n).arg(&w).arg(&pp).arg(&kc).arg(&vc);
         let blocks = crate::cuda::grid_for(seg.len * kw, 256)?.min(65_535);
         // SAFETY: argument types match tern_kv_append; the views hold the segment's rows
-        // (checked by the callers) and the caches have room for them (reserved just above).
+        // (checked by the callers), whose positions are past … past + len − 1 (the batch's), and
+        // the caches have room for them (reserved just above).
         unsafe { l.launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
             .map_err(driver_err("launching tern_kv_append"))?;
-        cache.rows += seg.len;
         Ok(())
     }
 
@@ -457,7 +465,8 @@ impl KvAttentionCuda {
         v: View<CudaSlice<f32>>,
         gate: View<CudaSlice<f32>>,
         segments: &[Segment],
-        positions: &[usize],
+        past: &[usize],
+        positions: &CudaSlice<u32>,
         caches: &mut [&mut GpuKv],
         shape: &AttentionShape,
         out: &mut CudaSlice<f32>,
@@ -475,38 +484,37 @@ impl KvAttentionCuda {
         check_view("kv_attention k", k.buf.len(), k.offset, k.stride, rows, kw)?;
         check_view("kv_attention v", v.buf.len(), v.offset, v.stride, rows, kw)?;
         check_len("kv_attention output", out.len(), rows * qw)?;
-        if caches.len() != segments.len() || positions.len() != segments.len() {
-            return Err(Error::Shape(format!("kv_attention: {} caches and {} positions for {} sequences", caches.len(), positions.len(), segments.len())));
+        if caches.len() != segments.len() || past.len() != segments.len() {
+            return Err(Error::Shape(format!("kv_attention: {} caches and {} positions for {} sequences", caches.len(), past.len(), segments.len())));
         }
+        check_len("kv_attention positions", positions.len(), rows)?;
         let g = &self.gpu;
         let (heads, kvh, hdi) = (int_arg("query heads", q_heads)?, int_arg("kv heads", kv_heads)?, int_arg("head dim", hd)?);
-        for ((seg, cache), &past) in segments.iter().zip(caches.iter_mut()).zip(positions) {
-            if cache.width != kw || cache.rows != past {
-                return Err(Error::Shape(format!(
-                    "kv_attention: a sequence at position {past} has a cache of {} rows of {} (rows of {kw} expected)",
-                    cache.rows, cache.width
-                )));
+        for ((seg, cache), &past) in segments.iter().zip(caches.iter_mut()).zip(past) {
+            if cache.width != kw {
+                return Err(Error::Shape(format!("kv_attention: a cache of rows of {} (rows of {kw} expected)", cache.width)));
             }
             if seg.len == 0 {
                 continue;
             }
-            self.append_rows(&k, &v, seg, cache)?;
+            self.append_rows(&k, &v, seg, past, positions, cache)?;
             let first = seg.start;
-
-            let past32 = int_arg("cache rows", past)?;
+            int_arg("cache rows", past + seg.len)?;
+            let pp = g.ptr(positions) + 4 * first as u64;
             let (q_off, g_off) = (long_arg(q.offset + first * q.stride), long_arg(gate.offset + first * gate.stride));
             let (q_ld, g_ld) = (long_arg(q.stride), long_arg(gate.stride));
             let (qp, gp, kc0, vc0) = (g.ptr(q.buf), g.ptr(gate.buf), g.ptr(&cache.keys), g.ptr(&cache.values));
             let op = g.ptr(out) + 4 * (first * qw) as u64;
             let mut l = g.stream().launch_builder(&self.attend);
-            l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld).arg(&kc0).arg(&vc0).arg(&past32);
+            l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld).arg(&kc0).arg(&vc0).arg(&pp);
             l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).arg(&op);
             let grid_rows = u32::try_from(seg.len).ok().filter(|&r| r <= 65_535).ok_or_else(|| {
                 Error::Shape(format!("kv_attention: {} new rows of one sequence, at most 65535 per launch", seg.len))
             })?;
             let cfg = LaunchConfig { grid_dim: (q_heads as u32, grid_rows, 1), block_dim: (KV_BLOCK, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: argument types match tern_kv_attention; query row i reads cache rows
-            // ≤ past + i < cache.rows, and writes its own output row inside `out` (checked).
+            // SAFETY: argument types match tern_kv_attention; query row i (position past + i, the
+            // batch's) reads cache rows ≤ past + i, which the append above filled or reserved,
+            // and writes its own output row inside `out` (checked).
             unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_kv_attention"))?;
         }
         Ok(())

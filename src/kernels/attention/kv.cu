@@ -9,25 +9,30 @@
 #define TERN_KV_MAX_HD 512
 #define TERN_KV_PER_LANE (TERN_KV_MAX_HD / 32)
 
-// Rows of k and v (strided views of the fused projection) appended to the caches, whose
-// pointers are at the first new row.
+// Positions come from device memory (the batch's, one per row), never from kernel arguments:
+// a decode step recorded as a CUDA graph replays with new positions and the same arguments.
+
+// Rows of k and v (strided views of the fused projection) appended to the caches: row r goes
+// to cache row positions[r].
 extern "C" __global__ void tern_kv_append(const float* __restrict__ k, long long k_off, long long k_ld,
                                           const float* __restrict__ v, long long v_off, long long v_ld, int rows,
-                                          int width, float* __restrict__ k_cache, float* __restrict__ v_cache) {
+                                          int width, const unsigned* __restrict__ positions,
+                                          float* __restrict__ k_cache, float* __restrict__ v_cache) {
     const size_t n = (size_t)rows * width;
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) {
         const size_t r = e / width, i = e % width;
-        k_cache[e] = k[k_off + r * k_ld + i];
-        v_cache[e] = v[v_off + r * v_ld + i];
+        const size_t at = (size_t)positions[r] * width + i;
+        k_cache[at] = k[k_off + r * k_ld + i];
+        v_cache[at] = v[v_off + r * v_ld + i];
     }
 }
 
-// Query row i (blockIdx.y) of the segment sits at position past + i and sees cache rows
-// 0 ..= past + i. q and gate are strided views; out is the segment's first output row.
+// Query row i (blockIdx.y) of the segment sits at position positions[i] and sees cache rows
+// 0 ..= positions[i]. q and gate are strided views; out is the segment's first output row.
 extern "C" __global__ void tern_kv_attention(const float* __restrict__ q, long long q_off, long long q_ld,
                                              const float* __restrict__ gate, long long g_off, long long g_ld,
                                              const float* __restrict__ k_cache, const float* __restrict__ v_cache,
-                                             int past, int q_heads, int kv_heads, int hd, float scale,
+                                             const unsigned* __restrict__ positions, int q_heads, int kv_heads, int hd, float scale,
                                              float* __restrict__ out) {
     const int h = blockIdx.x, i = blockIdx.y;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -41,7 +46,7 @@ extern "C" __global__ void tern_kv_attention(const float* __restrict__ q, long l
     for (int c = threadIdx.x; c < hd; c += blockDim.x) qs[c] = qr[c];
     __syncthreads();
 
-    const int keys = past + i + 1;
+    const int keys = (int)positions[i] + 1;
     float m = -tern_inf(), l = 0.0f, acc[TERN_KV_PER_LANE];
 #pragma unroll
     for (int t = 0; t < TERN_KV_PER_LANE; ++t) acc[t] = 0.0f;

@@ -1,6 +1,13 @@
-//! The CUDA matmul: cuBLAS GEMMs (the tool NVIDIA tunes per architecture; a hand-written
-//! kernel would have to beat it per shape, and for these large dense products it does not
-//! need to be beaten) plus two helper kernels in `convert.cu`.
+//! The CUDA matmul: a GEMV kernel for a few rows (decode, `gemv.cu`), cuBLAS GEMMs for more
+//! (the tool NVIDIA tunes per architecture; a hand-written kernel would have to beat it per
+//! shape, and for these large dense products it does not need to be beaten), and the helper
+//! kernels in `convert.cu`.
+//!
+//! Weights stay on the device in their stored type (f32, bf16, or Q8_0 repacked into quants
+//! and scales), so that decode, which reads every weight once per step, reads as few bytes as
+//! the file holds. A GEMM takes them as its operand type: f32 in the f32 mode (bf16 and Q8_0
+//! expanded exactly, into a scratch buffer, just before the product: at the row counts that
+//! reach the GEMM the product's arithmetic dwarfs that copy), bf16 in the fast mode.
 //!
 //! Row-major `Y[rows][out] = X[rows][in] · W[out][in]ᵀ` is, in cuBLAS's column-major terms,
 //! `Yᵀ = op(W)·Xᵀ` with W read as an `in × out` matrix and transposed: m = out, n = rows,
@@ -17,15 +24,27 @@ use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use crate::cuda::{cublas_available, driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
 use crate::error::{Error, Result};
 use crate::kernels::check_len;
+use super::q8_0::{BLOCK, BLOCK_BYTES};
+use crate::kernels::matmul::Weights;
 
-pub const SOURCE: KernelSource =
-    KernelSource { name: "tern_matmul", code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("convert.cu")) };
+pub const SOURCE: KernelSource = KernelSource {
+    name: "tern_matmul",
+    code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("convert.cu"), "\n", include_str!("gemv.cu")),
+};
 
-/// A weight matrix on the device, [out][in].
+/// Products of at most this many rows take the GEMV kernel (they read the weights once, and
+/// a GEMM's tiles would be mostly empty).
+pub const GEMV_MAX_ROWS: usize = 8;
+/// Output features per GEMV block (one warp each; TERN_GEMV_WARPS).
+const GEMV_WARPS: usize = 8;
+
+/// A weight matrix on the device, [out][in], in its stored type.
 pub enum GpuWeights {
     F32(CudaSlice<f32>),
-    /// bf16 bits (round-to-nearest-even from the f32 weights).
+    /// bf16 bits: as stored, or rounded to nearest even from f32 in the fast mode.
     Bf16(CudaSlice<u16>),
+    /// Q8_0 repacked: the quants [out][in] and one f16 scale (bits) per 32 weights of a row.
+    Q8 { quants: CudaSlice<i8>, scales: CudaSlice<u16> },
 }
 
 pub struct GpuMatrix {
@@ -35,11 +54,32 @@ pub struct GpuMatrix {
 }
 
 impl GpuMatrix {
+    /// Device bytes of the weights (what a decode step reads).
     pub fn bytes(&self) -> usize {
         match &self.w {
             GpuWeights::F32(w) => 4 * w.len(),
             GpuWeights::Bf16(w) => 2 * w.len(),
+            GpuWeights::Q8 { quants, scales } => quants.len() + 2 * scales.len(),
         }
+    }
+}
+
+/// The GEMV kernels for one weight type, by their row bound R (1, 2, 4, 8).
+struct GemvKernels([CudaFunction; 4]);
+
+impl GemvKernels {
+    fn new(gpu: &Gpu, kind: &str) -> Result<Self> {
+        let f = |r: usize| gpu.function(&SOURCE, &format!("tern_gemv_{kind}_{r}"));
+        Ok(GemvKernels([f(1)?, f(2)?, f(4)?, f(8)?]))
+    }
+
+    fn for_rows(&self, rows: usize) -> &CudaFunction {
+        &self.0[match rows {
+            1 => 0,
+            2 => 1,
+            3 | 4 => 2,
+            _ => 3,
+        }]
     }
 }
 
@@ -47,34 +87,102 @@ impl GpuMatrix {
 pub struct Blas {
     gpu: Arc<Gpu>,
     handle: CudaBlas,
+    /// GEMM operands in bf16 (the fast mode); f32 weights are rounded to bf16 at upload.
+    tensor_cores: bool,
     to_bf16: CudaFunction,
     add_bias: CudaFunction,
+    gemv: [GemvKernels; 3],
+    expand_bf16_f32: CudaFunction,
+    expand_q8_f32: CudaFunction,
+    expand_q8_bf16: CudaFunction,
 }
 
 fn blas_err(what: &str) -> impl FnOnce(cudarc::cublas::result::CublasError) -> Error + '_ {
     move |e| Error::Cuda(format!("{what}: {e:?}"))
 }
 
+/// Q8_0 blocks (an f16 scale, then 32 i8 quants) split into the quants and the scales.
+fn split_q8_0(blocks: &[u8]) -> (Vec<i8>, Vec<u16>) {
+    let n = blocks.len() / BLOCK_BYTES;
+    let (mut quants, mut scales) = (Vec::with_capacity(n * BLOCK), Vec::with_capacity(n));
+    for b in blocks.chunks_exact(BLOCK_BYTES) {
+        scales.push(u16::from_le_bytes([b[0], b[1]]));
+        quants.extend(b[2..].iter().map(|&q| q as i8));
+    }
+    (quants, scales)
+}
+
 impl Blas {
-    pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
+    pub fn new(gpu: Arc<Gpu>, tensor_cores: bool) -> Result<Self> {
         cublas_available()?;
         let handle = CudaBlas::new(gpu.stream().clone()).map_err(blas_err("creating the cuBLAS handle"))?;
-        Ok(Blas { to_bf16: gpu.function(&SOURCE, "tern_to_bf16")?, add_bias: gpu.function(&SOURCE, "tern_add_bias")?, handle, gpu })
+        let f = |name: &str| gpu.function(&SOURCE, name);
+        Ok(Blas {
+            to_bf16: f("tern_to_bf16")?,
+            add_bias: f("tern_add_bias")?,
+            gemv: [GemvKernels::new(&gpu, "f32")?, GemvKernels::new(&gpu, "bf16")?, GemvKernels::new(&gpu, "q8")?],
+            expand_bf16_f32: f("tern_expand_bf16_f32")?,
+            expand_q8_f32: f("tern_expand_q8_f32")?,
+            expand_q8_bf16: f("tern_expand_q8_bf16")?,
+            tensor_cores,
+            handle,
+            gpu,
+        })
     }
 
-    /// Uploads an f32 weight matrix [out][in], converted to bf16 when `bf16`.
-    pub fn matrix(&self, w: &[f32], out: usize, inp: usize, bf16: bool) -> Result<GpuMatrix> {
+    /// Uploads a weight matrix [out][in] in its stored type; f32 weights become bf16 in the
+    /// fast mode.
+    pub fn matrix(&self, w: &Weights, out: usize, inp: usize) -> Result<GpuMatrix> {
         check_len("matrix", w.len(), out * inp)?;
-        let w = if bf16 {
-            let bits: Vec<u16> = w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-            GpuWeights::Bf16(self.gpu.upload(&bits)?)
-        } else {
-            GpuWeights::F32(self.gpu.upload(w)?)
+        let g = &self.gpu;
+        let w = match *w {
+            Weights::F32(v) if self.tensor_cores => {
+                let bits: Vec<u16> = v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+                GpuWeights::Bf16(g.upload(&bits)?)
+            }
+            Weights::F32(v) => GpuWeights::F32(g.upload(v)?),
+            Weights::Bf16(v) => GpuWeights::Bf16(g.upload(v)?),
+            Weights::Q8_0(blocks) => {
+                if inp % BLOCK != 0 {
+                    return Err(Error::Shape(format!("Q8_0 rows of {inp} columns are not whole blocks of {BLOCK}")));
+                }
+                let (quants, scales) = split_q8_0(blocks);
+                GpuWeights::Q8 { quants: g.upload(&quants)?, scales: g.upload(&scales)? }
+            }
         };
         Ok(GpuMatrix { w, out, inp })
     }
 
-    /// y = bf16(x), elementwise. CPU twin: `half::bf16::from_f32`.
+    /// Matrices of `inp` columns stacked by rows into one ([Σ out][in]): in their common stored
+    /// type, or as f32 when they differ.
+    pub fn stacked(&self, parts: &[Weights], inp: usize) -> Result<GpuMatrix> {
+        let out = parts.iter().map(|p| p.len() / inp.max(1)).sum::<usize>();
+        let same = |f: fn(&Weights) -> bool| parts.iter().all(f);
+        if same(|p| matches!(p, Weights::F32(_))) || same(|p| matches!(p, Weights::Bf16(_))) || same(|p| matches!(p, Weights::Q8_0(_))) {
+            return match parts.first() {
+                Some(Weights::F32(_)) => {
+                    let all: Vec<f32> = parts.iter().flat_map(|p| if let Weights::F32(v) = p { v.to_vec() } else { Vec::new() }).collect();
+                    self.matrix(&Weights::F32(&all), out, inp)
+                }
+                Some(Weights::Bf16(_)) => {
+                    let all: Vec<u16> = parts.iter().flat_map(|p| if let Weights::Bf16(v) = p { v.to_vec() } else { Vec::new() }).collect();
+                    self.matrix(&Weights::Bf16(&all), out, inp)
+                }
+                Some(Weights::Q8_0(_)) => {
+                    let all: Vec<u8> = parts.iter().flat_map(|p| if let Weights::Q8_0(v) = p { v.to_vec() } else { Vec::new() }).collect();
+                    self.matrix(&Weights::Q8_0(&all), out, inp)
+                }
+                None => Err(Error::Shape("nothing to stack".into())),
+            };
+        }
+        let mut all = Vec::with_capacity(out * inp);
+        for p in parts {
+            all.extend(p.to_f32(inp)?);
+        }
+        self.matrix(&Weights::F32(&all), out, inp)
+    }
+
+/// y = bf16(x), elementwise. CPU twin: `half::bf16::from_f32`.
     pub fn to_bf16(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<u16>) -> Result<()> {
         check_len("to_bf16 output", y.len(), x.len())?;
         if x.is_empty() {
@@ -106,30 +214,58 @@ impl Blas {
         Ok(())
     }
 
-    /// Y = X·Wᵀ. `x` is f32 for f32 weights; for bf16 weights `x16` must hold X as bf16 (see
-    /// [`Blas::to_bf16`]). CPU twin: [`super::linear`].
-    pub fn linear(&self, x: Option<&CudaSlice<f32>>, x16: Option<&CudaSlice<u16>>, rows: usize, w: &GpuMatrix, y: &mut CudaSlice<f32>) -> Result<()> {
+    /// Y = X·Wᵀ for `rows` rows of f32 X. CPU twin: [`super::linear_w`].
+    pub fn linear(&self, x: &CudaSlice<f32>, rows: usize, w: &GpuMatrix, y: &mut CudaSlice<f32>) -> Result<()> {
+        check_len("linear input", x.len(), rows * w.inp)?;
         check_len("linear output", y.len(), rows * w.out)?;
         if rows == 0 || w.out == 0 {
             return Ok(());
         }
-        let (m, n, k) = (int_arg("linear out", w.out)?, int_arg("linear rows", rows)?, int_arg("linear in", w.inp)?);
+        if rows <= GEMV_MAX_ROWS && w.inp % 8 == 0 {
+            return self.gemv(x, rows, w, y);
+        }
         let g = &self.gpu;
-        let (wp, a_type, xp, b_type) = match (&w.w, x, x16) {
-            (GpuWeights::F32(wd), Some(x), _) => {
-                check_len("linear input", x.len(), rows * w.inp)?;
-                (g.ptr(wd), blas_sys::cudaDataType_t::CUDA_R_32F, g.ptr(x), blas_sys::cudaDataType_t::CUDA_R_32F)
+        let n = w.out * w.inp;
+        let f32_operands = |wp: u64| (wp, blas_sys::cudaDataType_t::CUDA_R_32F, g.ptr(x), blas_sys::cudaDataType_t::CUDA_R_32F);
+        // Scratch operands live until the product is queued (the stream orders their reuse).
+        let (mut w32, mut w16, mut x16) = (None, None, None);
+        let operands = match (&w.w, self.tensor_cores) {
+            (GpuWeights::F32(wd), _) => f32_operands(g.ptr(wd)),
+            (GpuWeights::Bf16(wd), false) => {
+                let e = w32.insert(g.alloc::<f32>(n)?);
+                self.expand(&self.expand_bf16_f32, &[g.ptr(wd)], n, g.ptr(e))?;
+                f32_operands(g.ptr(e))
             }
-            (GpuWeights::Bf16(wd), _, Some(x16)) => {
-                check_len("linear input", x16.len(), rows * w.inp)?;
-                (g.ptr(wd), blas_sys::cudaDataType_t::CUDA_R_16BF, g.ptr(x16), blas_sys::cudaDataType_t::CUDA_R_16BF)
+            (GpuWeights::Q8 { quants, scales }, false) => {
+                let e = w32.insert(g.alloc::<f32>(n)?);
+                self.expand(&self.expand_q8_f32, &[g.ptr(quants), g.ptr(scales)], n, g.ptr(e))?;
+                f32_operands(g.ptr(e))
             }
-            _ => return Err(Error::Shape("linear: the input's precision does not match the weights'".into())),
+            (weights, true) => {
+                let wp = match weights {
+                    GpuWeights::Q8 { quants, scales } => {
+                        let e = w16.insert(g.alloc::<u16>(n)?);
+                        self.expand(&self.expand_q8_bf16, &[g.ptr(quants), g.ptr(scales)], n, g.ptr(e))?;
+                        g.ptr(e)
+                    }
+                    GpuWeights::Bf16(wd) => g.ptr(wd),
+                    GpuWeights::F32(_) => unreachable!("matched above"),
+                };
+                let xb = x16.insert(g.alloc::<u16>(x.len())?);
+                self.to_bf16(x, xb)?;
+                (wp, blas_sys::cudaDataType_t::CUDA_R_16BF, g.ptr(xb), blas_sys::cudaDataType_t::CUDA_R_16BF)
+            }
         };
-        let yp = g.ptr(y);
+        self.gemm(operands, rows, w, y)
+    }
+
+    /// The cuBLAS product on prepared operands (weights, their type, X, its type).
+    fn gemm(&self, (wp, a_type, xp, b_type): (u64, blas_sys::cudaDataType_t, u64, blas_sys::cudaDataType_t), rows: usize, w: &GpuMatrix, y: &mut CudaSlice<f32>) -> Result<()> {
+        let (m, n, k) = (int_arg("linear out", w.out)?, int_arg("linear rows", rows)?, int_arg("linear in", w.inp)?);
+        let yp = self.gpu.ptr(y);
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: W holds out × in, X rows × in and Y rows × out elements of the types named
-        // (checked above); the handle is bound to the GPU's stream.
+        // (checked by the caller); the handle is bound to the GPU's stream.
         unsafe {
             blas::gemm_ex(
                 *self.handle.handle(),
@@ -154,5 +290,44 @@ impl Blas {
             )
         }
         .map_err(blas_err("cuBLAS GEMM"))
+    }
+
+    /// The GEMV kernel of the weights' type for at most [`GEMV_MAX_ROWS`] rows; `in` % 8 == 0.
+    fn gemv(&self, x: &CudaSlice<f32>, rows: usize, w: &GpuMatrix, y: &mut CudaSlice<f32>) -> Result<()> {
+        let g = &self.gpu;
+        let (r, out, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv out", w.out)?, int_arg("gemv in", w.inp)?);
+        let (xp, yp) = (g.ptr(x), g.ptr(y));
+        let (kernels, weights) = match &w.w {
+            GpuWeights::F32(wd) => (&self.gemv[0], vec![g.ptr(wd)]),
+            GpuWeights::Bf16(wd) => (&self.gemv[1], vec![g.ptr(wd)]),
+            GpuWeights::Q8 { quants, scales } => (&self.gemv[2], vec![g.ptr(quants), g.ptr(scales)]),
+        };
+        let mut l = g.stream().launch_builder(kernels.for_rows(rows));
+        for p in &weights {
+            l.arg(p);
+        }
+        l.arg(&xp).arg(&r).arg(&out).arg(&inp).arg(&yp);
+        let cfg = LaunchConfig { grid_dim: (grid_for(w.out, GEMV_WARPS as u32)?, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match tern_gemv_<type>_<R> (R >= rows by for_rows); W holds
+        // out × in weights of its type, X rows × in and Y rows × out (checked by the caller);
+        // in % 8 == 0 keeps the vector loads aligned.
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv"))?;
+        Ok(())
+    }
+
+    /// Expands `n` stored weights (their buffers' pointers) into an operand buffer.
+    fn expand(&self, f: &CudaFunction, weights: &[u64], n: usize, dst: u64) -> Result<()> {
+        let g = &self.gpu;
+        let count = n as u64;
+        let mut l = g.stream().launch_builder(f);
+        for p in weights {
+            l.arg(p);
+        }
+        l.arg(&count).arg(&dst);
+        let cfg = LaunchConfig { grid_dim: (grid_for(n, 256)?.min(65_535 * 8), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match tern_expand_*; the weights hold n values (and n / 32
+        // scales) and dst n operands (allocated by the caller).
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_expand"))?;
+        Ok(())
     }
 }
