@@ -94,9 +94,9 @@ pub trait Ops: Send + Sync + Sized {
     fn zeros(&self, len: usize) -> Result<Self::Buf>;
     /// An empty KV cache for rows of `width` keys and as many values.
     fn kv_cache(&self, width: usize) -> Result<Self::Kv>;
-    /// Makes room in `kv`, which holds `filled` rows, for `need` rows. A step that may be
-    /// recorded ([`Ops::run_step`]) reserves before it runs, so that recording allocates nothing
-    /// that outlives the step.
+    /// Makes room in `kv`, which holds `filled` rows, for `need` rows. Every step reserves its
+    /// caches before it runs, so that a recorded step ([`Ops::run_step`]) allocates nothing
+    /// that outlives it; [`Ops::kv_attention`] refuses a cache reserved for another position.
     fn kv_reserve(&self, kv: &mut Self::Kv, filled: usize, need: usize) -> Result<()>;
     /// Runs one forward step `f` on the batch of `ids` (sequence s after `past[s]` positions)
     /// and returns its result on the host. Given a `key`, a backend may record the work `f`
@@ -120,7 +120,7 @@ pub trait Ops: Send + Sync + Sized {
     /// A number that names a buffer in [`Ops::run_step`] keys (its address).
     fn buf_handle(&self, b: &Self::Buf) -> u64;
     /// Numbers that name a KV cache's buffers, as [`Ops::buf_handle`].
-    fn kv_handle(&self, kv: &Self::Kv) -> [u64; 2];
+    fn kv_handle(&self, kv: &Self::Kv) -> [u64; 3];
     /// The segments a batch was made from.
     fn segments<'b>(&self, batch: &'b Self::Batch) -> &'b [Segment];
     /// A guard that a forward pass holds when the backend runs one pass at a time.
@@ -354,8 +354,8 @@ impl Ops for CpuOps {
         b.as_ptr() as u64
     }
 
-    fn kv_handle(&self, kv: &CpuKv) -> [u64; 2] {
-        [kv.keys.as_ptr() as u64, kv.keys.capacity() as u64]
+    fn kv_handle(&self, kv: &CpuKv) -> [u64; 3] {
+        [kv.keys.as_ptr() as u64, kv.values.as_ptr() as u64, kv.keys.capacity() as u64]
     }
 
     fn segments<'b>(&self, batch: &'b CpuBatch) -> &'b [Segment] {

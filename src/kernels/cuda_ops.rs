@@ -404,7 +404,7 @@ impl Ops for CudaOps {
         self.gpu.ptr(b)
     }
 
-    fn kv_handle(&self, kv: &GpuKv) -> [u64; 2] {
+    fn kv_handle(&self, kv: &GpuKv) -> [u64; 3] {
         kv.handle(&self.gpu)
     }
 

@@ -92,6 +92,10 @@ fn cuda_llm_ops_match_cpu() {
             let want = cpu.kv_attention(at(0), at(2 * qw), at(2 * qw + kw), at(qw), &cb, &mut cc, &shape).unwrap();
             let yg = up(&y);
             let atg = |o| View::new(&yg, o, stride);
+            // As a model step does: each cache is reserved for the step before it runs.
+            for ((c, &p), &l) in gpu_caches.iter_mut().zip(&past).zip(&lens) {
+                ops.kv_reserve(c, p, p + l).unwrap();
+            }
             let mut gc: Vec<_> = gpu_caches.iter_mut().collect();
             let got = ops.kv_attention(atg(0), atg(2 * qw), atg(2 * qw + kw), atg(qw), &gb, &mut gc, &shape).unwrap();
             check(&format!("kv_attention {qh}/{kvh}×{hd} lens {lens:?} past {past:?}"), &gpu.download(&got).unwrap(), &want, BOUND);
@@ -200,6 +204,15 @@ fn cuda_qwen35_matches_cpu() {
                 worst_batch = worst_batch.max(e);
                 next[i] = argmax(&own) as u32;
             }
+        }
+        // Dense decode steps are recorded once per key and replayed (the logits above came from
+        // replays); MoE steps read routing back mid-step and always run plainly.
+        let (recorded, failed) = f32m.ops().graph_stats();
+        assert!(failed.is_empty(), "{rel}: decode recordings failed: {failed:?}");
+        if cpu.cfg.moe.is_none() {
+            assert!(recorded > 0, "{rel}: no decode step was recorded");
+        } else {
+            assert_eq!(recorded, 0, "{rel}: a MoE step was recorded");
         }
         eprintln!(
             "{rel}: GPU f32 vs CPU ≤ {worst:.2e} of the logit scale; batched vs alone ≤ {worst_batch:.2e}; \

@@ -320,12 +320,16 @@ pub const SOURCE_KV: KernelSource =
     KernelSource { name: "tern_attention_kv", code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("kv.cu")) };
 
 /// One sequence's KV cache of one layer on the device: `width` keys and values per row, in
-/// buffers of `capacity` rows that grow by doubling (a copy) when a step needs more. How many
-/// rows are filled is the sequence's position, which the batch carries (on the host, and on the
-/// device for the kernels), so that a recorded decode step needs no host-side bookkeeping here.
+/// buffers of `capacity` rows that grow by doubling (a copy) when a step needs more. The
+/// kernels take the filled rows from the batch's positions on the device, so that a recorded
+/// decode step needs no host-side bookkeeping. `rows` is the host's count for the checks: the
+/// rows the cache held when the current step reserved it ([`GpuKv::reserve`], which every step
+/// calls before it runs, replayed steps included). Nothing inside a step changes it, so a step
+/// run once plainly and once more to be recorded sees the same count both times.
 pub struct GpuKv {
     pub keys: CudaSlice<f32>,
     pub values: CudaSlice<f32>,
+    pub rows: usize,
     pub capacity: usize,
     pub width: usize,
 }
@@ -335,11 +339,12 @@ const KV_FIRST_CAPACITY: usize = 256;
 
 impl GpuKv {
     pub fn new(gpu: &Gpu, width: usize) -> Result<Self> {
-        Ok(GpuKv { keys: gpu.alloc(KV_FIRST_CAPACITY * width)?, values: gpu.alloc(KV_FIRST_CAPACITY * width)?, capacity: KV_FIRST_CAPACITY, width })
+        Ok(GpuKv { keys: gpu.alloc(KV_FIRST_CAPACITY * width)?, values: gpu.alloc(KV_FIRST_CAPACITY * width)?, rows: 0, capacity: KV_FIRST_CAPACITY, width })
     }
 
-    /// Makes room for `need` rows, keeping the first `filled`.
+    /// Makes room for `need` rows, keeping the first `filled` (which the cache now holds).
     pub fn reserve(&mut self, gpu: &Gpu, filled: usize, need: usize) -> Result<()> {
+        self.rows = filled;
         if need <= self.capacity {
             return Ok(());
         }
@@ -354,8 +359,8 @@ impl GpuKv {
     }
 
     /// The buffers' identity (a recorded step that writes this cache is valid while it holds).
-    pub fn handle(&self, gpu: &Gpu) -> [u64; 2] {
-        [gpu.ptr(&self.keys), self.capacity as u64]
+    pub fn handle(&self, gpu: &Gpu) -> [u64; 3] {
+        [gpu.ptr(&self.keys), gpu.ptr(&self.values), self.capacity as u64]
     }
 }
 
@@ -406,8 +411,8 @@ impl KvAttentionCuda {
         if caches.len() != batch.segments.len() {
             return Err(Error::Shape(format!("kv prefill: {} caches for {} sequences", caches.len(), batch.segments.len())));
         }
-        if let Some(c) = caches.iter().find(|c| c.width != kw) {
-            return Err(Error::Shape(format!("kv prefill: a cache of rows of {} (rows of {kw} expected)", c.width)));
+        if let Some(c) = caches.iter().find(|c| c.rows != 0 || c.width != kw) {
+            return Err(Error::Shape(format!("kv prefill: a cache of {} rows of {} (empty, rows of {kw} expected)", c.rows, c.width)));
         }
         check_len("kv prefill positions", positions.len(), batch.rows)?;
         flash.causal(q, k, v, batch, shape, NormOut { f32: Some(&mut *out), bf16: None }, tensor_cores)?;
@@ -491,8 +496,11 @@ impl KvAttentionCuda {
         let g = &self.gpu;
         let (heads, kvh, hdi) = (int_arg("query heads", q_heads)?, int_arg("kv heads", kv_heads)?, int_arg("head dim", hd)?);
         for ((seg, cache), &past) in segments.iter().zip(caches.iter_mut()).zip(past) {
-            if cache.width != kw {
-                return Err(Error::Shape(format!("kv_attention: a cache of rows of {} (rows of {kw} expected)", cache.width)));
+            if cache.width != kw || cache.rows != past {
+                return Err(Error::Shape(format!(
+                    "kv_attention: a sequence at position {past} has a cache of {} rows of {} (rows of {kw} expected)",
+                    cache.rows, cache.width
+                )));
             }
             if seg.len == 0 {
                 continue;
