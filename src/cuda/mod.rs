@@ -222,8 +222,21 @@ impl Gpu {
         module.load_function(func).map_err(driver_err(&format!("{}: function {func}", source.name)))
     }
 
+    /// Refuses a copy between host and device while the stream is being recorded into a
+    /// graph: the graph would keep the host address and read (or write) it again at every
+    /// replay, long after the host buffer is gone. A recording that meets this error fails as
+    /// a whole and the step runs plainly instead.
+    fn not_recording(&self, what: &str) -> Result<()> {
+        use cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        match self.stream.capture_status().map_err(driver_err("reading the capture status"))? {
+            CU_STREAM_CAPTURE_STATUS_NONE => Ok(()),
+            _ => Err(Error::Cuda(format!("{what} inside a recorded step (a graph cannot own a host buffer)"))),
+        }
+    }
+
     /// A device copy of `data`.
     pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        self.not_recording("a copy to the device")?;
         self.stream.clone_htod(data).map_err(driver_err("copying to the device"))
     }
 
@@ -232,11 +245,13 @@ impl Gpu {
         if src.len() != dst.len() {
             return Err(Error::Shape(format!("device write: {} elements into a buffer of {}", src.len(), dst.len())));
         }
+        self.not_recording("a copy to the device")?;
         self.stream.memcpy_htod(src, dst).map_err(driver_err("copying to the device"))
     }
 
     /// A host copy of `buf` (waits for the work queued before it).
     pub fn download<T: DeviceRepr + Default + Clone>(&self, buf: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.not_recording("a copy to the host")?;
         self.stream.clone_dtoh(buf).map_err(driver_err("copying from the device"))
     }
 

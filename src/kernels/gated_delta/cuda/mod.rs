@@ -78,6 +78,9 @@ pub struct GpuSegments {
     start: CudaSlice<u32>,
     len: CudaSlice<u32>,
     slot: CudaSlice<u32>,
+    /// The chunked forms' table, made at their first use and kept with the batch, so that a
+    /// recorded step (which may not copy from the host) finds it already on the device.
+    chunks: std::sync::OnceLock<Option<ChunkTable>>,
 }
 
 impl GpuSegments {
@@ -107,6 +110,7 @@ impl GpuSegments {
             start: gpu.upload(&start)?,
             len: gpu.upload(&len)?,
             slot: gpu.upload(&slot)?,
+            chunks: std::sync::OnceLock::new(),
         })
     }
 
@@ -124,6 +128,15 @@ impl GpuSegments {
     }
     pub fn segments(&self) -> &[Segment] {
         &self.segments
+    }
+
+    /// The batch's chunk table (None without tokens), uploaded at the first call.
+    fn chunk_table(&self, gpu: &Gpu) -> Result<Option<&ChunkTable>> {
+        if let Some(t) = self.chunks.get() {
+            return Ok(t.as_ref());
+        }
+        let t = ChunkTable::new(gpu, self)?;
+        Ok(self.chunks.get_or_init(|| t).as_ref())
     }
 
     /// Checks that a pool of `pool_len` elements holds every slot used, at `per_slot` each.
@@ -725,8 +738,9 @@ impl GatedDeltaCuda {
         if d_k > MAX_CHUNK_HEAD_DIM || d_v > MAX_CHUNK_HEAD_DIM {
             return Err(Error::Shape(format!("delta_rule_chunked on CUDA: d_k {d_k}, d_v {d_v} (at most {MAX_CHUNK_HEAD_DIM})")));
         }
-        let Some(table) = ChunkTable::new(&self.gpu, segs)? else { return Ok(()) };
+        let Some(table) = segs.chunk_table(&self.gpu)? else { return Ok(()) };
         let ChunkTable { n_chunks, seg_chunk0, seg_nchunks, chunk_t0, chunk_len } = table;
+        let n_chunks = *n_chunks;
         let gpu = &self.gpu;
 
         let per = n_chunks * n_v_heads;
@@ -856,7 +870,7 @@ impl GatedDeltaCuda {
                 "delta_rule_chunked_fast on CUDA: d_k {d_k}, d_v {d_v} (each must be one of {FAST_CHUNK_HEAD_DIMS:?})"
             )));
         };
-        let Some(table) = ChunkTable::new(&self.gpu, segs)? else { return Ok(()) };
+        let Some(table) = segs.chunk_table(&self.gpu)? else { return Ok(()) };
         if table.n_chunks > 65_535 {
             return Err(Error::Shape(format!("delta_rule_chunked_fast: {} chunks, at most 65535 per launch", table.n_chunks)));
         }
