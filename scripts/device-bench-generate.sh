@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Qwen3.5 generation on a CUDA GPU, in one call on the device machine:
+# Qwen3.5 generation on a CUDA GPU, tern beside llama.cpp's CUDA build, in one call on the
+# device machine:
 #   scripts/device-bench-generate.sh DIR
 # DIR holds the `tern` binary (or tern.xz) and DIR/whl with the transformers 5.24 wheel
-# (../shared/tools/device-wheels.sh). Makes the random-weight Qwen3.5-0.8B checkpoint on the
-# device (scripts/make_bench_qwen35.py --no-gguf: real shapes, bf16 safetensors), then runs
-# `tern bench generate` on it in f32 and bf16: prefill of 512 and 4096 tokens, batch-1 decode,
-# and decode rounds of 1, 8, 32 and 128 sequences, each with the rooflines measured in the run.
+# (../shared/tools/device-wheels.sh); optionally DIR/llama-convert.tgz (llama.cpp's converter:
+# convert_hf_to_gguf.py, conversion/ and gguf-py/ from ../shared/tools/llama-cpp-src.sh, plus
+# ../shared/tools/hf-to-gguf.py) and DIR/llama-bench.xz (llama.cpp's own benchmark, built for
+# sm_90 with GGML_CUDA=ON). Makes the random-weight Qwen3.5-0.8B on the device
+# (scripts/make_bench_qwen35.py: real shapes, bf16 safetensors) and, with the converter, its
+# BF16 and Q8_0 GGUFs; then runs `tern bench generate` on each file in f32 and bf16 (prefill of
+# 4096 tokens, batch-1 decode, decode rounds of 1, 8, 32 and 128 sequences, each with the
+# rooflines measured in the run) and llama-bench on the GGUFs (pp4096, tg128). Every JSON
+# report also goes to $OUT/generate.jsonl when $OUT is set.
 set -euo pipefail
-dir=${1:?usage: scripts/device-bench-generate.sh DIR}
+dir=$(cd "${1:?usage: scripts/device-bench-generate.sh DIR}" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/device-env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
@@ -15,12 +21,32 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 bench=/tmp/tern-bench
 mkdir -p $bench
+report=${OUT:-$bench}/generate.jsonl
 tern="$dir/tern"
 if [ ! -x "$tern" ]; then xz -dc "$dir/tern.xz" > $bench/tern && chmod +x $bench/tern && tern=$bench/tern; fi
-python3 "$here/make_bench_qwen35.py" $bench --no-gguf 2>&1 | grep -v -e Warning || true
-for dtype in f32 bf16; do
-  for prompt in 512 4096; do
-    "$tern" bench generate --model $bench/qwen35-0.8b --device cuda --dtype $dtype --prompt-tokens $prompt --gen-tokens 64 --iters 3 \
-      $([ $prompt = 512 ] && echo --concurrent 1,8,32,128)
+
+gguf_args=(--no-gguf)
+if [ -f "$dir/llama-convert.tgz" ]; then
+  mkdir -p $bench/llama.cpp && tar xzf "$dir/llama-convert.tgz" -C $bench/llama.cpp
+  export LLAMA_CPP_DIR=$bench/llama.cpp TERN_SHARED_TOOLS=$bench/llama.cpp
+  gguf_args=(--gguf-types=bf16,q8_0)
+fi
+python3 "$here/make_bench_qwen35.py" $bench "${gguf_args[@]}" 2>&1 | grep -v -e Warning || true
+
+models=($bench/qwen35-0.8b $bench/qwen35-0.8b-bf16.gguf $bench/qwen35-0.8b-q8_0.gguf)
+for model in "${models[@]}"; do
+  [ -e "$model" ] || continue
+  for dtype in f32 bf16; do
+    "$tern" bench generate --model "$model" --device cuda --dtype $dtype --prompt-tokens 4096 --gen-tokens 64 --iters 3 \
+      --concurrent 1,8,32,128 | tee -a "$report"
   done
 done
+
+llama=""
+if [ -f "$dir/llama-bench.xz" ]; then xz -dc "$dir/llama-bench.xz" > $bench/llama-bench && chmod +x $bench/llama-bench && llama=$bench/llama-bench; fi
+if [ -n "$llama" ]; then
+  for model in $bench/qwen35-0.8b-bf16.gguf $bench/qwen35-0.8b-q8_0.gguf; do
+    [ -e "$model" ] || continue
+    "$llama" -m "$model" -p 4096 -n 128 -r 3 -o json | tee -a "${OUT:-$bench}/llama-bench.json"
+  done
+fi

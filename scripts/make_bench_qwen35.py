@@ -15,9 +15,9 @@ attention); Gated DeltaNet 16 heads for V and 16 for QK, head dimension 128; gat
 heads and 2 KV heads of dimension 256, rotary dimension 64 (partial factor 0.25), RoPE theta 1e7;
 FFN intermediate 3584; 248320 (padded) token embeddings tied to the LM output; context 262144.
 
-    python scripts/make_bench_qwen35.py [OUT_DIR] [--no-gguf]    (default ~/.cache/tern/bench)
+    python scripts/make_bench_qwen35.py [OUT_DIR] [--no-gguf | --gguf-types=bf16,q8_0]    (default ~/.cache/tern/bench)
 
-writes OUT_DIR/qwen35-0.8b/ (the checkpoint) and OUT_DIR/qwen35-0.8b-bf16.gguf. Needs the golden
+writes OUT_DIR/qwen35-0.8b/ (the checkpoint) and OUT_DIR/qwen35-0.8b-TYPE.gguf for each type. Needs the golden
 environment (../shared/tools/golden-env.sh) and llama.cpp's source (../shared/tools/llama-cpp-src.sh).
 About 4 GB of memory and a few minutes on two cores.
 """
@@ -39,6 +39,8 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
 # --no-gguf: the checkpoint only (a GPU machine without llama.cpp's converter; tern reads it).
 NO_GGUF = "--no-gguf" in sys.argv[1:]
+# --gguf-types=bf16,q8_0: the converter's --outtype for each GGUF to write (default bf16).
+GGUF_TYPES = next((a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--gguf-types=")), ["bf16"])
 OUT = os.path.abspath(os.path.expanduser(ARGS[0] if ARGS else "~/.cache/tern/bench"))
 NAME = "qwen35-0.8b"
 SEED = 3508
@@ -99,7 +101,6 @@ def write_tokenizer(model_dir):
 
 def main():
     model_dir = os.path.join(OUT, NAME)
-    gguf_path = os.path.join(OUT, f"{NAME}-bf16.gguf")
     os.makedirs(model_dir, exist_ok=True)
     torch.manual_seed(SEED)
     cfg = Qwen3_5TextConfig(**CONFIG)
@@ -114,14 +115,17 @@ def main():
         print(json.dumps({"checkpoint": model_dir, "parameters": n_params}))
         return
     llama_dir = goldens.llama_cpp_dir()
-    cmd = [sys.executable, os.path.join(goldens.SHARED_TOOLS, "hf-to-gguf.py"), llama_dir, "--pre", "qwen35", model_dir,
-           "--outtype", "bf16", "--outfile", gguf_path, "--no-mtp", "--model-name", "tern-bench-qwen35-0.8b-random"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.stderr.write(r.stdout + r.stderr)
-        raise SystemExit("conversion to a BF16 GGUF failed")
-    print(json.dumps({"checkpoint": model_dir, "gguf": gguf_path, "parameters": n_params,
-                      "gguf_bytes": os.path.getsize(gguf_path)}))
+    ggufs = {}
+    for t in GGUF_TYPES:
+        gguf_path = os.path.join(OUT, f"{NAME}-{t}.gguf")
+        cmd = [sys.executable, os.path.join(goldens.SHARED_TOOLS, "hf-to-gguf.py"), llama_dir, "--pre", "qwen35", model_dir,
+               "--outtype", t, "--outfile", gguf_path, "--no-mtp", "--model-name", "tern-bench-qwen35-0.8b-random"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.stderr.write(r.stdout + r.stderr)
+            raise SystemExit(f"conversion to a {t} GGUF failed")
+        ggufs[t] = {"path": gguf_path, "bytes": os.path.getsize(gguf_path)}
+    print(json.dumps({"checkpoint": model_dir, "gguf": ggufs, "parameters": n_params}))
 
 
 if __name__ == "__main__":
