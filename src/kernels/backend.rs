@@ -44,6 +44,13 @@ impl<'a, B> View<'a, B> {
     }
 }
 
+/// The activation of a gated product ([`Ops::gated_linear`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum GatedActivation {
+    Silu,
+    GeluTanh,
+}
+
 /// What [`Ops::head_prep`] does to each head: RMS-norm (with or without a weight) and RoPE.
 pub struct HeadOps<'a, O: Ops> {
     pub heads: usize,
@@ -132,6 +139,22 @@ pub trait Ops: Send + Sync + Sized {
     fn embed(&self, table: &Self::Table, batch: &Self::Batch, scale: f32) -> Result<Self::Buf>;
     /// `x·Wᵀ (+ bias)` over `rows` rows.
     fn linear(&self, x: &Self::Buf, rows: usize, w: &Self::Mat, bias: Option<&Self::Vector>) -> Result<Self::Buf>;
+    /// `x·W_iᵀ` for each matrix, over the same `rows` rows of x: what [`Ops::linear`] gives for
+    /// each; a GPU may run them as one launch.
+    fn linears(&self, x: &Self::Buf, rows: usize, ws: &[&Self::Mat]) -> Result<Vec<Self::Buf>> {
+        ws.iter().map(|w| self.linear(x, rows, w, None)).collect()
+    }
+    /// `act(g)·u · Wᵀ` over `rows` rows of `gu` = [gate | up], each half `width` wide (a fused
+    /// gate|up product): the gated activation, then [`Ops::linear`]; a GPU may fold the
+    /// activation into the product.
+    fn gated_linear(&self, gu: &Self::Buf, rows: usize, width: usize, act: GatedActivation, w: &Self::Mat) -> Result<Self::Buf> {
+        let (g, u) = (View::new(gu, 0, 2 * width), View::new(gu, width, 2 * width));
+        let a = match act {
+            GatedActivation::Silu => self.silu_mul(g, u, rows, width)?,
+            GatedActivation::GeluTanh => self.gelu_tanh_mul(g, u, rows, width)?,
+        };
+        self.linear(&a, rows, w, None)
+    }
     /// `rms(pre·x)·w` per row of `d`.
     fn rms_norm(&self, x: &Self::Buf, d: usize, w: Option<&Self::Vector>, pre: f32, eps: f32) -> Result<Self::Buf>;
     /// `h = (h + rms(y)·w)·post` per row of `d`.

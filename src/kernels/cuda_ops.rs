@@ -19,11 +19,11 @@ use crate::formats::Matrix;
 use crate::kernels::activation::cuda::ActivationCuda;
 use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch, GpuKv, KvAttentionCuda};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{check_past, matrix_shape, HeadOps, Ops, View};
+use crate::kernels::backend::{check_past, matrix_shape, GatedActivation, HeadOps, Ops, View};
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::cuda::{ChunkAccumulate, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
-use crate::kernels::matmul::cuda::{Blas, GpuMatrix};
+use crate::kernels::matmul::cuda::{Blas, GemvInput, GpuMatrix};
 use crate::kernels::matmul::Weights;
 use crate::kernels::moe::cuda::MoeCuda;
 use crate::kernels::norm::cuda::{NormCuda, NormOut};
@@ -489,6 +489,32 @@ impl Ops for CudaOps {
         if let Some(b) = bias {
             self.blas.add_bias(&mut y, b)?;
         }
+        Ok(y)
+    }
+
+    fn linears(&self, x: &CudaSlice<f32>, rows: usize, ws: &[&GpuMatrix]) -> Result<Vec<CudaSlice<f32>>> {
+        let mut ys = ws.iter().map(|w| self.gpu.alloc::<f32>(rows * w.out)).collect::<Result<Vec<_>>>()?;
+        let mut parts: Vec<(&GpuMatrix, &mut CudaSlice<f32>)> = ws.iter().copied().zip(ys.iter_mut()).collect();
+        self.blas.linears(x, rows, &mut parts)?;
+        Ok(ys)
+    }
+
+    fn gated_linear(&self, gu: &CudaSlice<f32>, rows: usize, width: usize, act: GatedActivation, w: &GpuMatrix) -> Result<CudaSlice<f32>> {
+        if w.inp != width {
+            return Err(Error::Shape(format!("gated_linear: halves of {width} into a matrix of {} columns", w.inp)));
+        }
+        let mut y = self.gpu.alloc::<f32>(rows * w.out)?;
+        let input = match act {
+            GatedActivation::Silu => GemvInput::Silu,
+            GatedActivation::GeluTanh => GemvInput::GeluTanh,
+        };
+        self.blas.gated_linear(gu, input, rows, w, &mut y, |a| {
+            let (g, u) = (View::new(gu, 0, 2 * width), View::new(gu, width, 2 * width));
+            match act {
+                GatedActivation::Silu => self.activation.silu_mul(g, u, rows, width, Self::out(a)),
+                GatedActivation::GeluTanh => self.activation.gelu_tanh_mul(g, u, rows, width, Self::out(a)),
+            }
+        })?;
         Ok(y)
     }
 

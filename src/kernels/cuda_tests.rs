@@ -327,6 +327,99 @@ fn cuda_pool_embedding_and_linear_match_cpu() {
     }
 }
 
+/// The decode-step fusions of the matmul: several products of one input in one GEMV launch
+/// (`Blas::linears`), and a gated activation folded into the GEMV's input (`Blas::gated_linear`),
+/// each against the CPU's separate activation and products, every weight type, row counts
+/// inside and beyond the GEMV's (and the gated form's shared-memory) reach.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_fused_products_match_cpu() {
+    use crate::kernels::activation::{gelu_tanh_mul_views, silu_mul_views};
+    use crate::kernels::matmul::cuda::GemvInput;
+    let gpu = gpu();
+    let mut rng = rng("cuda_fused_products_match_cpu");
+    let blas = Blas::new(gpu.clone(), false).unwrap();
+    let act = ActivationCuda::new(gpu.clone()).unwrap();
+    for &rows in &[1usize, 3, 8, 11] {
+        // Four products of one input, as a linear-attention layer's projections (one of 16 rows).
+        let in_f = 256;
+        let outs = [384usize, 256, 16, 24];
+        let x = rng.vec(rows * in_f, -1.0, 1.0);
+        let dx = gpu.upload(&x).unwrap();
+        let ws: Vec<Vec<f32>> = outs.iter().map(|&o| rng.vec(o * in_f, -0.1, 0.1)).collect();
+        let kinds: Vec<(&str, Vec<Vec<u8>>)> = vec![
+            ("f32", ws.iter().map(|w| w.iter().flat_map(|v| v.to_le_bytes()).collect()).collect()),
+            ("bf16", ws.iter().map(|w| w.iter().flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()).collect()).collect()),
+            ("q8_0", ws.iter().map(|w| quantize_q8_0(w)).collect()),
+        ];
+        for (name, stored) in &kinds {
+            let as_weights = |b: &[u8]| -> (Vec<f32>, Vec<u16>) {
+                match *name {
+                    "f32" => (b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(), vec![]),
+                    "bf16" => (vec![], b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()),
+                    _ => (vec![], vec![]),
+                }
+            };
+            let owned: Vec<(Vec<f32>, Vec<u16>)> = stored.iter().map(|b| as_weights(b)).collect();
+            let weights: Vec<Weights> = stored
+                .iter()
+                .zip(&owned)
+                .map(|(b, (f, h))| match *name {
+                    "f32" => Weights::F32(f),
+                    "bf16" => Weights::Bf16(h),
+                    _ => Weights::Q8_0(b),
+                })
+                .collect();
+            let mats: Vec<_> = weights.iter().zip(&outs).map(|(w, &o)| blas.matrix(w, o, in_f).unwrap()).collect();
+            let mut ys: Vec<_> = outs.iter().map(|&o| nan(&gpu, rows * o)).collect();
+            let mut parts: Vec<_> = mats.iter().zip(ys.iter_mut()).collect();
+            blas.linears(&dx, rows, &mut parts).unwrap();
+            for ((w, &o), y) in weights.iter().zip(&outs).zip(&ys) {
+                let want = super::matmul::linear_w(&x, rows, *w, o, in_f).unwrap();
+                check(&format!("linears {name}, {rows} rows, part of {o}"), &gpu.download(y).unwrap(), &want, BOUND);
+            }
+
+            // The FFN's down product of silu / gelu_tanh (gate) · up.
+            let width = in_f;
+            let gu = rng.vec(rows * 2 * width, -4.0, 4.0);
+            let dgu = gpu.upload(&gu).unwrap();
+            let (o, w) = (outs[0], &weights[0]);
+            for input in [GemvInput::Silu, GemvInput::GeluTanh] {
+                let g = (&gu[..], 0, 2 * width);
+                let u = (&gu[..], width, 2 * width);
+                let a = match input {
+                    GemvInput::Silu => silu_mul_views(g, u, rows, width).unwrap(),
+                    _ => gelu_tanh_mul_views(g, u, rows, width).unwrap(),
+                };
+                let want = super::matmul::linear_w(&a, rows, *w, o, width).unwrap();
+                let mut y = nan(&gpu, rows * o);
+                blas.gated_linear(&dgu, input, rows, &mats[0], &mut y, |out| {
+                    let (g, u) = (View::new(&dgu, 0, 2 * width), View::new(&dgu, width, 2 * width));
+                    let out = NormOut { f32: Some(out), bf16: None };
+                    match input {
+                        GemvInput::Silu => act.silu_mul(g, u, rows, width, out),
+                        _ => act.gelu_tanh_mul(g, u, rows, width, out),
+                    }
+                })
+                .unwrap();
+                check(&format!("gated linear {input:?} {name}, {rows} rows"), &gpu.download(&y).unwrap(), &want, BOUND);
+            }
+        }
+    }
+    // Matrices of different stored types cannot share a launch: each takes its own product.
+    let x = rng.vec(2 * 64, -1.0, 1.0);
+    let (wa, wb) = (rng.vec(32 * 64, -0.1, 0.1), rng.vec(8 * 64, -0.1, 0.1));
+    let wb16: Vec<u16> = wb.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    let (ma, mb) = (blas.matrix(&Weights::F32(&wa), 32, 64).unwrap(), blas.matrix(&Weights::Bf16(&wb16), 8, 64).unwrap());
+    let (mut ya, mut yb) = (nan(&gpu, 2 * 32), nan(&gpu, 2 * 8));
+    blas.linears(&gpu.upload(&x).unwrap(), 2, &mut [(&ma, &mut ya), (&mb, &mut yb)]).unwrap();
+    check("linears, mixed types", &gpu.download(&ya).unwrap(), &super::matmul::linear(&x, 2, &wa, 32, 64).unwrap(), BOUND);
+    check("linears, mixed types", &gpu.download(&yb).unwrap(), &super::matmul::linear_w(&x, 2, Weights::Bf16(&wb16), 8, 64).unwrap(), BOUND);
+    // A gated product of halves that do not match the matrix is refused.
+    let mut y = nan(&gpu, 32);
+    assert!(blas.gated_linear(&gpu.upload(&vec![0.0f32; 2 * 63]).unwrap(), GemvInput::Silu, 1, &ma, &mut y, |_| Ok(())).is_err());
+}
+
 /// Q8_0 blocks of `w` (an f16 scale max|w|/127, then the rounded quants), as GGUF writes them.
 fn quantize_q8_0(w: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(w.len() / 32 * 34);

@@ -35,6 +35,15 @@ __device__ double tern_block_sum_d(double x, double* scratch) {
     return total;
 }
 
+// The gated activations, in their CPU twins' forms (activation/mod.rs): gelu_tanh as the
+// divisor form x / (1 + exp(-2z)), silu as x / (1 + exp(-x)), precise expf.
+__device__ __forceinline__ float tern_gelu_tanh(float x) {
+    const float beta = 0.7978846f, kappa = 0.044715f;
+    const float z = beta * (x + kappa * (x * x * x));
+    return x / (1.0f + expf(-2.0f * z));
+}
+__device__ __forceinline__ float tern_silu(float x) { return x / (1.0f + expf(-x)); }
+
 // +infinity without math.h (NVRTC has no INFINITY macro).
 __device__ __forceinline__ float tern_inf() { return __int_as_float(0x7f800000); }
 

@@ -21,7 +21,7 @@ use crate::formats::config::JsonFile;
 use crate::formats::safetensors::SafetensorsWeights;
 use crate::formats::Tensor;
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{CpuOps, HeadOps, Ops, View};
+use crate::kernels::backend::{CpuOps, GatedActivation, HeadOps, Ops, View};
 use crate::kernels::embedding::check_ids;
 use crate::kernels::rope::RopeTable;
 use crate::kernels::Segment;
@@ -524,9 +524,8 @@ impl<O: Ops> Encoder<O> {
         ops.add_norm_next(x, &o, &layer.post_attn_norm, 1.0, h, cfg.eps, &layer.pre_ff_norm, a)?;
         let i = cfg.intermediate;
         let gu = ops.linear(a, t, &layer.gate_up, None)?;
-        let g = ops.gelu_tanh_mul(View::new(&gu, 0, 2 * i), View::new(&gu, i, 2 * i), t, i)?;
+        let m = ops.gated_linear(&gu, t, i, GatedActivation::GeluTanh, &layer.down)?;
         drop(gu);
-        let m = ops.linear(&g, t, &layer.down, None)?;
         match (&layer.ple, ple) {
             (Some(block), Some(ple)) => {
                 ops.add_norm(x, &m, &layer.post_ff_norm, 1.0, h, cfg.eps)?;

@@ -26,7 +26,7 @@ use crate::formats::gguf::GgufFile;
 use crate::formats::safetensors::SafetensorsWeights;
 use crate::formats::{Matrix, Tensor};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{CpuOps, HeadOps, Ops, View};
+use crate::kernels::backend::{CpuOps, GatedActivation, HeadOps, Ops, View};
 use crate::kernels::cuda_ops::CudaOps;
 use crate::models::Placement;
 use crate::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
@@ -757,9 +757,7 @@ impl<O: Ops> Qwen35<O> {
     fn mlp(&self, m: &Mlp<O>, a: &O::Buf, n: usize) -> Result<O::Buf> {
         let ops = &self.ops;
         let gu = ops.linear(a, n, &m.gate_up, None)?;
-        let w = m.width;
-        let act = ops.silu_mul(View::new(&gu, 0, 2 * w), View::new(&gu, w, 2 * w), n, w)?;
-        ops.linear(&act, n, &m.down, None)
+        ops.gated_linear(&gu, n, m.width, GatedActivation::Silu, &m.down)
     }
 
     fn ffn(&self, f: &Ffn<O>, a: &O::Buf, n: usize) -> Result<O::Buf> {
@@ -790,10 +788,10 @@ impl<O: Ops> Qwen35<O> {
         let (c, ops) = (&self.cfg, &self.ops);
         let (kd, vd) = (c.lin_k_heads * c.lin_k_dim, c.lin_v_heads * c.lin_v_dim);
         let conv_dim = 2 * kd + vd;
-        let mixed = ops.linear(a, n, &m.in_qkv, None)?;
-        let z = ops.linear(a, n, &m.in_z, None)?;
-        let beta_in = ops.linear(a, n, &m.in_b, None)?;
-        let alpha = ops.linear(a, n, &m.in_a, None)?;
+        let [mixed, z, beta_in, alpha]: [O::Buf; 4] = ops
+            .linears(a, n, &[&m.in_qkv, &m.in_z, &m.in_b, &m.in_a])?
+            .try_into()
+            .map_err(|_| Error::Shape("linear attention: four input projections expected".into()))?;
         let qkv = ops.conv1d_silu(&mixed, conv_dim, &m.conv, c.conv_kernel, b, conv_states)?;
         let (g, beta) = ops.gdn_gates(&alpha, &beta_in, &m.dt_bias, &m.a)?;
         let heads = DeltaRuleHeads {

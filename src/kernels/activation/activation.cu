@@ -3,14 +3,7 @@
 // up halves of one fused projection, or one layer's slice of the per-layer inputs, are read in
 // place: out[r][i] = gelu_tanh(g[g_off + r·g_ld + i]) · u[u_off + r·u_ld + i].
 
-__device__ __forceinline__ float tern_gelu_tanh(float x) {
-    const float beta = 0.7978846f, kappa = 0.044715f;
-    const float z = beta * (x + kappa * (x * x * x));
-    return x / (1.0f + expf(-2.0f * z));
-}
-
-// silu(x) = x / (1 + exp(-x)), the CPU twin's form.
-__device__ __forceinline__ float tern_silu(float x) { return x / (1.0f + expf(-x)); }
+// tern_gelu_tanh and tern_silu live in prelude.cuh (the matmul's gated GEMV uses them too).
 
 #define TERN_GATED_ACTIVATION(name, act)                                                                          \
     extern "C" __global__ void name(const float* __restrict__ g, long long g_off, long long g_ld,                  \

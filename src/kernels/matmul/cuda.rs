@@ -22,6 +22,7 @@ use std::sync::Arc;
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 
 use crate::cuda::{cublas_available, driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
+use cudarc::driver::DeviceRepr;
 use crate::error::{Error, Result};
 use crate::kernels::check_len;
 use super::q8_0::{BLOCK, BLOCK_BYTES};
@@ -64,17 +65,57 @@ impl GpuMatrix {
     }
 }
 
-/// The GEMV kernels for one weight type, by their row bound R (1, 2, 4, 8).
-struct GemvKernels([CudaFunction; 4]);
+/// What a GEMV reads as its input rows (`TERN_X_*` in gemv.cu): plain rows of `in`, or rows
+/// of `2·in` holding a gate and an up half whose product through the activation is the input.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum GemvInput {
+    Plain,
+    Silu,
+    GeluTanh,
+}
+
+/// Products one GEMV launch runs side by side (`TERN_GEMV_PARTS`).
+pub const GEMV_PARTS: usize = 4;
+
+/// Mirrors `tern_gemv_parts` in gemv.cu field for field (C layout), passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct GemvParts {
+    w: [u64; GEMV_PARTS],
+    scales: [u64; GEMV_PARTS],
+    y: [u64; GEMV_PARTS],
+    out: [i32; GEMV_PARTS],
+    block0: [i32; GEMV_PARTS + 1],
+    n: i32,
+}
+// SAFETY: plain integers in the kernel's C layout.
+unsafe impl DeviceRepr for GemvParts {}
+
+/// The GEMV kernels: [input kind][weight type: f32, bf16, Q8_0][row bound R: 1, 2, 4, 8].
+struct GemvKernels([[[CudaFunction; 4]; 3]; 3]);
 
 impl GemvKernels {
-    fn new(gpu: &Gpu, kind: &str) -> Result<Self> {
-        let f = |r: usize| gpu.function(&SOURCE, &format!("tern_gemv_{kind}_{r}"));
-        Ok(GemvKernels([f(1)?, f(2)?, f(4)?, f(8)?]))
+    fn new(gpu: &Gpu) -> Result<Self> {
+        let f = |input: &str, kind: &str, r: usize| gpu.function(&SOURCE, &format!("tern_gemv_{input}{kind}_{r}"));
+        let by_type = |input: &str| -> Result<[[CudaFunction; 4]; 3]> {
+            let rows = |kind: &str| -> Result<[CudaFunction; 4]> { Ok([f(input, kind, 1)?, f(input, kind, 2)?, f(input, kind, 4)?, f(input, kind, 8)?]) };
+            Ok([rows("f32")?, rows("bf16")?, rows("q8")?])
+        };
+        Ok(GemvKernels([by_type("")?, by_type("silu_")?, by_type("gelu_")?]))
     }
 
-    fn for_rows(&self, rows: usize) -> &CudaFunction {
-        &self.0[match rows {
+    fn get(&self, input: GemvInput, w: &GpuWeights, rows: usize) -> &CudaFunction {
+        let i = match input {
+            GemvInput::Plain => 0,
+            GemvInput::Silu => 1,
+            GemvInput::GeluTanh => 2,
+        };
+        let t = match w {
+            GpuWeights::F32(_) => 0,
+            GpuWeights::Bf16(_) => 1,
+            GpuWeights::Q8 { .. } => 2,
+        };
+        &self.0[i][t][match rows {
             1 => 0,
             2 => 1,
             3 | 4 => 2,
@@ -82,6 +123,10 @@ impl GemvKernels {
         }]
     }
 }
+
+/// Shared memory a gated GEMV block may take for its activated rows without asking the
+/// driver for more (the default limit).
+const GEMV_GATED_SMEM: usize = 48 * 1024;
 
 /// A cuBLAS handle on the GPU's stream, and the helper kernels.
 pub struct Blas {
@@ -91,7 +136,7 @@ pub struct Blas {
     tensor_cores: bool,
     to_bf16: CudaFunction,
     add_bias: CudaFunction,
-    gemv: [GemvKernels; 3],
+    gemv: GemvKernels,
     expand_bf16_f32: CudaFunction,
     expand_q8_f32: CudaFunction,
     expand_q8_bf16: CudaFunction,
@@ -120,7 +165,7 @@ impl Blas {
         Ok(Blas {
             to_bf16: f("tern_to_bf16")?,
             add_bias: f("tern_add_bias")?,
-            gemv: [GemvKernels::new(&gpu, "f32")?, GemvKernels::new(&gpu, "bf16")?, GemvKernels::new(&gpu, "q8")?],
+            gemv: GemvKernels::new(&gpu)?,
             expand_bf16_f32: f("tern_expand_bf16_f32")?,
             expand_q8_f32: f("tern_expand_q8_f32")?,
             expand_q8_bf16: f("tern_expand_q8_bf16")?,
@@ -221,8 +266,8 @@ impl Blas {
         if rows == 0 || w.out == 0 {
             return Ok(());
         }
-        if rows <= GEMV_MAX_ROWS && w.inp % 8 == 0 {
-            return self.gemv(x, rows, w, y);
+        if Self::gemv_fits(rows, w) {
+            return self.gemv(x, GemvInput::Plain, rows, &mut [(w, y)]);
         }
         let g = &self.gpu;
         let n = w.out * w.inp;
@@ -292,25 +337,86 @@ impl Blas {
         .map_err(blas_err("cuBLAS GEMM"))
     }
 
-    /// The GEMV kernel of the weights' type for at most [`GEMV_MAX_ROWS`] rows; `in` % 8 == 0.
-    fn gemv(&self, x: &CudaSlice<f32>, rows: usize, w: &GpuMatrix, y: &mut CudaSlice<f32>) -> Result<()> {
-        let g = &self.gpu;
-        let (r, out, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv out", w.out)?, int_arg("gemv in", w.inp)?);
-        let (xp, yp) = (g.ptr(x), g.ptr(y));
-        let (kernels, weights) = match &w.w {
-            GpuWeights::F32(wd) => (&self.gemv[0], vec![g.ptr(wd)]),
-            GpuWeights::Bf16(wd) => (&self.gemv[1], vec![g.ptr(wd)]),
-            GpuWeights::Q8 { quants, scales } => (&self.gemv[2], vec![g.ptr(quants), g.ptr(scales)]),
-        };
-        let mut l = g.stream().launch_builder(kernels.for_rows(rows));
-        for p in &weights {
-            l.arg(p);
+    /// Whether a product of `rows` rows with `w` takes the GEMV kernel (few rows; rows of
+    /// whole 8-weight steps, which keep its vector loads aligned).
+    fn gemv_fits(rows: usize, w: &GpuMatrix) -> bool {
+        rows <= GEMV_MAX_ROWS && w.inp % 8 == 0
+    }
+
+    /// Several products of the same `rows` rows of x, `Y_i = X·W_iᵀ` for each `(W_i, Y_i)`:
+    /// one GEMV launch when they fit it (few rows, at most [`GEMV_PARTS`] matrices of one
+    /// stored type), else one [`Blas::linear`] each. CPU twin: [`super::linear_w`] per matrix.
+    pub fn linears(&self, x: &CudaSlice<f32>, rows: usize, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)]) -> Result<()> {
+        let one_launch = parts.len() <= GEMV_PARTS
+            && parts.iter().all(|(w, _)| Self::gemv_fits(rows, w) && std::mem::discriminant(&w.w) == std::mem::discriminant(&parts[0].0.w) && w.inp == parts[0].0.inp);
+        if one_launch && !parts.is_empty() {
+            check_len("linears input", x.len(), rows * parts[0].0.inp)?;
+            for (w, y) in parts.iter() {
+                check_len("linears output", y.len(), rows * w.out)?;
+            }
+            return self.gemv(x, GemvInput::Plain, rows, parts);
         }
-        l.arg(&xp).arg(&r).arg(&out).arg(&inp).arg(&yp);
-        let cfg = LaunchConfig { grid_dim: (grid_for(w.out, GEMV_WARPS as u32)?, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: argument types match tern_gemv_<type>_<R> (R >= rows by for_rows); W holds
-        // out × in weights of its type, X rows × in and Y rows × out (checked by the caller);
-        // in % 8 == 0 keeps the vector loads aligned.
+        for (w, y) in parts.iter_mut() {
+            self.linear(x, rows, w, y)?;
+        }
+        Ok(())
+    }
+
+    /// `Y = act(G)·U · Wᵀ` for `rows` rows of `gu` = [gate | up] (each `w.inp` wide): the
+    /// activation folded into a GEMV when the product takes one and its activated rows fit a
+    /// block's shared memory, else `activate` (the activation kernel, writing the rows) and
+    /// [`Blas::linear`]. CPU twin: the gated activation, then [`super::linear_w`].
+    pub fn gated_linear(
+        &self,
+        gu: &CudaSlice<f32>,
+        input: GemvInput,
+        rows: usize,
+        w: &GpuMatrix,
+        y: &mut CudaSlice<f32>,
+        activate: impl FnOnce(&mut CudaSlice<f32>) -> Result<()>,
+    ) -> Result<()> {
+        check_len("gated linear input", gu.len(), rows * 2 * w.inp)?;
+        check_len("gated linear output", y.len(), rows * w.out)?;
+        if input != GemvInput::Plain && Self::gemv_fits(rows, w) && rows * w.inp * 4 <= GEMV_GATED_SMEM {
+            return self.gemv(gu, input, rows, &mut [(w, y)]);
+        }
+        let mut act = self.gpu.alloc::<f32>(rows * w.inp)?;
+        activate(&mut act)?;
+        self.linear(&act, rows, w, y)
+    }
+
+    /// One GEMV launch over `parts` (at most [`GEMV_PARTS`], one stored type, shapes checked
+    /// by the caller), for at most [`GEMV_MAX_ROWS`] rows; `in` % 8 == 0.
+    fn gemv(&self, x: &CudaSlice<f32>, input: GemvInput, rows: usize, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)]) -> Result<()> {
+        let g = &self.gpu;
+        let first = parts.first().map(|(w, _)| *w).ok_or_else(|| Error::Shape("gemv: no product".into()))?;
+        let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", first.inp)?);
+        let mut p = GemvParts { n: parts.len() as i32, ..Default::default() };
+        let mut blocks = 0u32;
+        for (i, (w, y)) in parts.iter().enumerate() {
+            let (wp, sp) = match &w.w {
+                GpuWeights::F32(d) => (g.ptr(d), 0),
+                GpuWeights::Bf16(d) => (g.ptr(d), 0),
+                GpuWeights::Q8 { quants, scales } => (g.ptr(quants), g.ptr(scales)),
+            };
+            p.w[i] = wp;
+            p.scales[i] = sp;
+            p.y[i] = g.ptr(&**y);
+            p.out[i] = int_arg("gemv out", w.out)?;
+            p.block0[i] = blocks as i32;
+            blocks += grid_for(w.out, GEMV_WARPS as u32)?;
+        }
+        p.block0[parts.len()] = int_arg("gemv blocks", blocks as usize)?;
+        let smem = if input == GemvInput::Plain { 0 } else { (rows * first.inp * 4) as u32 };
+        let xp = g.ptr(x);
+        let mut l = g.stream().launch_builder(self.gemv.get(input, &first.w, rows));
+        l.arg(&p).arg(&xp).arg(&r).arg(&inp);
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: smem };
+        // SAFETY: argument types match tern_gemv_*; the kernel (R >= rows) reads each part's
+        // out × in weights of the one type it is compiled for and writes rows × out outputs
+        // (lengths checked by the callers); x holds rows × in (gated: rows × 2·in) values;
+        // in % 8 == 0 keeps the vector loads aligned; the gated forms' shared memory is
+        // rows × in floats (at most GEMV_GATED_SMEM, the default limit).
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv"))?;
         Ok(())
     }

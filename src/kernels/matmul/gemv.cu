@@ -11,8 +11,27 @@
 // multiplying them into up to R rows of x (R a compile-time bound, rows <= R at run time) that
 // every warp of the GPU reads and the L1/L2 caches hold. The row's partial sums meet in a
 // butterfly warp sum (fixed order for a given input).
+//
+// A decode step is also a chain of small launches, so one launch does more than one product:
+// - up to TERN_GEMV_PARTS matrices that read the same x (a layer's input projections), each
+//   writing its own output, the grid's blocks split between them (tern_gemv_parts);
+// - a gated activation folded into x: x[r][c] = act(g[r][c])·u[r][c] with gate and up side by
+//   side in one row of 2·in (the FFN's fused gate|up product), formed once per block in shared
+//   memory (rows·in floats), in the activation kernels' own form (prelude.cuh).
 
 #define TERN_GEMV_WARPS 8
+#define TERN_GEMV_PARTS 4
+
+// Mirrors GemvParts in matmul/cuda.rs field for field (C layout). Part i owns blocks
+// block0[i] .. block0[i + 1] - 1 and output features 0 .. out[i] - 1 of its matrix.
+struct tern_gemv_parts {
+    unsigned long long w[TERN_GEMV_PARTS];       // weights (Q8_0: the quants)
+    unsigned long long scales[TERN_GEMV_PARTS];  // Q8_0 scales, else unused
+    unsigned long long y[TERN_GEMV_PARTS];       // outputs [rows][out]
+    int out[TERN_GEMV_PARTS];
+    int block0[TERN_GEMV_PARTS + 1];
+    int n;
+};
 
 __device__ __forceinline__ float tern_f16_to_f32(unsigned short h) {
     float f;
@@ -22,6 +41,7 @@ __device__ __forceinline__ float tern_f16_to_f32(unsigned short h) {
 
 struct TernWeightsF32 {
     const float* w;
+    __device__ TernWeightsF32(const tern_gemv_parts& p, int i) : w((const float*)p.w[i]) {}
     __device__ __forceinline__ void load8(size_t at, float* v) const {
         const float4 a = *reinterpret_cast<const float4*>(w + at);
         const float4 b = *reinterpret_cast<const float4*>(w + at + 4);
@@ -32,13 +52,14 @@ struct TernWeightsF32 {
 
 struct TernWeightsBf16 {
     const tern_bf16* w;
+    __device__ TernWeightsBf16(const tern_gemv_parts& p, int i) : w((const tern_bf16*)p.w[i]) {}
     __device__ __forceinline__ void load8(size_t at, float* v) const {
         const uint4 u = *reinterpret_cast<const uint4*>(w + at);
-        const unsigned p[4] = {u.x, u.y, u.z, u.w};
+        const unsigned q[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            v[2 * i] = __uint_as_float(p[i] << 16);
-            v[2 * i + 1] = __uint_as_float(p[i] & 0xffff0000u);
+            v[2 * i] = __uint_as_float(q[i] << 16);
+            v[2 * i + 1] = __uint_as_float(q[i] & 0xffff0000u);
         }
     }
 };
@@ -46,6 +67,8 @@ struct TernWeightsBf16 {
 struct TernWeightsQ8 {
     const signed char* q;
     const unsigned short* d;
+    __device__ TernWeightsQ8(const tern_gemv_parts& p, int i)
+        : q((const signed char*)p.w[i]), d((const unsigned short*)p.scales[i]) {}
     __device__ __forceinline__ void load8(size_t at, float* v) const {
         const uint2 u = *reinterpret_cast<const uint2*>(q + at);
         const float s = tern_f16_to_f32(d[at / 32]);
@@ -55,12 +78,34 @@ struct TernWeightsQ8 {
     }
 };
 
-// y[r][o] = Σ_c x[r][c]·W[o][c] for r < rows <= R; in % 8 == 0.
-template <int R, typename W>
-__device__ __forceinline__ void tern_gemv(W w, const float* __restrict__ x, int rows, int out, int in, float* __restrict__ y) {
+// How x is given: as rows of `in` (TERN_X_PLAIN), or as rows of 2·in holding a gate and an up
+// half whose product through an activation is x (TERN_X_SILU, TERN_X_GELU).
+#define TERN_X_PLAIN 0
+#define TERN_X_SILU 1
+#define TERN_X_GELU 2
+
+// y_part[r][o] = Σ_c x[r][c]·W_part[o][c] for r < rows <= R; in % 8 == 0.
+template <int R, typename W, int XMODE>
+__device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
+    extern __shared__ float tern_gemv_x[];
     const int lane = threadIdx.x % 32;
-    const int o = blockIdx.x * TERN_GEMV_WARPS + threadIdx.x / 32;
-    if (o >= out) return;
+    int part = 0;
+    while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
+    const int o = ((int)blockIdx.x - p.block0[part]) * TERN_GEMV_WARPS + threadIdx.x / 32;
+    if (XMODE != TERN_X_PLAIN) {
+        // Every block forms the activated rows once; the warps then read them from shared memory.
+        for (int e = threadIdx.x; e < rows * in; e += blockDim.x) {
+            const int r = e / in, c = e % in;
+            const float g = x[(size_t)r * 2 * in + c], u = x[(size_t)r * 2 * in + in + c];
+            tern_gemv_x[e] = (XMODE == TERN_X_SILU ? tern_silu(g) : tern_gelu_tanh(g)) * u;
+        }
+        __syncthreads();
+        x = tern_gemv_x;
+    }
+    if (o >= p.out[part]) return;
+    const W w(p, part);
+    float* __restrict__ y = (float*)p.y[part];
+    const int out = p.out[part];
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
@@ -88,20 +133,21 @@ __device__ __forceinline__ void tern_gemv(W w, const float* __restrict__ x, int 
     }
 }
 
-#define TERN_GEMV_KERNELS(R)                                                                                              \
-    extern "C" __global__ void tern_gemv_f32_##R(const float* __restrict__ w, const float* __restrict__ x, int rows,      \
-                                                 int out, int in, float* __restrict__ y) {                                \
-        tern_gemv<R>(TernWeightsF32{w}, x, rows, out, in, y);                                                             \
-    }                                                                                                                     \
-    extern "C" __global__ void tern_gemv_bf16_##R(const tern_bf16* __restrict__ w, const float* __restrict__ x, int rows, \
-                                                  int out, int in, float* __restrict__ y) {                               \
-        tern_gemv<R>(TernWeightsBf16{w}, x, rows, out, in, y);                                                            \
-    }                                                                                                                     \
-    extern "C" __global__ void tern_gemv_q8_##R(const signed char* __restrict__ q, const unsigned short* __restrict__ d,  \
-                                                const float* __restrict__ x, int rows, int out, int in,                   \
-                                                float* __restrict__ y) {                                                  \
-        tern_gemv<R>(TernWeightsQ8{q, d}, x, rows, out, in, y);                                                           \
+#define TERN_GEMV_KERNEL(name, R, W, XMODE)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                            \
+        name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
+        tern_gemv<R, W, XMODE>(p, x, rows, in);                                                                   \
     }
+#define TERN_GEMV_KERNELS(R)                                                                                      \
+    TERN_GEMV_KERNEL(tern_gemv_f32_##R, R, TernWeightsF32, TERN_X_PLAIN)                                         \
+    TERN_GEMV_KERNEL(tern_gemv_bf16_##R, R, TernWeightsBf16, TERN_X_PLAIN)                                       \
+    TERN_GEMV_KERNEL(tern_gemv_q8_##R, R, TernWeightsQ8, TERN_X_PLAIN)                                           \
+    TERN_GEMV_KERNEL(tern_gemv_silu_f32_##R, R, TernWeightsF32, TERN_X_SILU)                                     \
+    TERN_GEMV_KERNEL(tern_gemv_silu_bf16_##R, R, TernWeightsBf16, TERN_X_SILU)                                   \
+    TERN_GEMV_KERNEL(tern_gemv_silu_q8_##R, R, TernWeightsQ8, TERN_X_SILU)                                       \
+    TERN_GEMV_KERNEL(tern_gemv_gelu_f32_##R, R, TernWeightsF32, TERN_X_GELU)                                     \
+    TERN_GEMV_KERNEL(tern_gemv_gelu_bf16_##R, R, TernWeightsBf16, TERN_X_GELU)                                   \
+    TERN_GEMV_KERNEL(tern_gemv_gelu_q8_##R, R, TernWeightsQ8, TERN_X_GELU)
 
 TERN_GEMV_KERNELS(1)
 TERN_GEMV_KERNELS(2)
