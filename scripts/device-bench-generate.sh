@@ -10,8 +10,9 @@
 # (scripts/make_bench_qwen35.py: real shapes, bf16 safetensors) and, with the converter, its
 # BF16 and Q8_0 GGUFs; then runs `tern bench generate` on each file in f32 and bf16 (prefill of
 # 4096 tokens, batch-1 decode, decode rounds of 1, 8, 32 and 128 sequences, each with the
-# rooflines measured in the run) and llama-bench on the GGUFs (pp4096, tg128). Every JSON
-# report also goes to $OUT/generate.jsonl when $OUT is set.
+# rooflines measured in the run) and llama-bench on the GGUFs (pp4096, tg128), plus one profiled
+# run per precision (TERN_CUDA_PROFILE). Every JSON report also goes to $OUT/generate.jsonl
+# (profiles to $OUT/profile.jsonl) when $OUT is set.
 set -euo pipefail
 dir=$(cd "${1:?usage: scripts/device-bench-generate.sh DIR}" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
@@ -40,6 +41,14 @@ for model in "${models[@]}"; do
     "$tern" bench generate --model "$model" --device cuda --dtype $dtype --prompt-tokens 4096 --gen-tokens 64 --iters 3 \
       --concurrent 1,8,32,128 | tee -a "$report"
   done
+done
+
+# Where the device time goes, op by op (TERN_CUDA_PROFILE: every op drained and timed, no
+# graphs), for the BF16 GGUF in both precisions.
+for dtype in f32 bf16; do
+  [ -e $bench/qwen35-0.8b-bf16.gguf ] || continue
+  TERN_CUDA_PROFILE=1 "$tern" bench generate --model $bench/qwen35-0.8b-bf16.gguf --device cuda --dtype $dtype \
+    --prompt-tokens 4096 --gen-tokens 32 --iters 1 --concurrent 8 | tee -a "${OUT:-$bench}/profile.jsonl"
 done
 
 llama=""

@@ -650,6 +650,15 @@ fn generated_documents(n: usize, tokens: usize) -> Vec<String> {
         .collect()
 }
 
+/// The CUDA op profile gathered since the last call (TERN_CUDA_PROFILE), as JSON rows
+/// `{op, calls, ms}`; null when not profiling.
+fn op_profile_json(ops: &tern::kernels::cuda_ops::CudaOps) -> serde_json::Value {
+    match ops.take_op_profile() {
+        Some(rows) => rows.iter().map(|(op, n, t)| serde_json::json!({"op": op, "calls": n, "ms": t * 1e3})).collect(),
+        None => serde_json::Value::Null,
+    }
+}
+
 fn run_bench_embed(args: BenchEmbedArgs) -> Result<()> {
     let t0 = Instant::now();
     let model = load_embedder(&args.model)?;
@@ -679,6 +688,11 @@ fn run_bench_embed(args: BenchEmbedArgs) -> Result<()> {
         batch_times.push(s);
         tokens = n;
     }
+    let cuda_ops = match &model.pipeline.model {
+        tern::models::sentence::Placed::Cuda(s) => Some(s.encoder.ops()),
+        _ => None,
+    };
+    let batch_profile = cuda_ops.map(op_profile_json);
     let query = query_ids;
     for _ in 0..3 {
         time(&query)?;
@@ -691,6 +705,7 @@ fn run_bench_embed(args: BenchEmbedArgs) -> Result<()> {
         v.sort_by(|a, b| a.total_cmp(b));
         v[((v.len() - 1) as f64 * q).round() as usize]
     };
+    let query_profile = cuda_ops.map(op_profile_json);
     let batch_s = quantile(&mut batch_times, 0.5);
     let query_s = quantile(&mut query_times, 0.5);
     let query_p90 = quantile(&mut query_times, 0.9);
@@ -747,6 +762,7 @@ fn run_bench_embed(args: BenchEmbedArgs) -> Result<()> {
         "device_weight_bytes": device_weight_bytes,
         "fast_vs_f32_min_cosine": fast_vs_f32_min_cosine,
         "cuda_graphs": graphs.map(|(recorded, failed)| serde_json::json!({"recorded": recorded, "failed": failed})),
+        "op_profile": {"batch": batch_profile, "query": query_profile},
         "rss_after_load_bytes": rss_loaded,
         "rss_bytes": rss,
         "peak_rss_bytes": peak,
@@ -805,6 +821,11 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             }
         }
         let prefill_s = median(&mut prefill_times);
+        let profile = || match &model {
+            PlacedQwen35::Cuda(q) => op_profile_json(q.ops()),
+            PlacedQwen35::Cpu(_) => serde_json::Value::Null,
+        };
+        let prefill_profile = profile();
 
         // Decode: gen_tokens single-token steps from a fresh state, feeding back the argmax.
         let mut per_token = Vec::new();
@@ -828,6 +849,7 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
         }
         let decode_s = median(&mut per_token);
         let decode_mean_s = median(&mut run_means);
+        let decode_profile = profile();
 
         // Decode rounds of B sequences at once (the server's continuous-batching step).
         let mut concurrent = Vec::new();
@@ -853,6 +875,7 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             concurrent.push(serde_json::json!({"sequences": b, "round_s": round, "tokens_per_s": b as f64 / round}));
         }
 
+        let concurrent_profile = profile();
         // Memory before the probes below, whose buffers would otherwise count as the model's.
         let (rss, peak) = memory_usage();
         // Rooflines, measured now on the same device: the memory bandwidth (CPU: a read of 1
@@ -890,6 +913,7 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             "decode_tokens_per_s_mean": 1.0 / decode_mean_s,
             "concurrent_decode": concurrent,
             "cuda_graphs": graphs,
+            "op_profile": {"prefill": prefill_profile, "decode": decode_profile, "concurrent": concurrent_profile},
             "weight_bytes": model.weight_bytes(),
             "device_weight_bytes": device_bytes,
             "decode_bytes_per_token": bytes_per_token,

@@ -20,7 +20,7 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
-use cudarc::driver::{CudaModule, DeviceRepr, DriverError, ValidAsZeroBits};
+use cudarc::driver::{CudaModule, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits};
 
 use crate::error::{Error, Result};
 
@@ -148,7 +148,12 @@ pub struct Gpu {
     arch: String,
     name: String,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// Page-locked host memory that large downloads pass through (see [`Gpu::download_f32`]).
+    staging: Mutex<Option<PinnedHostSlice<f32>>>,
 }
+
+/// Downloads of at least this many floats go through the page-locked staging buffer.
+const STAGED_MIN: usize = 1 << 16;
 
 impl std::fmt::Debug for Gpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -177,7 +182,15 @@ impl Gpu {
         let stream = ctx.new_stream().map_err(driver_err("creating a stream"))?;
         let (major, minor) = ctx.compute_capability().map_err(driver_err("reading the compute capability"))?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
-        Ok(Arc::new(Gpu { ctx, stream, ordinal, arch: format!("sm_{major}{minor}"), name, modules: Mutex::new(HashMap::new()) }))
+        Ok(Arc::new(Gpu {
+            ctx,
+            stream,
+            ordinal,
+            arch: format!("sm_{major}{minor}"),
+            name,
+            modules: Mutex::new(HashMap::new()),
+            staging: Mutex::new(None),
+        }))
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -253,6 +266,35 @@ impl Gpu {
     pub fn download<T: DeviceRepr + Default + Clone>(&self, buf: &CudaSlice<T>) -> Result<Vec<T>> {
         self.not_recording("a copy to the host")?;
         self.stream.clone_dtoh(buf).map_err(driver_err("copying from the device"))
+    }
+
+    /// [`Gpu::download`] of f32 values. A large one (a decode step's logits) goes through a
+    /// page-locked buffer kept for the next: the driver copies pageable memory through a
+    /// staging buffer of its own in pieces, several times slower than a direct copy into
+    /// page-locked memory. Where page-locked memory cannot be had, the plain download.
+    pub fn download_f32(&self, buf: &CudaSlice<f32>) -> Result<Vec<f32>> {
+        let n = buf.len();
+        if n < STAGED_MIN {
+            return self.download(buf);
+        }
+        self.not_recording("a copy to the host")?;
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        if staging.as_ref().is_none_or(|s| s.len() < n) {
+            *staging = None;
+            // SAFETY: the buffer is written by the copy below before it is read.
+            match unsafe { self.ctx.alloc_pinned_with_flags::<f32>(n, 0) } {
+                Ok(s) => *staging = Some(s),
+                Err(_) => return self.download(buf),
+            }
+        }
+        let host = staging.as_mut().expect("allocated above").as_mut_slice().map_err(driver_err("waiting for the staging buffer"))?;
+        let host = &mut host[..n];
+        // SAFETY: `host` holds exactly n floats, the device buffer n; the stream orders the copy
+        // after the work that writes `buf`, and the synchronize below waits for it.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(host, self.ptr(buf), self.stream.cu_stream()) }
+            .map_err(driver_err("copying from the device"))?;
+        self.synchronize()?;
+        Ok(host.to_vec())
     }
 
     /// The device address of `buf`, for a kernel argument that may be null (see [`Gpu::ptr_opt`]).

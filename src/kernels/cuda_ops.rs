@@ -23,7 +23,7 @@ use crate::kernels::backend::{check_past, matrix_shape, GatedActivation, HeadOps
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::cuda::{ChunkAccumulate, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
-use crate::kernels::matmul::cuda::{Blas, GemvInput, GpuMatrix};
+use crate::kernels::matmul::cuda::{Blas, GemvInput, GpuMatrix, GEMV_MAX_ROWS};
 use crate::kernels::matmul::Weights;
 use crate::kernels::moe::cuda::MoeCuda;
 use crate::kernels::norm::cuda::{NormCuda, NormOut};
@@ -147,6 +147,29 @@ pub struct CudaOps {
     exclusive: Mutex<()>,
     /// Recorded steps by their keys (Err: recording failed, run plainly).
     graphs: Mutex<HashMap<Vec<u64>, std::result::Result<Recorded, String>>>,
+    /// Per-op device time when TERN_CUDA_PROFILE is set (see [`CudaOps::op_profile`]).
+    profile: Option<Mutex<HashMap<&'static str, (u64, f64)>>>,
+}
+
+/// Times one op for the profile: the stream is drained when it starts and when it ends, so
+/// the host clock between covers exactly the op's device work (plus a launch and a sync).
+struct OpTimer<'a> {
+    ops: &'a CudaOps,
+    name: &'static str,
+    start: Option<std::time::Instant>,
+}
+
+impl Drop for OpTimer<'_> {
+    fn drop(&mut self) {
+        if let (Some(start), Some(profile)) = (self.start, &self.ops.profile) {
+            // A failed sync surfaces again at the op's next call; the profile only measures.
+            let _ = self.ops.gpu.synchronize();
+            let mut p = profile.lock().unwrap_or_else(|p| p.into_inner());
+            let e = p.entry(self.name).or_insert((0, 0.0));
+            e.0 += 1;
+            e.1 += start.elapsed().as_secs_f64();
+        }
+    }
 }
 
 impl CudaOps {
@@ -166,7 +189,28 @@ impl CudaOps {
             weight_bytes: AtomicUsize::new(0),
             exclusive: Mutex::new(()),
             graphs: Mutex::new(HashMap::new()),
+            profile: std::env::var_os("TERN_CUDA_PROFILE").map(|_| Mutex::new(HashMap::new())),
         })
+    }
+
+    /// With TERN_CUDA_PROFILE set, each op drains the stream before and after it runs (no step
+    /// is recorded as a graph then) and its time is summed by name: a development view of
+    /// where a forward pass spends its device time. `(op, calls, seconds)`, slowest first;
+    /// None when not profiling.
+    /// Taking the profile clears it, so that a caller can profile phases one after another.
+    pub fn take_op_profile(&self) -> Option<Vec<(&'static str, u64, f64)>> {
+        let mut p = self.profile.as_ref()?.lock().unwrap_or_else(|p| p.into_inner());
+        let mut v: Vec<_> = p.drain().map(|(k, (n, t))| (k, n, t)).collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        Some(v)
+    }
+
+    fn op_timer(&self, name: &'static str) -> OpTimer<'_> {
+        let start = self.profile.as_ref().map(|_| {
+            let _ = self.gpu.synchronize();
+            std::time::Instant::now()
+        });
+        OpTimer { ops: self, name, start }
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -422,7 +466,7 @@ impl Ops for CudaOps {
             self.to_host(&y)
         };
         let key = match key {
-            Some(k) if ids.len() <= GRAPH_MAX_TOKENS && std::env::var_os("TERN_NO_CUDA_GRAPHS").is_none() => k,
+            Some(k) if ids.len() <= GRAPH_MAX_TOKENS && self.profile.is_none() && std::env::var_os("TERN_NO_CUDA_GRAPHS").is_none() => k,
             _ => return plain(),
         };
         let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
@@ -478,12 +522,14 @@ impl Ops for CudaOps {
     }
 
     fn embed(&self, table: &GpuTable, batch: &CudaBatch, scale: f32) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer("embed");
         let mut out = self.gpu.alloc::<f32>(batch.ids.len * table.width)?;
         self.embedding.embed_lookup(&table.data, table.width, &batch.ids, scale, &mut out)?;
         Ok(out)
     }
 
     fn linear(&self, x: &CudaSlice<f32>, rows: usize, w: &GpuMatrix, bias: Option<&CudaSlice<f32>>) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer(if rows <= GEMV_MAX_ROWS { "linear (gemv)" } else { "linear (gemm)" });
         let mut y = self.gpu.alloc::<f32>(rows * w.out)?;
         self.blas.linear(x, rows, w, &mut y)?;
         if let Some(b) = bias {
@@ -493,6 +539,7 @@ impl Ops for CudaOps {
     }
 
     fn linears(&self, x: &CudaSlice<f32>, rows: usize, ws: &[&GpuMatrix]) -> Result<Vec<CudaSlice<f32>>> {
+        let _timer = self.op_timer(if rows <= GEMV_MAX_ROWS { "linears (gemv)" } else { "linears (gemm)" });
         let mut ys = ws.iter().map(|w| self.gpu.alloc::<f32>(rows * w.out)).collect::<Result<Vec<_>>>()?;
         let mut parts: Vec<(&GpuMatrix, &mut CudaSlice<f32>)> = ws.iter().copied().zip(ys.iter_mut()).collect();
         self.blas.linears(x, rows, &mut parts)?;
@@ -500,6 +547,7 @@ impl Ops for CudaOps {
     }
 
     fn gated_linear(&self, gu: &CudaSlice<f32>, rows: usize, width: usize, act: GatedActivation, w: &GpuMatrix) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer(if rows <= GEMV_MAX_ROWS { "gated_linear (gemv)" } else { "gated_linear (gemm)" });
         if w.inp != width {
             return Err(Error::Shape(format!("gated_linear: halves of {width} into a matrix of {} columns", w.inp)));
         }
@@ -519,12 +567,14 @@ impl Ops for CudaOps {
     }
 
     fn rms_norm(&self, x: &CudaSlice<f32>, d: usize, w: Option<&CudaSlice<f32>>, pre: f32, eps: f32) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer("rms_norm");
         let mut y = self.gpu.alloc::<f32>(x.len())?;
         self.norm.rms_norm(x, d, w, pre, eps, Self::out(&mut y))?;
         Ok(y)
     }
 
     fn add_norm(&self, h: &mut CudaSlice<f32>, y: &CudaSlice<f32>, w: &CudaSlice<f32>, post: f32, d: usize, eps: f32) -> Result<()> {
+        let _timer = self.op_timer("add_norm");
         self.norm.add_norm(h, y, w, post, d, eps, None)
     }
 
@@ -539,16 +589,19 @@ impl Ops for CudaOps {
         next: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let _timer = self.op_timer("add_norm");
         self.norm.add_norm(h, y, w, post, d, eps, Some((next, Self::out(out))))
     }
 
     fn gelu_tanh_mul(&self, g: View<CudaSlice<f32>>, u: View<CudaSlice<f32>>, rows: usize, width: usize) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer("gelu_tanh_mul");
         let mut out = self.gpu.alloc::<f32>(rows * width)?;
         self.activation.gelu_tanh_mul(g, u, rows, width, Self::out(&mut out))?;
         Ok(out)
     }
 
     fn head_prep(&self, x: &mut CudaSlice<f32>, offset: usize, stride: usize, batch: &CudaBatch, prep: &HeadOps<Self>) -> Result<()> {
+        let _timer = self.op_timer("head_prep");
         let p = GpuHeadPrep { heads: prep.heads, hd: prep.hd, norm: prep.norm, eps: prep.eps, rope: prep.rope };
         self.rope.head_prep(x, offset, stride, batch.att.rows, &batch.positions, batch.max_position, &p)
     }
@@ -561,6 +614,7 @@ impl Ops for CudaOps {
         batch: &CudaBatch,
         shape: &AttentionShape,
     ) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer("attention");
         let mut out = self.gpu.alloc::<f32>(batch.att.rows * shape.q_heads * shape.hd)?;
         match self.precision {
             Precision::F32 => self.attention.attention(q, k, v, &batch.att, shape, Self::out(&mut out))?,
@@ -570,26 +624,30 @@ impl Ops for CudaOps {
     }
 
     fn mean_pool(&self, h: &CudaSlice<f32>, d: usize, batch: &CudaBatch) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer("mean_pool");
         let mut out = self.gpu.alloc::<f32>(batch.att.segments.len() * d)?;
         self.pool.mean_pool(h, d, &batch.att, &mut out)?;
         Ok(out)
     }
 
     fn to_host(&self, x: &CudaSlice<f32>) -> Result<Vec<f32>> {
-        self.gpu.download(x)
+        self.gpu.download_f32(x)
     }
 
     fn residual_norm(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, w: &CudaSlice<f32>, d: usize, eps: f32, out: &mut CudaSlice<f32>) -> Result<()> {
+        let _timer = self.op_timer("residual_norm");
         self.norm.residual_norm(x, y, w, d, eps, Self::out(out))
     }
 
     fn silu_mul(&self, g: View<CudaSlice<f32>>, u: View<CudaSlice<f32>>, rows: usize, width: usize) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer("silu_mul");
         let mut out = self.gpu.alloc::<f32>(rows * width)?;
         self.activation.silu_mul(g, u, rows, width, Self::out(&mut out))?;
         Ok(out)
     }
 
     fn last_rows(&self, x: &CudaSlice<f32>, d: usize, batch: &CudaBatch) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer("last_rows");
         check_len("last_rows input", x.len(), batch.att.rows * d)?;
         let mut out = self.gpu.alloc::<f32>(batch.last_rows.len * d)?;
         self.embedding.embed_lookup(x, d, &batch.last_rows, 1.0, &mut out)?;
@@ -605,6 +663,7 @@ impl Ops for CudaOps {
         batch: &CudaBatch,
         states: &mut [&mut CudaSlice<f32>],
     ) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer("conv1d_silu");
         check_len("conv1d_silu input", x.len(), batch.att.rows * channels)?;
         let gdn = &self.llm()?.gdn;
         let mut out = self.gpu.alloc::<f32>(x.len())?;
@@ -613,6 +672,7 @@ impl Ops for CudaOps {
     }
 
     fn gdn_gates(&self, alpha: &CudaSlice<f32>, b: &CudaSlice<f32>, dt_bias: &CudaSlice<f32>, a: &CudaSlice<f32>) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+        let _timer = self.op_timer("gdn_gates");
         let (mut g, mut beta) = (self.gpu.alloc::<f32>(alpha.len())?, self.gpu.alloc::<f32>(b.len())?);
         self.llm()?.gdn.gates(alpha, b, dt_bias, a, &mut g, &mut beta)?;
         Ok((g, beta))
@@ -627,6 +687,7 @@ impl Ops for CudaOps {
         batch: &CudaBatch,
         states: &mut [&mut CudaSlice<f32>],
     ) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer("delta_rule");
         let (kd, vd) = (heads.n_k_heads * heads.d_k, heads.n_v_heads * heads.d_v);
         let width = 2 * kd + vd;
         check_len("delta_rule qkv", qkv.len(), batch.att.rows * width)?;
@@ -654,6 +715,7 @@ impl Ops for CudaOps {
     }
 
     fn gated_rms_norm(&self, y: &CudaSlice<f32>, z: &CudaSlice<f32>, w: &CudaSlice<f32>, eps: f32) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer("gated_rms_norm");
         let mut out = self.gpu.alloc::<f32>(y.len())?;
         self.llm()?.gdn.gated_rms_norm(y, z, w, eps, &mut out)?;
         Ok(out)
@@ -669,6 +731,7 @@ impl Ops for CudaOps {
         caches: &mut [&mut GpuKv],
         shape: &AttentionShape,
     ) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer("kv_attention");
         let mut out = self.gpu.alloc::<f32>(batch.att.rows * shape.q_heads * shape.hd)?;
         let kv = &self.llm()?.kv;
         // A prompt from empty caches (the prefill) runs on the tiled flash kernels; decode and
@@ -683,6 +746,7 @@ impl Ops for CudaOps {
     }
 
     fn moe(&self, x: &CudaSlice<f32>, d: usize, router_logits: &CudaSlice<f32>, experts: &GpuExperts, top_k: usize) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer("moe");
         if d == 0 || x.len() % d != 0 || experts.hidden != d {
             return Err(Error::Shape(format!("moe: {} elements as rows of {d} for experts of width {}", x.len(), experts.hidden)));
         }
@@ -710,6 +774,7 @@ impl Ops for CudaOps {
     }
 
     fn add_sigmoid_gated(&self, out: &mut CudaSlice<f32>, y: &CudaSlice<f32>, gate: &CudaSlice<f32>, d: usize) -> Result<()> {
+        let _timer = self.op_timer("add_sigmoid_gated");
         self.llm()?.moe.add_sigmoid_gated(out, y, gate, d)
     }
 }

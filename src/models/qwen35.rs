@@ -713,6 +713,9 @@ impl<O: Ops> Qwen35<O> {
         for (ids, state) in batch.iter_mut() {
             state.position += ids.len();
         }
+        if batch.len() == 1 {
+            return Ok(vec![logits]);
+        }
         Ok(logits.chunks(c.vocab_size).map(|r| r.to_vec()).collect())
     }
 
