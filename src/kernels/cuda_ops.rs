@@ -23,9 +23,9 @@ use crate::kernels::backend::{check_past, matrix_shape, GatedActivation, HeadOps
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::cuda::{ChunkAccumulate, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
-use crate::kernels::matmul::cuda::{Blas, GemvInput, GpuMatrix, GEMV_MAX_ROWS};
+use crate::kernels::matmul::cuda::{Blas, GemvInput, GpuMatrix, GpuMatrixTable, GEMV_GATED_SMEM, GEMV_MAX_ROWS};
 use crate::kernels::matmul::Weights;
-use crate::kernels::moe::cuda::MoeCuda;
+use crate::kernels::moe::cuda::{MoeCuda, MAX_DEVICE_EXPERTS, MAX_DEVICE_TOP_K};
 use crate::kernels::norm::cuda::{NormCuda, NormOut};
 use crate::kernels::pool::cuda::PoolCuda;
 use crate::kernels::rope::cuda::{GpuHeadPrep, GpuRope, RopeCuda};
@@ -119,6 +119,9 @@ pub struct CudaBatch {
 /// The experts of one MoE layer on the device: gate and up stacked, and down, per expert.
 pub struct GpuExperts {
     experts: Vec<(GpuMatrix, GpuMatrix)>,
+    /// Address tables of the experts' gate|up and down matrices for the device routing of few
+    /// rows (None when the matrices do not suit the routed GEMV: the host routing then serves).
+    routed: Option<(GpuMatrixTable, GpuMatrixTable)>,
     width: usize,
     hidden: usize,
 }
@@ -390,7 +393,13 @@ impl Ops for CudaOps {
             let name = gate.name().to_string();
             out.push((self.stacked(name, vec![gate, up])?, self.upload_matrix(&down)?));
         }
-        Ok(GpuExperts { experts: out, width, hidden })
+        let gate_ups: Vec<&GpuMatrix> = out.iter().map(|(gu, _)| gu).collect();
+        let downs: Vec<&GpuMatrix> = out.iter().map(|(_, d)| d).collect();
+        let routed = match (self.blas.matrix_table(&gate_ups)?, self.blas.matrix_table(&downs)?) {
+            (Some(gu), Some(d)) if out.len() <= MAX_DEVICE_EXPERTS && 4 * width <= GEMV_GATED_SMEM => Some((gu, d)),
+            _ => None,
+        };
+        Ok(GpuExperts { experts: out, routed, width, hidden })
     }
 
     fn vector(&self, v: Vec<f32>) -> Result<CudaSlice<f32>> {
@@ -751,7 +760,22 @@ impl Ops for CudaOps {
             return Err(Error::Shape(format!("moe: {} elements as rows of {d} for experts of width {}", x.len(), experts.hidden)));
         }
         let rows = x.len() / d;
-        check_len("moe router logits", router_logits.len(), rows * experts.experts.len())?;
+        let ne = experts.experts.len();
+        check_len("moe router logits", router_logits.len(), rows * ne)?;
+        // A few rows (decode) route on the device: nothing is read back, so the step records.
+        if let (Some((gate_up, down)), true) = (&experts.routed, rows <= GEMV_MAX_ROWS && top_k <= MAX_DEVICE_TOP_K && top_k <= ne) {
+            let moe = &self.llm()?.moe;
+            let slots = rows * top_k;
+            let (mut ids, mut weights) = (self.gpu.alloc::<i32>(slots)?, self.gpu.alloc::<f32>(slots)?);
+            moe.route(router_logits, ne, top_k, &mut ids, &mut weights)?;
+            let mut gu = self.gpu.alloc::<f32>(slots * gate_up.out)?;
+            self.blas.routed(gate_up, &ids, top_k, slots, x, GemvInput::Plain, &mut gu)?;
+            let mut y = self.gpu.alloc::<f32>(slots * d)?;
+            self.blas.routed(down, &ids, top_k, slots, &gu, GemvInput::Silu, &mut y)?;
+            let mut out = self.gpu.alloc::<f32>(rows * d)?;
+            moe.combine(&y, &weights, top_k, d, &mut out)?;
+            return Ok(out);
+        }
         let routed = crate::kernels::moe::route(&self.to_host(router_logits)?, experts.experts.len(), top_k)?;
         let moe = &self.llm()?.moe;
         let mut out = self.gpu.zeros::<f32>(rows * d)?;

@@ -699,8 +699,9 @@ impl<O: Ops> Qwen35<O> {
         }
         // A decode step (one token per sequence) may be recorded and replayed: its work depends
         // on the number of sequences and on their state and cache buffers, which the key names.
-        // MoE routing reads the router's logits back to the host mid-step, so it is never recorded.
-        let decode = segs.iter().all(|s| s.len == 1) && c.moe.is_none();
+        // (A backend whose MoE routing reads back to the host for this many rows cannot record
+        // the step and runs it plainly.)
+        let decode = segs.iter().all(|s| s.len == 1);
         let key: Option<Vec<u64>> = decode.then(|| {
             let mut key = vec![batch.len() as u64];
             for (_, s) in batch.iter() {

@@ -122,9 +122,10 @@ fn cuda_llm_ops_match_cpu() {
         assert!(ops.kv_attention(at(0), at(2 * qw), at(2 * qw + kw), at(qw), &gb, &mut one, &shape).is_err());
     }
 
-    // The routed experts: host routing, then per expert a gathered product and a weighted
-    // scatter-add, against the CPU's loop.
-    for &(rows, d, width, ne, k) in &[(1usize, 64usize, 32usize, 8usize, 2usize), (45, 128, 48, 16, 4), (9, 64, 32, 4, 4)] {
+    // The routed experts against the CPU's loop: up to GEMV_MAX_ROWS rows routed on the device
+    // (routed GEMVs, then the combine), more on the host (per expert a gathered product and a
+    // weighted scatter-add).
+    for &(rows, d, width, ne, k) in &[(1usize, 64usize, 32usize, 8usize, 2usize), (5, 64, 32, 16, 4), (8, 128, 48, 40, 8), (45, 128, 48, 16, 4), (9, 64, 32, 4, 4)] {
         use crate::formats::{Matrix, Tensor};
         let mk = |r: usize, c: usize, rng: &mut crate::kernels::gated_delta::test_util::Lcg| {
             Matrix::F32(Tensor::owned("e", vec![r, c], rng.vec(r * c, -0.2, 0.2)))
@@ -205,15 +206,11 @@ fn cuda_qwen35_matches_cpu() {
                 next[i] = argmax(&own) as u32;
             }
         }
-        // Dense decode steps are recorded once per key and replayed (the logits above came from
-        // replays); MoE steps read routing back mid-step and always run plainly.
+        // Decode steps are recorded once per key and replayed (the logits above came from
+        // replays), MoE ones too: a few rows route on the device.
         let (recorded, failed) = f32m.ops().graph_stats();
         assert!(failed.is_empty(), "{rel}: decode recordings failed: {failed:?}");
-        if cpu.cfg.moe.is_none() {
-            assert!(recorded > 0, "{rel}: no decode step was recorded");
-        } else {
-            assert_eq!(recorded, 0, "{rel}: a MoE step was recorded");
-        }
+        assert!(recorded > 0, "{rel}: no decode step was recorded");
         eprintln!(
             "{rel}: GPU f32 vs CPU ≤ {worst:.2e} of the logit scale; batched vs alone ≤ {worst_batch:.2e}; \
              bf16: argmax agrees {fast_agree}/{steps}, logits ≤ {worst_fast:.2e} of the scale; {} device weight bytes (f32)",

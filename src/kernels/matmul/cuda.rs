@@ -55,6 +55,24 @@ pub struct GpuMatrix {
 }
 
 impl GpuMatrix {
+    /// The weights' device address and (Q8_0) the scales', else 0: what a GEMV kernel takes.
+    fn pointers(&self, gpu: &Gpu) -> (u64, u64) {
+        match &self.w {
+            GpuWeights::F32(d) => (gpu.ptr(d), 0),
+            GpuWeights::Bf16(d) => (gpu.ptr(d), 0),
+            GpuWeights::Q8 { quants, scales } => (gpu.ptr(quants), gpu.ptr(scales)),
+        }
+    }
+
+    /// The index of the stored type in the GEMV kernel tables (f32, bf16, Q8_0).
+    fn kind(&self) -> usize {
+        match &self.w {
+            GpuWeights::F32(_) => 0,
+            GpuWeights::Bf16(_) => 1,
+            GpuWeights::Q8 { .. } => 2,
+        }
+    }
+
     /// Device bytes of the weights (what a decode step reads).
     pub fn bytes(&self) -> usize {
         match &self.w {
@@ -63,6 +81,18 @@ impl GpuMatrix {
             GpuWeights::Q8 { quants, scales } => quants.len() + 2 * scales.len(),
         }
     }
+}
+
+/// Matrices of one shape and stored type (a MoE layer's experts), addressed by an index that
+/// the device reads: tables of their weights' (and Q8_0 scales') addresses. The matrices
+/// themselves stay where they are; the table is valid while they live (the owner keeps both).
+pub struct GpuMatrixTable {
+    weights: CudaSlice<u64>,
+    scales: CudaSlice<u64>,
+    kind: usize,
+    pub len: usize,
+    pub out: usize,
+    pub inp: usize,
 }
 
 /// What a GEMV reads as its input rows (`TERN_X_*` in gemv.cu): plain rows of `in`, or rows
@@ -104,18 +134,13 @@ impl GemvKernels {
         Ok(GemvKernels([by_type("")?, by_type("silu_")?, by_type("gelu_")?]))
     }
 
-    fn get(&self, input: GemvInput, w: &GpuWeights, rows: usize) -> &CudaFunction {
+    fn get(&self, input: GemvInput, w: &GpuMatrix, rows: usize) -> &CudaFunction {
         let i = match input {
             GemvInput::Plain => 0,
             GemvInput::Silu => 1,
             GemvInput::GeluTanh => 2,
         };
-        let t = match w {
-            GpuWeights::F32(_) => 0,
-            GpuWeights::Bf16(_) => 1,
-            GpuWeights::Q8 { .. } => 2,
-        };
-        &self.0[i][t][match rows {
+        &self.0[i][w.kind()][match rows {
             1 => 0,
             2 => 1,
             3 | 4 => 2,
@@ -126,7 +151,7 @@ impl GemvKernels {
 
 /// Shared memory a gated GEMV block may take for its activated rows without asking the
 /// driver for more (the default limit).
-const GEMV_GATED_SMEM: usize = 48 * 1024;
+pub const GEMV_GATED_SMEM: usize = 48 * 1024;
 
 /// A cuBLAS handle on the GPU's stream, and the helper kernels.
 pub struct Blas {
@@ -137,6 +162,8 @@ pub struct Blas {
     to_bf16: CudaFunction,
     add_bias: CudaFunction,
     gemv: GemvKernels,
+    /// The routed GEMV: [plain, silu-gated input][f32, bf16, Q8_0].
+    routed: [[CudaFunction; 3]; 2],
     expand_bf16_f32: CudaFunction,
     expand_q8_f32: CudaFunction,
     expand_q8_bf16: CudaFunction,
@@ -166,6 +193,10 @@ impl Blas {
             to_bf16: f("tern_to_bf16")?,
             add_bias: f("tern_add_bias")?,
             gemv: GemvKernels::new(&gpu)?,
+            routed: [
+                [f("tern_gemv_routed_f32")?, f("tern_gemv_routed_bf16")?, f("tern_gemv_routed_q8")?],
+                [f("tern_gemv_routed_silu_f32")?, f("tern_gemv_routed_silu_bf16")?, f("tern_gemv_routed_silu_q8")?],
+            ],
             expand_bf16_f32: f("tern_expand_bf16_f32")?,
             expand_q8_f32: f("tern_expand_q8_f32")?,
             expand_q8_bf16: f("tern_expand_q8_bf16")?,
@@ -394,11 +425,7 @@ impl Blas {
         let mut p = GemvParts { n: parts.len() as i32, ..Default::default() };
         let mut blocks = 0u32;
         for (i, (w, y)) in parts.iter().enumerate() {
-            let (wp, sp) = match &w.w {
-                GpuWeights::F32(d) => (g.ptr(d), 0),
-                GpuWeights::Bf16(d) => (g.ptr(d), 0),
-                GpuWeights::Q8 { quants, scales } => (g.ptr(quants), g.ptr(scales)),
-            };
+            let (wp, sp) = w.pointers(g);
             p.w[i] = wp;
             p.scales[i] = sp;
             p.y[i] = g.ptr(&**y);
@@ -409,7 +436,7 @@ impl Blas {
         p.block0[parts.len()] = int_arg("gemv blocks", blocks as usize)?;
         let smem = if input == GemvInput::Plain { 0 } else { (rows * first.inp * 4) as u32 };
         let xp = g.ptr(x);
-        let mut l = g.stream().launch_builder(self.gemv.get(input, &first.w, rows));
+        let mut l = g.stream().launch_builder(self.gemv.get(input, first, rows));
         l.arg(&p).arg(&xp).arg(&r).arg(&inp);
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: smem };
         // SAFETY: argument types match tern_gemv_*; the kernel (R >= rows) reads each part's
@@ -418,6 +445,74 @@ impl Blas {
         // in % 8 == 0 keeps the vector loads aligned; the gated forms' shared memory is
         // rows × in floats (at most GEMV_GATED_SMEM, the default limit).
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv"))?;
+        Ok(())
+    }
+
+    /// The address tables of `ms` for [`Blas::routed`], or None when they cannot share one
+    /// (different shapes or stored types, or rows the GEMV does not take).
+    pub fn matrix_table(&self, ms: &[&GpuMatrix]) -> Result<Option<GpuMatrixTable>> {
+        let Some(first) = ms.first() else { return Ok(None) };
+        if ms.iter().any(|m| (m.out, m.inp, m.kind()) != (first.out, first.inp, first.kind())) || !Self::gemv_fits(1, first) {
+            return Ok(None);
+        }
+        let (weights, scales): (Vec<u64>, Vec<u64>) = ms.iter().map(|m| m.pointers(&self.gpu)).unzip();
+        Ok(Some(GpuMatrixTable {
+            weights: self.gpu.upload(&weights)?,
+            scales: self.gpu.upload(&scales)?,
+            kind: first.kind(),
+            len: ms.len(),
+            out: first.out,
+            inp: first.inp,
+        }))
+    }
+
+    /// Routed products: for each of `slots` slots s, `y[s] = x_s · W_{ids[s]}ᵀ`, where x_s is
+    /// row s / k of `x` (rows of `in`, [`GemvInput::Plain`]) or silu(g)·u of row s of `x`
+    /// (rows of 2·in, [`GemvInput::Silu`]). The ids are device values below `table.len`
+    /// (the routing kernel's); CPU twin: [`super::linear_w`] of each slot's expert.
+    #[allow(clippy::too_many_arguments)]
+    pub fn routed(
+        &self,
+        table: &GpuMatrixTable,
+        ids: &CudaSlice<i32>,
+        k: usize,
+        slots: usize,
+        x: &CudaSlice<f32>,
+        input: GemvInput,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let width = match input {
+            GemvInput::Plain => table.inp,
+            GemvInput::Silu => 2 * table.inp,
+            GemvInput::GeluTanh => return Err(Error::Shape("routed products take plain or silu-gated rows".into())),
+        };
+        check_len("routed ids", ids.len(), slots)?;
+        let x_rows = if input == GemvInput::Plain { slots / k.max(1) } else { slots };
+        if k == 0 || slots % k != 0 {
+            return Err(Error::Shape(format!("routed: {slots} slots are not rows of {k} choices")));
+        }
+        check_len("routed input", x.len(), x_rows * width)?;
+        check_len("routed output", y.len(), slots * table.out)?;
+        if slots == 0 {
+            return Ok(());
+        }
+        let g = &self.gpu;
+        let slots_y = u32::try_from(slots).ok().filter(|&n| n <= 65_535).ok_or_else(|| Error::Shape(format!("routed: {slots} slots, at most 65535")))?;
+        let (ki, inp, out) = (int_arg("routed k", k)?, int_arg("routed in", table.inp)?, int_arg("routed out", table.out)?);
+        let (wt, st, ip, xp, yp) = (g.ptr(&table.weights), g.ptr(&table.scales), g.ptr(ids), g.ptr(x), g.ptr(y));
+        let f = &self.routed[(input == GemvInput::Silu) as usize][table.kind];
+        let mut l = g.stream().launch_builder(f);
+        l.arg(&wt).arg(&st).arg(&ip).arg(&ki).arg(&xp).arg(&inp).arg(&out).arg(&yp);
+        let smem = if input == GemvInput::Plain { 0 } else { (4 * table.inp) as u32 };
+        if smem as usize > GEMV_GATED_SMEM {
+            return Err(Error::Shape(format!("routed: gated rows of {} exceed a block's shared memory", table.inp)));
+        }
+        let cfg = LaunchConfig { grid_dim: (grid_for(table.out, GEMV_WARPS as u32)?, slots_y, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: smem };
+        // SAFETY: argument types match tern_gemv_routed_*; the tables hold `len` matrices of
+        // out × in weights of the kernel's type, and the ids (written by the routing kernel) are
+        // below `len`; x, y and ids hold what the slots read and write (checked above); the
+        // gated form's shared memory is in floats (at most the default limit).
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_routed"))?;
         Ok(())
     }
 

@@ -17,7 +17,10 @@
 //   writing its own output, the grid's blocks split between them (tern_gemv_parts);
 // - a gated activation folded into x: x[r][c] = act(g[r][c])·u[r][c] with gate and up side by
 //   side in one row of 2·in (the FFN's fused gate|up product), formed once per block in shared
-//   memory (rows·in floats), in the activation kernels' own form (prelude.cuh).
+//   memory (rows·in floats), in the activation kernels' own form (prelude.cuh);
+// - a mixture-of-experts layer's routed products, the expert of each (row, choice) read from
+//   device memory (routed on the device), so that a decode step of a MoE model records as a
+//   graph like a dense one (tern_gemv_routed).
 
 #define TERN_GEMV_WARPS 8
 #define TERN_GEMV_PARTS 4
@@ -41,7 +44,7 @@ __device__ __forceinline__ float tern_f16_to_f32(unsigned short h) {
 
 struct TernWeightsF32 {
     const float* w;
-    __device__ TernWeightsF32(const tern_gemv_parts& p, int i) : w((const float*)p.w[i]) {}
+    __device__ TernWeightsF32(unsigned long long wp, unsigned long long) : w((const float*)wp) {}
     __device__ __forceinline__ void load8(size_t at, float* v) const {
         const float4 a = *reinterpret_cast<const float4*>(w + at);
         const float4 b = *reinterpret_cast<const float4*>(w + at + 4);
@@ -52,7 +55,7 @@ struct TernWeightsF32 {
 
 struct TernWeightsBf16 {
     const tern_bf16* w;
-    __device__ TernWeightsBf16(const tern_gemv_parts& p, int i) : w((const tern_bf16*)p.w[i]) {}
+    __device__ TernWeightsBf16(unsigned long long wp, unsigned long long) : w((const tern_bf16*)wp) {}
     __device__ __forceinline__ void load8(size_t at, float* v) const {
         const uint4 u = *reinterpret_cast<const uint4*>(w + at);
         const unsigned q[4] = {u.x, u.y, u.z, u.w};
@@ -67,8 +70,8 @@ struct TernWeightsBf16 {
 struct TernWeightsQ8 {
     const signed char* q;
     const unsigned short* d;
-    __device__ TernWeightsQ8(const tern_gemv_parts& p, int i)
-        : q((const signed char*)p.w[i]), d((const unsigned short*)p.scales[i]) {}
+    __device__ TernWeightsQ8(unsigned long long wp, unsigned long long sp)
+        : q((const signed char*)wp), d((const unsigned short*)sp) {}
     __device__ __forceinline__ void load8(size_t at, float* v) const {
         const uint2 u = *reinterpret_cast<const uint2*>(q + at);
         const float s = tern_f16_to_f32(d[at / 32]);
@@ -84,28 +87,27 @@ struct TernWeightsQ8 {
 #define TERN_X_SILU 1
 #define TERN_X_GELU 2
 
-// y_part[r][o] = Σ_c x[r][c]·W_part[o][c] for r < rows <= R; in % 8 == 0.
-template <int R, typename W, int XMODE>
-__device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
+// Forms the activated rows act(g)·u of `rows` rows of 2·in (gate | up) in shared memory, once
+// per block, and returns them; x as it is for TERN_X_PLAIN. Every thread of the block calls it.
+template <int XMODE>
+__device__ __forceinline__ const float* tern_gemv_input(const float* __restrict__ x, int rows, int in) {
     extern __shared__ float tern_gemv_x[];
-    const int lane = threadIdx.x % 32;
-    int part = 0;
-    while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
-    const int o = ((int)blockIdx.x - p.block0[part]) * TERN_GEMV_WARPS + threadIdx.x / 32;
-    if (XMODE != TERN_X_PLAIN) {
-        // Every block forms the activated rows once; the warps then read them from shared memory.
-        for (int e = threadIdx.x; e < rows * in; e += blockDim.x) {
-            const int r = e / in, c = e % in;
-            const float g = x[(size_t)r * 2 * in + c], u = x[(size_t)r * 2 * in + in + c];
-            tern_gemv_x[e] = (XMODE == TERN_X_SILU ? tern_silu(g) : tern_gelu_tanh(g)) * u;
-        }
-        __syncthreads();
-        x = tern_gemv_x;
+    if (XMODE == TERN_X_PLAIN) return x;
+    for (int e = threadIdx.x; e < rows * in; e += blockDim.x) {
+        const int r = e / in, c = e % in;
+        const float g = x[(size_t)r * 2 * in + c], u = x[(size_t)r * 2 * in + in + c];
+        tern_gemv_x[e] = (XMODE == TERN_X_SILU ? tern_silu(g) : tern_gelu_tanh(g)) * u;
     }
-    if (o >= p.out[part]) return;
-    const W w(p, part);
-    float* __restrict__ y = (float*)p.y[part];
-    const int out = p.out[part];
+    __syncthreads();
+    return tern_gemv_x;
+}
+
+// One warp's output feature `o` (weights row o of `w`) for rows r < rows <= R of x (rows of
+// `in`), written to y[r·out + o]; in % 8 == 0.
+template <int R, typename W>
+__device__ __forceinline__ void tern_gemv_row(const W& w, const float* __restrict__ x, int rows, int in, int o, int out,
+                                              float* __restrict__ y) {
+    const int lane = threadIdx.x % 32;
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
@@ -133,6 +135,34 @@ __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float*
     }
 }
 
+// y_part[r][o] = Σ_c x[r][c]·W_part[o][c] for r < rows <= R.
+template <int R, typename W, int XMODE>
+__device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
+    int part = 0;
+    while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
+    const int o = ((int)blockIdx.x - p.block0[part]) * TERN_GEMV_WARPS + threadIdx.x / 32;
+    x = tern_gemv_input<XMODE>(x, rows, in);
+    if (o >= p.out[part]) return;
+    tern_gemv_row<R>(W(p.w[part], p.scales[part]), x, rows, in, o, p.out[part], (float*)p.y[part]);
+}
+
+// Routed experts (a mixture-of-experts layer's few rows, routed on the device): slot s =
+// blockIdx.y is row s / k's choice s % k, expert ids[s], whose matrix comes from the tables of
+// every expert's weights (and Q8_0 scales). Its input is row s / k of x (TERN_X_PLAIN: the
+// layer's input rows of `in`) or row s of x (gated: the slot's own gate | up row of 2·in);
+// its output is row s of y [slots][out].
+template <typename W, int XMODE>
+__device__ __forceinline__ void tern_gemv_routed(const unsigned long long* __restrict__ w_table,
+                                                 const unsigned long long* __restrict__ s_table,
+                                                 const int* __restrict__ ids, int k, const float* __restrict__ x, int in,
+                                                 int out, float* __restrict__ y) {
+    const int slot = blockIdx.y, e = ids[slot];
+    const int o = (int)blockIdx.x * TERN_GEMV_WARPS + threadIdx.x / 32;
+    x = tern_gemv_input<XMODE>(XMODE == TERN_X_PLAIN ? x + (size_t)(slot / k) * in : x + (size_t)slot * 2 * in, 1, in);
+    if (o >= out) return;
+    tern_gemv_row<1>(W(w_table[e], s_table[e]), x, 1, in, o, out, y + (size_t)slot * out);
+}
+
 #define TERN_GEMV_KERNEL(name, R, W, XMODE)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                            \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
@@ -153,6 +183,19 @@ TERN_GEMV_KERNELS(1)
 TERN_GEMV_KERNELS(2)
 TERN_GEMV_KERNELS(4)
 TERN_GEMV_KERNELS(8)
+
+#define TERN_GEMV_ROUTED_KERNEL(name, W, XMODE)                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                            \
+        name(const unsigned long long* __restrict__ w_table, const unsigned long long* __restrict__ s_table,     \
+             const int* __restrict__ ids, int k, const float* __restrict__ x, int in, int out, float* __restrict__ y) { \
+        tern_gemv_routed<W, XMODE>(w_table, s_table, ids, k, x, in, out, y);                                      \
+    }
+TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_f32, TernWeightsF32, TERN_X_PLAIN)
+TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_bf16, TernWeightsBf16, TERN_X_PLAIN)
+TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_q8, TernWeightsQ8, TERN_X_PLAIN)
+TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_f32, TernWeightsF32, TERN_X_SILU)
+TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_bf16, TernWeightsBf16, TERN_X_SILU)
+TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_q8, TernWeightsQ8, TERN_X_SILU)
 
 // Stored weights expanded to a GEMM operand (prefill): bf16 -> f32 (exact), Q8_0 -> f32
 // (exact) or -> bf16 (d·q rounded to nearest even: the fast mode's operand rounding).

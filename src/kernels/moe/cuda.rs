@@ -1,7 +1,11 @@
-//! Launchers of `moe.cu`, with the checks of the CPU twins in this folder. The routing itself
-//! runs on the host ([`super::route`]) over the router's logits read back from the device: the
-//! rows each expert gets decide which products run, and for the batches here (a decode step, a
-//! prompt) one read-back per layer costs less than the products it saves.
+//! Launchers of `moe.cu`, with the checks of the CPU twins in this folder. Two ways to route:
+//! - many rows (a prompt): on the host ([`super::route`]) over the router's logits read back
+//!   from the device; the rows each expert gets decide which grouped products run, each
+//!   expert's weights read once for all its rows;
+//! - a few rows (a decode step): on the device ([`MoeCuda::route`]), the products reading each
+//!   (row, choice)'s expert from the ids it wrote ([`crate::kernels::matmul::cuda::Blas::routed`])
+//!   and [`MoeCuda::combine`] adding them up: nothing goes back to the host, so the step can be
+//!   recorded as a graph.
 
 use std::sync::Arc;
 
@@ -16,7 +20,14 @@ pub struct MoeCuda {
     gpu: Arc<Gpu>,
     scatter: CudaFunction,
     gated: CudaFunction,
+    route: CudaFunction,
+    combine: CudaFunction,
 }
+
+/// Choices per row the device routing holds (TERN_MOE_MAX_K).
+pub const MAX_DEVICE_TOP_K: usize = 16;
+/// Experts whose probabilities fit the routing block's shared memory at the default limit.
+pub const MAX_DEVICE_EXPERTS: usize = 12 * 1024;
 
 fn grid(n: usize) -> Result<LaunchConfig> {
     Ok(LaunchConfig { grid_dim: (grid_for(n, 256)?.min(65_535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
@@ -24,7 +35,64 @@ fn grid(n: usize) -> Result<LaunchConfig> {
 
 impl MoeCuda {
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
-        Ok(MoeCuda { scatter: gpu.function(&SOURCE, "tern_scatter_add_rows")?, gated: gpu.function(&SOURCE, "tern_add_sigmoid_gated")?, gpu })
+        Ok(MoeCuda {
+            scatter: gpu.function(&SOURCE, "tern_scatter_add_rows")?,
+            gated: gpu.function(&SOURCE, "tern_add_sigmoid_gated")?,
+            route: gpu.function(&SOURCE, "tern_moe_route")?,
+            combine: gpu.function(&SOURCE, "tern_moe_combine")?,
+            gpu,
+        })
+    }
+
+    /// Routes `rows` rows of router logits ([rows][ne]) on the device: each row's top-k experts
+    /// (ascending) in `ids` and their renormalised weights in `weights`, [rows][k]. CPU twin:
+    /// [`super::route`].
+    pub fn route(&self, logits: &CudaSlice<f32>, ne: usize, k: usize, ids: &mut CudaSlice<i32>, weights: &mut CudaSlice<f32>) -> Result<()> {
+        if ne == 0 || k == 0 || k > ne || k > MAX_DEVICE_TOP_K || ne > MAX_DEVICE_EXPERTS || logits.len() % ne != 0 {
+            return Err(Error::Shape(format!(
+                "moe routing on the device: top-{k} of {ne} experts over {} logits (at most top-{MAX_DEVICE_TOP_K} of {MAX_DEVICE_EXPERTS})",
+                logits.len()
+            )));
+        }
+        let rows = logits.len() / ne;
+        check_len("moe route ids", ids.len(), rows * k)?;
+        check_len("moe route weights", weights.len(), rows * k)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let g = &self.gpu;
+        let (nei, ki) = (int_arg("experts", ne)?, int_arg("top-k", k)?);
+        let (lp, ip, wp) = (g.ptr(logits), g.ptr(ids), g.ptr(weights));
+        let mut l = g.stream().launch_builder(&self.route);
+        l.arg(&lp).arg(&nei).arg(&ki).arg(&ip).arg(&wp);
+        let cfg = LaunchConfig { grid_dim: (grid_for(rows, 1)?, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: (4 * ne) as u32 };
+        // SAFETY: argument types match tern_moe_route; one warp per row reads its ne logits and
+        // writes k ids (each below ne) and k weights; ne floats of shared memory (<= 48 KB).
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_moe_route"))?;
+        Ok(())
+    }
+
+    /// out[r] = Σ_j y[r·k + j]·weights[r·k + j], rows of `d`, the choices added in order from
+    /// zero. CPU twin: the accumulation in [`super::moe_experts`].
+    pub fn combine(&self, y: &CudaSlice<f32>, weights: &CudaSlice<f32>, k: usize, d: usize, out: &mut CudaSlice<f32>) -> Result<()> {
+        if d == 0 || k == 0 || out.len() % d != 0 {
+            return Err(Error::Shape(format!("moe combine: {} outputs as rows of {d}, {k} choices", out.len())));
+        }
+        let rows = out.len() / d;
+        check_len("moe combine weights", weights.len(), rows * k)?;
+        check_len("moe combine input", y.len(), rows * k * d)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let g = &self.gpu;
+        let (ri, ki, di) = (int_arg("rows", rows)?, int_arg("top-k", k)?, int_arg("width", d)?);
+        let (yp, wp, op) = (g.ptr(y), g.ptr(weights), g.ptr(out));
+        let mut l = g.stream().launch_builder(&self.combine);
+        l.arg(&yp).arg(&wp).arg(&ri).arg(&ki).arg(&di).arg(&op);
+        // SAFETY: argument types match tern_moe_combine; y holds rows × k × d, weights rows × k
+        // and out rows × d (checked).
+        unsafe { l.launch(grid(rows * d)?) }.map_err(driver_err("launching tern_moe_combine"))?;
+        Ok(())
     }
 
     /// out[rows[r]] += y[r]·weights[r] (rows of `d`; `rows` distinct, each below `out`'s row count).

@@ -1,3 +1,5 @@
+#define TERN_MOE_MAX_K 16
+
 // The routed experts' combine and the shared expert's gate, CUDA form. CPU twins: moe/mod.rs
 // (`out[t] += y·w`, experts in index order) and the backend's add_sigmoid_gated. The product is
 // rounded before the add (__fmul_rn keeps the compiler from fusing them into one FMA), as on
@@ -23,5 +25,88 @@ extern "C" __global__ void tern_add_sigmoid_gated(float* __restrict__ out, const
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
         const float s = 1.0f / (1.0f + expf(-gate[e / d]));
         out[e] = out[e] + __fmul_rn(s, y[e]);
+    }
+}
+
+// Routing of a few rows on the device (a decode step, which a graph records; CPU twin: mod.rs
+// `route`). One warp per row, the row's probabilities in shared memory (ne floats):
+// softmax in f32 with the row's sum taken in index order by one lane (the CPU's order), then k
+// rounds of a warp argmax over the untaken experts (highest probability, ties to the lower
+// index, as the CPU's sort and torch.topk), the chosen probabilities summed in the order they
+// were chosen, and the weights p / sum. A row's k choices are written in ascending expert
+// order: the order tern_moe_combine adds them in, which is the CPU's (experts in index order).
+extern "C" __global__ void tern_moe_route(const float* __restrict__ logits, int ne, int k, int* __restrict__ ids,
+                                          float* __restrict__ weights) {
+    extern __shared__ float tern_moe_p[];
+    const int row = blockIdx.x, lane = threadIdx.x;
+    const float* l = logits + (size_t)row * ne;
+    float mx = -tern_inf();
+    for (int e = lane; e < ne; e += 32) mx = fmaxf(mx, l[e]);
+    mx = tern_warp_max(mx);
+    for (int e = lane; e < ne; e += 32) tern_moe_p[e] = expf(l[e] - mx);
+    __syncwarp();
+    float total = 0.0f;
+    if (lane == 0)
+        for (int e = 0; e < ne; ++e) total += tern_moe_p[e];
+    total = __shfl_sync(0xffffffffu, total, 0);
+    for (int e = lane; e < ne; e += 32) tern_moe_p[e] = tern_moe_p[e] / total;
+    __syncwarp();
+    int chosen[TERN_MOE_MAX_K];
+    for (int j = 0; j < k; ++j) {
+        float best = -1.0f;
+        int at = ne;
+        for (int e = lane; e < ne; e += 32) {
+            bool taken = false;
+            for (int i = 0; i < j; ++i) taken = taken || chosen[i] == e;
+            const float p = tern_moe_p[e];
+            if (!taken && (p > best || (p == best && e < at))) {
+                best = p;
+                at = e;
+            }
+        }
+        for (int m = 16; m > 0; m >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, m);
+            const int oa = __shfl_xor_sync(0xffffffffu, at, m);
+            if (ob > best || (ob == best && oa < at)) {
+                best = ob;
+                at = oa;
+            }
+        }
+        // NaN probabilities compare false everywhere: take the first untaken expert so that
+        // an id never leaves the table (the output is NaN either way).
+        for (int e = 0; at >= ne && e < ne; ++e) {
+            bool taken = false;
+            for (int i = 0; i < j; ++i) taken = taken || chosen[i] == e;
+            if (!taken) at = e;
+        }
+        chosen[j] = at;
+    }
+    if (lane == 0) {
+        float sum = 0.0f;
+        for (int j = 0; j < k; ++j) sum += tern_moe_p[chosen[j]];
+        // Insertion sort of k <= TERN_MOE_MAX_K choices into expert order.
+        for (int j = 1; j < k; ++j)
+            for (int i = j; i > 0 && chosen[i - 1] > chosen[i]; --i) {
+                const int t = chosen[i];
+                chosen[i] = chosen[i - 1];
+                chosen[i - 1] = t;
+            }
+        for (int j = 0; j < k; ++j) {
+            ids[(size_t)row * k + j] = chosen[j];
+            weights[(size_t)row * k + j] = tern_moe_p[chosen[j]] / sum;
+        }
+    }
+}
+
+// out[r] = Σ_j y[r·k + j]·weights[r·k + j] over a row's k routed outputs (rows of d), added in
+// slot order from zero, each product rounded first: the CPU's sequence of additions.
+extern "C" __global__ void tern_moe_combine(const float* __restrict__ y, const float* __restrict__ weights, int rows,
+                                            int k, int d, float* __restrict__ out) {
+    const size_t total = (size_t)rows * d;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = e / d, c = e % d;
+        float acc = 0.0f;
+        for (int j = 0; j < k; ++j) acc = acc + __fmul_rn(y[(r * k + j) * d + c], weights[r * k + j]);
+        out[e] = acc;
     }
 }
