@@ -34,7 +34,8 @@ if [ -f "$dir/llama-convert.tgz" ]; then
 fi
 python3 "$here/make_bench_qwen35.py" $bench "${gguf_args[@]}" 2>&1 | grep -v -e Warning || true
 
-models=($bench/qwen35-0.8b $bench/qwen35-0.8b-bf16.gguf $bench/qwen35-0.8b-q8_0.gguf)
+models=(${TERN_BENCH_MODELS:-$bench/qwen35-0.8b-bf16.gguf $bench/qwen35-0.8b-q8_0.gguf})
+[ -e $bench/qwen35-0.8b-bf16.gguf ] || models=($bench/qwen35-0.8b)
 for model in "${models[@]}"; do
   [ -e "$model" ] || continue
   for dtype in f32 bf16; do

@@ -150,7 +150,7 @@ pub struct CudaOps {
     exclusive: Mutex<()>,
     /// Recorded steps by their keys (Err: recording failed, run plainly).
     graphs: Mutex<HashMap<Vec<u64>, std::result::Result<Recorded, String>>>,
-    /// Per-op device time when TERN_CUDA_PROFILE is set (see [`CudaOps::op_profile`]).
+    /// Per-op device time when TERN_CUDA_PROFILE is set (see [`CudaOps::take_op_profile`]).
     profile: Option<Mutex<HashMap<&'static str, (u64, f64)>>>,
 }
 
@@ -198,9 +198,9 @@ impl CudaOps {
 
     /// With TERN_CUDA_PROFILE set, each op drains the stream before and after it runs (no step
     /// is recorded as a graph then) and its time is summed by name: a development view of
-    /// where a forward pass spends its device time. `(op, calls, seconds)`, slowest first;
-    /// None when not profiling.
-    /// Taking the profile clears it, so that a caller can profile phases one after another.
+    /// where a forward pass spends its device time. Returns `(op, calls, seconds)` since the
+    /// last call, slowest first, and clears it (so that phases can be profiled one after
+    /// another); None when not profiling.
     pub fn take_op_profile(&self) -> Option<Vec<(&'static str, u64, f64)>> {
         let mut p = self.profile.as_ref()?.lock().unwrap_or_else(|p| p.into_inner());
         let mut v: Vec<_> = p.drain().map(|(k, (n, t))| (k, n, t)).collect();

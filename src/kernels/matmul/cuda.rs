@@ -500,13 +500,13 @@ impl Blas {
         let slots_y = u32::try_from(slots).ok().filter(|&n| n <= 65_535).ok_or_else(|| Error::Shape(format!("routed: {slots} slots, at most 65535")))?;
         let (ki, inp, out) = (int_arg("routed k", k)?, int_arg("routed in", table.inp)?, int_arg("routed out", table.out)?);
         let (wt, st, ip, xp, yp) = (g.ptr(&table.weights), g.ptr(&table.scales), g.ptr(ids), g.ptr(x), g.ptr(y));
-        let f = &self.routed[(input == GemvInput::Silu) as usize][table.kind];
-        let mut l = g.stream().launch_builder(f);
-        l.arg(&wt).arg(&st).arg(&ip).arg(&ki).arg(&xp).arg(&inp).arg(&out).arg(&yp);
         let smem = if input == GemvInput::Plain { 0 } else { (4 * table.inp) as u32 };
         if smem as usize > GEMV_GATED_SMEM {
             return Err(Error::Shape(format!("routed: gated rows of {} exceed a block's shared memory", table.inp)));
         }
+        let f = &self.routed[(input == GemvInput::Silu) as usize][table.kind];
+        let mut l = g.stream().launch_builder(f);
+        l.arg(&wt).arg(&st).arg(&ip).arg(&ki).arg(&xp).arg(&inp).arg(&out).arg(&yp);
         let cfg = LaunchConfig { grid_dim: (grid_for(table.out, GEMV_WARPS as u32)?, slots_y, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: smem };
         // SAFETY: argument types match tern_gemv_routed_*; the tables hold `len` matrices of
         // out × in weights of the kernel's type, and the ids (written by the routing kernel) are
