@@ -10,19 +10,28 @@ dir=${1:?usage: scripts/device-bench-embed.sh DIR}
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/device-env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$dir"/whl/*.whl
+if ls "$dir"/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$dir"/whl/*.whl
+fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 bench=/tmp/tern-bench
 mkdir -p $bench
 xz -dc "$dir/tokenizer.json.xz" > $bench/tokenizer.json
 tern="$dir/tern"
 if [ ! -x "$tern" ]; then xz -dc "$dir/tern.xz" > $bench/tern && chmod +x $bench/tern && tern=$bench/tern; fi
-python3 "$here/make_bench_egemma.py" $bench $bench/tokenizer.json
-python3 "$here/bench_embed_gpu_peers.py" $bench /tmp/site/bin/egemma2 2>&1 | grep -v -e Warning -e "Loading weights" || true
-for model in eg300m eg2; do
+# TERN_BENCH_EMBED_MODELS picks the checkpoints (default both); TERN_BENCH_PEERS=0 runs tern
+# alone on its own generated documents (no transformers or egemma2 timings).
+models=${TERN_BENCH_EMBED_MODELS:-eg300m eg2}
+python3 "$here/make_bench_egemma.py" $bench $bench/tokenizer.json "$(echo $models | tr ' ' ,)"
+docs=()
+if [ "${TERN_BENCH_PEERS:-1}" != 0 ]; then
+  python3 "$here/bench_embed_gpu_peers.py" $bench /tmp/site/bin/egemma2 2>&1 | grep -v -e Warning -e "Loading weights" || true
+  docs=(--input $bench/inputs/docs.txt)
+fi
+for model in $models; do
   for dtype in f32 bf16; do
-    "$tern" bench embed --model $bench/$model --device cuda --dtype $dtype --input $bench/inputs/docs.txt --batch 64 --iters 5 $([ $dtype = bf16 ] && echo --compare-f32)
-    if [ $model = eg2 ]; then
+    "$tern" bench embed --model $bench/$model --device cuda --dtype $dtype "${docs[@]}" --batch 64 --iters 5 $([ $dtype = bf16 ] && echo --compare-f32)
+    if [ $model = eg2 ] && [ ${#docs[@]} -gt 0 ]; then
       "$tern" bench embed --model $bench/$model --device cuda --dtype $dtype --input $bench/inputs/long.txt --batch 1 --iters 5
     fi
   done

@@ -2,8 +2,8 @@
 # Qwen3.5 generation on a CUDA GPU, tern beside llama.cpp's CUDA build, in one call on the
 # device machine:
 #   scripts/device-bench-generate.sh DIR
-# DIR holds the `tern` binary (or tern.xz) and DIR/whl with the transformers 5.24 wheel
-# (../shared/tools/device-wheels.sh); optionally DIR/llama-convert.tgz (llama.cpp's converter:
+# DIR holds the `tern` binary (or tern.xz) and, where the machine's transformers lacks Qwen3.5,
+# DIR/whl with the transformers 5.24 wheel (../shared/tools/device-wheels.sh); optionally DIR/llama-convert.tgz (llama.cpp's converter:
 # convert_hf_to_gguf.py, conversion/ and gguf-py/ from ../shared/tools/llama-cpp-src.sh, plus
 # ../shared/tools/hf-to-gguf.py) and DIR/llama-bench.xz (llama.cpp's own benchmark, built for
 # sm_90 with GGML_CUDA=ON). Makes the random-weight Qwen3.5-0.8B on the device
@@ -18,7 +18,9 @@ dir=$(cd "${1:?usage: scripts/device-bench-generate.sh DIR}" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/device-env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$dir"/whl/*.whl
+if ls "$dir"/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$dir"/whl/*.whl
+fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 bench=/tmp/tern-bench
 mkdir -p $bench

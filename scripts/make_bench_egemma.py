@@ -1,12 +1,13 @@
 """Random-weight EmbeddingGemma checkpoints at the released shapes, for the GPU benchmark.
 
-    python3 scripts/make_bench_egemma.py OUT TOKENIZER_JSON
+    python3 scripts/make_bench_egemma.py OUT TOKENIZER_JSON [eg2,eg300m]
 
 Writes OUT/eg2 (EmbeddingGemma 2: transformers' default EmbeddingGemma2Config, saved with
 save_pretrained as the composite `embedding_gemma2` checkpoint) and OUT/eg300m (EmbeddingGemma
 300M's config with its sentence-transformers modules: mean Pooling, Dense 768->3072->768,
-Normalize), both f32, each with the given tokenizer.json (the 262144-entry Gemma vocabulary of
-EmbeddingGemma 300M). Runs on the GPU machine with transformers >= 5.24 (no network needed).
+Normalize), both f32 (or those named), each with the given tokenizer.json (the 262144-entry
+Gemma vocabulary of EmbeddingGemma 300M). Runs on the GPU machine with transformers >= 5.24
+(eg300m alone needs only Gemma3TextModel) and no network.
 """
 import json
 import os
@@ -95,5 +96,5 @@ def eg300m():
     print("eg300m:", sum(p.numel() for p in model.parameters()) / 1e6, "M parameters")
 
 
-eg2()
-eg300m()
+for name in (sys.argv[3] if len(sys.argv) > 3 else "eg2,eg300m").split(","):
+    {"eg2": eg2, "eg300m": eg300m}[name]()
