@@ -149,6 +149,16 @@ impl GemvKernels {
     }
 }
 
+/// Output features each warp of a GEMV computes for `rows` rows of x (the kernels' OPW): one
+/// for a single row; for more, several, so that each x value loaded serves several weight rows.
+fn gemv_outputs_per_warp(rows: usize) -> usize {
+    match rows {
+        0 | 1 => 1,
+        2 => 2,
+        _ => 4,
+    }
+}
+
 /// Shared memory a gated GEMV block may take for its activated rows without asking the
 /// driver for more (the default limit).
 pub const GEMV_GATED_SMEM: usize = 48 * 1024;
@@ -431,7 +441,7 @@ impl Blas {
             p.y[i] = g.ptr(&**y);
             p.out[i] = int_arg("gemv out", w.out)?;
             p.block0[i] = blocks as i32;
-            blocks += grid_for(w.out, GEMV_WARPS as u32)?;
+            blocks += grid_for(w.out, (GEMV_WARPS * gemv_outputs_per_warp(rows)) as u32)?;
         }
         p.block0[parts.len()] = int_arg("gemv blocks", blocks as usize)?;
         let smem = if input == GemvInput::Plain { 0 } else { (rows * first.inp * 4) as u32 };

@@ -102,48 +102,65 @@ __device__ __forceinline__ const float* tern_gemv_input(const float* __restrict_
     return tern_gemv_x;
 }
 
-// One warp's output feature `o` (weights row o of `w`) for rows r < rows <= R of x (rows of
-// `in`), written to y[r·out + o]; in % 8 == 0.
-template <int R, typename W>
-__device__ __forceinline__ void tern_gemv_row(const W& w, const float* __restrict__ x, int rows, int in, int o, int out,
-                                              float* __restrict__ y) {
+// One warp's OPW consecutive output features o0 .. o0 + OPW - 1 (those below `out`; weights
+// rows of `w`) for rows r < rows <= R of x (rows of `in`), written to y[r·out + o]; in % 8 == 0.
+// Each x value a lane loads serves OPW weight rows: with several rows of x (a batch of decode
+// steps, a short query) the x reads, which come from L1, would otherwise outweigh the weights.
+template <int R, int OPW, typename W>
+__device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restrict__ x, int rows, int in, int o0, int out,
+                                               float* __restrict__ y) {
     const int lane = threadIdx.x % 32;
-    float acc[R];
+    float acc[OPW][R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-    const size_t row = (size_t)o * in;
+    for (int j = 0; j < OPW; ++j)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[j][r] = 0.0f;
 #pragma unroll 4
     for (int c = lane * 8; c < in; c += 256) {
-        float v[8];
-        w.load8(row + c, v);
+        float v[OPW][8];
+#pragma unroll
+        for (int j = 0; j < OPW; ++j) {
+            if (o0 + j < out) {
+                w.load8((size_t)(o0 + j) * in + c, v[j]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) v[j][i] = 0.0f;
+            }
+        }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             if (r < rows) {
                 const float4 a = *reinterpret_cast<const float4*>(x + (size_t)r * in + c);
                 const float4 b = *reinterpret_cast<const float4*>(x + (size_t)r * in + c + 4);
-                float s = acc[r];
-                s = fmaf(a.x, v[0], s); s = fmaf(a.y, v[1], s); s = fmaf(a.z, v[2], s); s = fmaf(a.w, v[3], s);
-                s = fmaf(b.x, v[4], s); s = fmaf(b.y, v[5], s); s = fmaf(b.z, v[6], s); s = fmaf(b.w, v[7], s);
-                acc[r] = s;
+#pragma unroll
+                for (int j = 0; j < OPW; ++j) {
+                    float s = acc[j][r];
+                    s = fmaf(a.x, v[j][0], s); s = fmaf(a.y, v[j][1], s); s = fmaf(a.z, v[j][2], s); s = fmaf(a.w, v[j][3], s);
+                    s = fmaf(b.x, v[j][4], s); s = fmaf(b.y, v[j][5], s); s = fmaf(b.z, v[j][6], s); s = fmaf(b.w, v[j][7], s);
+                    acc[j][r] = s;
+                }
             }
         }
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float s = tern_warp_sum(acc[r]);
-        if (lane == 0 && r < rows) y[(size_t)r * out + o] = s;
-    }
+    for (int j = 0; j < OPW; ++j)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float s = tern_warp_sum(acc[j][r]);
+            if (lane == 0 && r < rows && o0 + j < out) y[(size_t)r * out + o0 + j] = s;
+        }
 }
 
-// y_part[r][o] = Σ_c x[r][c]·W_part[o][c] for r < rows <= R.
-template <int R, typename W, int XMODE>
+// y_part[r][o] = Σ_c x[r][c]·W_part[o][c] for r < rows <= R; a block covers TERN_GEMV_WARPS
+// · OPW output features of its part.
+template <int R, int OPW, typename W, int XMODE>
 __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
     int part = 0;
     while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
-    const int o = ((int)blockIdx.x - p.block0[part]) * TERN_GEMV_WARPS + threadIdx.x / 32;
+    const int o0 = (((int)blockIdx.x - p.block0[part]) * TERN_GEMV_WARPS + threadIdx.x / 32) * OPW;
     x = tern_gemv_input<XMODE>(x, rows, in);
-    if (o >= p.out[part]) return;
-    tern_gemv_row<R>(W(p.w[part], p.scales[part]), x, rows, in, o, p.out[part], (float*)p.y[part]);
+    if (o0 >= p.out[part]) return;
+    tern_gemv_rows<R, OPW>(W(p.w[part], p.scales[part]), x, rows, in, o0, p.out[part], (float*)p.y[part]);
 }
 
 // Routed experts (a mixture-of-experts layer's few rows, routed on the device): slot s =
@@ -160,29 +177,30 @@ __device__ __forceinline__ void tern_gemv_routed(const unsigned long long* __res
     const int o = (int)blockIdx.x * TERN_GEMV_WARPS + threadIdx.x / 32;
     x = tern_gemv_input<XMODE>(XMODE == TERN_X_PLAIN ? x + (size_t)(slot / k) * in : x + (size_t)slot * 2 * in, 1, in);
     if (o >= out) return;
-    tern_gemv_row<1>(W(w_table[e], s_table[e]), x, 1, in, o, out, y + (size_t)slot * out);
+    tern_gemv_rows<1, 1>(W(w_table[e], s_table[e]), x, 1, in, o, out, y + (size_t)slot * out);
 }
 
-#define TERN_GEMV_KERNEL(name, R, W, XMODE)                                                                     \
+// OPW, output features per warp, for R rows of x: gemv_outputs_per_warp in matmul/cuda.rs.
+#define TERN_GEMV_KERNEL(name, R, OPW, W, XMODE)                                                                \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                            \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
-        tern_gemv<R, W, XMODE>(p, x, rows, in);                                                                   \
+        tern_gemv<R, OPW, W, XMODE>(p, x, rows, in);                                                              \
     }
-#define TERN_GEMV_KERNELS(R)                                                                                      \
-    TERN_GEMV_KERNEL(tern_gemv_f32_##R, R, TernWeightsF32, TERN_X_PLAIN)                                         \
-    TERN_GEMV_KERNEL(tern_gemv_bf16_##R, R, TernWeightsBf16, TERN_X_PLAIN)                                       \
-    TERN_GEMV_KERNEL(tern_gemv_q8_##R, R, TernWeightsQ8, TERN_X_PLAIN)                                           \
-    TERN_GEMV_KERNEL(tern_gemv_silu_f32_##R, R, TernWeightsF32, TERN_X_SILU)                                     \
-    TERN_GEMV_KERNEL(tern_gemv_silu_bf16_##R, R, TernWeightsBf16, TERN_X_SILU)                                   \
-    TERN_GEMV_KERNEL(tern_gemv_silu_q8_##R, R, TernWeightsQ8, TERN_X_SILU)                                       \
-    TERN_GEMV_KERNEL(tern_gemv_gelu_f32_##R, R, TernWeightsF32, TERN_X_GELU)                                     \
-    TERN_GEMV_KERNEL(tern_gemv_gelu_bf16_##R, R, TernWeightsBf16, TERN_X_GELU)                                   \
-    TERN_GEMV_KERNEL(tern_gemv_gelu_q8_##R, R, TernWeightsQ8, TERN_X_GELU)
+#define TERN_GEMV_KERNELS(R, OPW)                                                                                 \
+    TERN_GEMV_KERNEL(tern_gemv_f32_##R, R, OPW, TernWeightsF32, TERN_X_PLAIN)                                    \
+    TERN_GEMV_KERNEL(tern_gemv_bf16_##R, R, OPW, TernWeightsBf16, TERN_X_PLAIN)                                  \
+    TERN_GEMV_KERNEL(tern_gemv_q8_##R, R, OPW, TernWeightsQ8, TERN_X_PLAIN)                                      \
+    TERN_GEMV_KERNEL(tern_gemv_silu_f32_##R, R, OPW, TernWeightsF32, TERN_X_SILU)                                \
+    TERN_GEMV_KERNEL(tern_gemv_silu_bf16_##R, R, OPW, TernWeightsBf16, TERN_X_SILU)                              \
+    TERN_GEMV_KERNEL(tern_gemv_silu_q8_##R, R, OPW, TernWeightsQ8, TERN_X_SILU)                                  \
+    TERN_GEMV_KERNEL(tern_gemv_gelu_f32_##R, R, OPW, TernWeightsF32, TERN_X_GELU)                                \
+    TERN_GEMV_KERNEL(tern_gemv_gelu_bf16_##R, R, OPW, TernWeightsBf16, TERN_X_GELU)                              \
+    TERN_GEMV_KERNEL(tern_gemv_gelu_q8_##R, R, OPW, TernWeightsQ8, TERN_X_GELU)
 
-TERN_GEMV_KERNELS(1)
-TERN_GEMV_KERNELS(2)
-TERN_GEMV_KERNELS(4)
-TERN_GEMV_KERNELS(8)
+TERN_GEMV_KERNELS(1, 1)
+TERN_GEMV_KERNELS(2, 2)
+TERN_GEMV_KERNELS(4, 4)
+TERN_GEMV_KERNELS(8, 4)
 
 #define TERN_GEMV_ROUTED_KERNEL(name, W, XMODE)                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                            \
