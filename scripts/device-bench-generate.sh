@@ -34,7 +34,10 @@ if [ -f "$dir/llama-convert.tgz" ]; then
   export LLAMA_CPP_DIR=$bench/llama.cpp TERN_SHARED_TOOLS=$bench/llama.cpp
   gguf_args=(--gguf-types=bf16,q8_0)
 fi
-python3 "$here/make_bench_qwen35.py" $bench "${gguf_args[@]}" 2>&1 | grep -v -e Warning || true
+# A machine kept from an earlier call still has the files (same recipe and seed).
+if [ ! -e $bench/qwen35-0.8b/config.json ] || { [ "${gguf_args[0]}" != --no-gguf ] && [ ! -e $bench/qwen35-0.8b-q8_0.gguf ]; }; then
+  python3 "$here/make_bench_qwen35.py" $bench "${gguf_args[@]}" 2>&1 | grep -v -e Warning || true
+fi
 
 models=(${TERN_BENCH_MODELS:-$bench/qwen35-0.8b-bf16.gguf $bench/qwen35-0.8b-q8_0.gguf})
 [ -e $bench/qwen35-0.8b-bf16.gguf ] || models=($bench/qwen35-0.8b)
@@ -49,7 +52,7 @@ done
 # Where the device time goes, op by op (TERN_CUDA_PROFILE: every op drained and timed, no
 # graphs), for the BF16 GGUF in both precisions.
 for dtype in f32 bf16; do
-  [ -e $bench/qwen35-0.8b-bf16.gguf ] || continue
+  [ -e $bench/qwen35-0.8b-bf16.gguf ] && [ "${TERN_BENCH_PROFILE:-1}" != 0 ] || continue
   TERN_CUDA_PROFILE=1 "$tern" bench generate --model $bench/qwen35-0.8b-bf16.gguf --device cuda --dtype $dtype \
     --prompt-tokens 4096 --gen-tokens 32 --iters 1 --concurrent 8 | tee -a "${OUT:-$bench}/profile.jsonl"
 done
