@@ -431,6 +431,9 @@ unsafe impl DeviceRepr for StateArgs {}
 
 /// Kernel widths the conv kernel is instantiated for.
 pub const MAX_CONV_WIDTH: usize = 8;
+/// Positions one conv thread walks (conv.cu): enough to amortise reloading the history, few
+/// enough that a prompt spreads over the whole GPU.
+const CONV_CHUNK: usize = 64;
 
 impl GatedDeltaCuda {
     /// Compiles (or takes from the cache) and loads every kernel of the family.
@@ -589,16 +592,26 @@ impl GatedDeltaCuda {
             return Ok(());
         }
         let ch = i32_of("conv channels", channels)?;
+        // Positions per thread: a prompt's positions spread over many threads (see conv.cu);
+        // at least the history length, so a later chunk's history lies in its own sequence.
+        let chunk = CONV_CHUNK.max(MAX_CONV_WIDTH);
+        let longest = segs.segments().iter().map(|s| s.len).max().unwrap_or(0);
+        let chunks = u32::try_from(longest.div_ceil(chunk).max(1)).ok().filter(|&n| n <= 65_535).ok_or_else(|| {
+            Error::Shape(format!("conv1d_silu: a segment of {longest} positions (at most {} per launch)", 65_535 * chunk))
+        })?;
         let cfg = LaunchConfig {
-            grid_dim: (grid_1d(channels, 128)?, segs.n_seqs() as u32, 1),
+            grid_dim: (grid_1d(channels, 128)?, segs.n_seqs() as u32, chunks),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
+        let chunk_arg = chunk as i32;
         let f = &self.conv[kernel_width - 1];
         let mut l = self.gpu.stream().launch_builder(f);
-        l.arg(x).arg(weight).arg(conv_states).arg(out).arg(&segs.start).arg(&segs.len).arg(&segs.slot).arg(&ch);
+        l.arg(x).arg(weight).arg(conv_states).arg(out).arg(&segs.start).arg(&segs.len).arg(&segs.slot).arg(&ch).arg(&chunk_arg);
         // SAFETY: argument types match tern_gdn_conv_k*; segments lie inside the rows and slots
-        // inside the pool (checked), and with K = 1 the kernel never touches the state.
+        // inside the pool (checked), a chunk after the first reads the K - 1 rows before it in its
+        // own segment (chunk >= MAX_CONV_WIDTH), only the first chunk's thread reads and writes
+        // a state, and with K = 1 the kernel never touches the state.
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_conv"))?;
         Ok(())
     }

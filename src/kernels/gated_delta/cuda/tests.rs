@@ -55,7 +55,8 @@ fn cuda_conv_matches_cpu_and_scan_equals_steps() {
     let mut rng = rng("cuda_conv_matches_cpu_and_scan_equals_steps");
     for &(channels, kw) in &[(8192usize, 4usize), (300, 4), (40, 2), (17, 1), (64, 5), (96, 8)] {
         let taps = kw - 1;
-        let lengths = [13usize, 1, 0, 6, 300];
+        // 64 and 65 sit on the kernel's chunk of positions; 300 spans several chunks.
+        let lengths = [13usize, 1, 0, 6, 300, 64, 65];
         let n = lengths.len();
         let segments = pack(lengths);
         let tokens: usize = lengths.iter().sum();
