@@ -44,7 +44,7 @@ impl<'a, B> View<'a, B> {
     }
 }
 
-/// The activation of a gated product ([`Ops::gated_linear`]).
+/// The activation of a gated linear unit ([`Ops::glu`]).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum GatedActivation {
     Silu,
@@ -144,16 +144,17 @@ pub trait Ops: Send + Sync + Sized {
     fn linears(&self, x: &Self::Buf, rows: usize, ws: &[&Self::Mat]) -> Result<Vec<Self::Buf>> {
         ws.iter().map(|w| self.linear(x, rows, w, None)).collect()
     }
-    /// `act(g)·u · Wᵀ` over `rows` rows of `gu` = [gate | up], each half `width` wide (a fused
-    /// gate|up product): the gated activation, then [`Ops::linear`]; a GPU may fold the
-    /// activation into the product.
-    fn gated_linear(&self, gu: &Self::Buf, rows: usize, width: usize, act: GatedActivation, w: &Self::Mat) -> Result<Self::Buf> {
-        let (g, u) = (View::new(gu, 0, 2 * width), View::new(gu, width, 2 * width));
-        let a = match act {
-            GatedActivation::Silu => self.silu_mul(g, u, rows, width)?,
-            GatedActivation::GeluTanh => self.gelu_tanh_mul(g, u, rows, width)?,
-        };
-        self.linear(&a, rows, w, None)
+    /// The gated linear unit: `act(x·Gᵀ)·(x·Uᵀ)` over `rows` rows for `gate_up` stacking a gate
+    /// [width][in] over an up [width][in] (a fused gate|up product); [rows][width]. The product,
+    /// then the gated activation of its halves; a GPU may apply the activation as the product
+    /// writes its outputs.
+    fn glu(&self, x: &Self::Buf, rows: usize, gate_up: &Self::Mat, width: usize, act: GatedActivation) -> Result<Self::Buf> {
+        let gu = self.linear(x, rows, gate_up, None)?;
+        let (g, u) = (View::new(&gu, 0, 2 * width), View::new(&gu, width, 2 * width));
+        match act {
+            GatedActivation::Silu => self.silu_mul(g, u, rows, width),
+            GatedActivation::GeluTanh => self.gelu_tanh_mul(g, u, rows, width),
+        }
     }
     /// `rms(pre·x)·w` per row of `d`.
     fn rms_norm(&self, x: &Self::Buf, d: usize, w: Option<&Self::Vector>, pre: f32, eps: f32) -> Result<Self::Buf>;

@@ -23,7 +23,7 @@ use crate::kernels::backend::{check_past, matrix_shape, GatedActivation, HeadOps
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::cuda::{ChunkAccumulate, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
-use crate::kernels::matmul::cuda::{Blas, GemvInput, GpuMatrix, GpuMatrixTable, GEMV_GATED_SMEM, GEMV_MAX_ROWS};
+use crate::kernels::matmul::cuda::{Blas, GemvOutput, GpuMatrix, GpuMatrixTable, GEMV_MAX_ROWS};
 use crate::kernels::matmul::Weights;
 use crate::kernels::moe::cuda::{MoeCuda, MAX_DEVICE_EXPERTS, MAX_DEVICE_TOP_K};
 use crate::kernels::norm::cuda::{NormCuda, NormOut};
@@ -396,7 +396,7 @@ impl Ops for CudaOps {
         let gate_ups: Vec<&GpuMatrix> = out.iter().map(|(gu, _)| gu).collect();
         let downs: Vec<&GpuMatrix> = out.iter().map(|(_, d)| d).collect();
         let routed = match (self.blas.matrix_table(&gate_ups)?, self.blas.matrix_table(&downs)?) {
-            (Some(gu), Some(d)) if out.len() <= MAX_DEVICE_EXPERTS && 4 * width <= GEMV_GATED_SMEM => Some((gu, d)),
+            (Some(gu), Some(d)) if out.len() <= MAX_DEVICE_EXPERTS => Some((gu, d)),
             _ => None,
         };
         Ok(GpuExperts { experts: out, routed, width, hidden })
@@ -555,21 +555,21 @@ impl Ops for CudaOps {
         Ok(ys)
     }
 
-    fn gated_linear(&self, gu: &CudaSlice<f32>, rows: usize, width: usize, act: GatedActivation, w: &GpuMatrix) -> Result<CudaSlice<f32>> {
-        let _timer = self.op_timer(if rows <= GEMV_MAX_ROWS { "gated_linear (gemv)" } else { "gated_linear (gemm)" });
-        if w.inp != width {
-            return Err(Error::Shape(format!("gated_linear: halves of {width} into a matrix of {} columns", w.inp)));
+    fn glu(&self, x: &CudaSlice<f32>, rows: usize, gate_up: &GpuMatrix, width: usize, act: GatedActivation) -> Result<CudaSlice<f32>> {
+        let _timer = self.op_timer(if rows <= GEMV_MAX_ROWS { "glu (gemv)" } else { "glu (gemm)" });
+        if gate_up.out != 2 * width {
+            return Err(Error::Shape(format!("glu: halves of {width} from a matrix of {} rows", gate_up.out)));
         }
-        let mut y = self.gpu.alloc::<f32>(rows * w.out)?;
-        let input = match act {
-            GatedActivation::Silu => GemvInput::Silu,
-            GatedActivation::GeluTanh => GemvInput::GeluTanh,
+        let mut y = self.gpu.alloc::<f32>(rows * width)?;
+        let output = match act {
+            GatedActivation::Silu => GemvOutput::Silu,
+            GatedActivation::GeluTanh => GemvOutput::GeluTanh,
         };
-        self.blas.gated_linear(gu, input, rows, w, &mut y, |a| {
+        self.blas.glu(x, rows, gate_up, output, &mut y, |gu, y| {
             let (g, u) = (View::new(gu, 0, 2 * width), View::new(gu, width, 2 * width));
             match act {
-                GatedActivation::Silu => self.activation.silu_mul(g, u, rows, width, Self::out(a)),
-                GatedActivation::GeluTanh => self.activation.gelu_tanh_mul(g, u, rows, width, Self::out(a)),
+                GatedActivation::Silu => self.activation.silu_mul(g, u, rows, width, Self::out(y)),
+                GatedActivation::GeluTanh => self.activation.gelu_tanh_mul(g, u, rows, width, Self::out(y)),
             }
         })?;
         Ok(y)
@@ -768,10 +768,11 @@ impl Ops for CudaOps {
             let slots = rows * top_k;
             let (mut ids, mut weights) = (self.gpu.alloc::<i32>(slots)?, self.gpu.alloc::<f32>(slots)?);
             moe.route(router_logits, ne, top_k, &mut ids, &mut weights)?;
-            let mut gu = self.gpu.alloc::<f32>(slots * gate_up.out)?;
-            self.blas.routed(gate_up, &ids, top_k, slots, x, GemvInput::Plain, &mut gu)?;
+            // Each slot's silu(gate)·up straight from its gate|up product, then its down product.
+            let mut act = self.gpu.alloc::<f32>(slots * experts.width)?;
+            self.blas.routed(gate_up, &ids, slots, x, top_k, GemvOutput::Silu, &mut act)?;
             let mut y = self.gpu.alloc::<f32>(slots * d)?;
-            self.blas.routed(down, &ids, top_k, slots, &gu, GemvInput::Silu, &mut y)?;
+            self.blas.routed(down, &ids, slots, &act, 1, GemvOutput::Plain, &mut y)?;
             let mut out = self.gpu.alloc::<f32>(rows * d)?;
             moe.combine(&y, &weights, top_k, d, &mut out)?;
             return Ok(out);

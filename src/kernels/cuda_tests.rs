@@ -328,14 +328,14 @@ fn cuda_pool_embedding_and_linear_match_cpu() {
 }
 
 /// The decode-step fusions of the matmul: several products of one input in one GEMV launch
-/// (`Blas::linears`), and a gated activation folded into the GEMV's input (`Blas::gated_linear`),
+/// (`Blas::linears`), and a gate|up product writing its gated activation (`Blas::glu`),
 /// each against the CPU's separate activation and products, every weight type, row counts
-/// inside and beyond the GEMV's (and the gated form's shared-memory) reach.
+/// inside and beyond the GEMV's reach.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_fused_products_match_cpu() {
     use crate::kernels::activation::{gelu_tanh_mul_views, silu_mul_views};
-    use crate::kernels::matmul::cuda::GemvInput;
+    use crate::kernels::matmul::cuda::GemvOutput;
     let gpu = gpu();
     let mut rng = rng("cuda_fused_products_match_cpu");
     let blas = Blas::new(gpu.clone(), false).unwrap();
@@ -379,30 +379,28 @@ fn cuda_fused_products_match_cpu() {
                 check(&format!("linears {name}, {rows} rows, part of {o}"), &gpu.download(y).unwrap(), &want, BOUND);
             }
 
-            // The FFN's down product of silu / gelu_tanh (gate) · up.
-            let width = in_f;
-            let gu = rng.vec(rows * 2 * width, -4.0, 4.0);
-            let dgu = gpu.upload(&gu).unwrap();
+            // The FFN's gate|up product with its gated activation: the first matrix as a gate
+            // [192][in] over an up [192][in].
             let (o, w) = (outs[0], &weights[0]);
-            for input in [GemvInput::Silu, GemvInput::GeluTanh] {
-                let g = (&gu[..], 0, 2 * width);
-                let u = (&gu[..], width, 2 * width);
-                let a = match input {
-                    GemvInput::Silu => silu_mul_views(g, u, rows, width).unwrap(),
-                    _ => gelu_tanh_mul_views(g, u, rows, width).unwrap(),
+            let h = o / 2;
+            let gu = super::matmul::linear_w(&x, rows, *w, o, in_f).unwrap();
+            for output in [GemvOutput::Silu, GemvOutput::GeluTanh] {
+                let (g, u) = ((&gu[..], 0, o), (&gu[..], h, o));
+                let want = match output {
+                    GemvOutput::Silu => silu_mul_views(g, u, rows, h).unwrap(),
+                    _ => gelu_tanh_mul_views(g, u, rows, h).unwrap(),
                 };
-                let want = super::matmul::linear_w(&a, rows, *w, o, width).unwrap();
-                let mut y = nan(&gpu, rows * o);
-                blas.gated_linear(&dgu, input, rows, &mats[0], &mut y, |out| {
-                    let (g, u) = (View::new(&dgu, 0, 2 * width), View::new(&dgu, width, 2 * width));
+                let mut y = nan(&gpu, rows * h);
+                blas.glu(&dx, rows, &mats[0], output, &mut y, |dgu, out| {
+                    let (g, u) = (View::new(dgu, 0, o), View::new(dgu, h, o));
                     let out = NormOut { f32: Some(out), bf16: None };
-                    match input {
-                        GemvInput::Silu => act.silu_mul(g, u, rows, width, out),
-                        _ => act.gelu_tanh_mul(g, u, rows, width, out),
+                    match output {
+                        GemvOutput::Silu => act.silu_mul(g, u, rows, h, out),
+                        _ => act.gelu_tanh_mul(g, u, rows, h, out),
                     }
                 })
                 .unwrap();
-                check(&format!("gated linear {input:?} {name}, {rows} rows"), &gpu.download(&y).unwrap(), &want, BOUND);
+                check(&format!("glu {output:?} {name}, {rows} rows"), &gpu.download(&y).unwrap(), &want, BOUND);
             }
         }
     }
@@ -415,9 +413,12 @@ fn cuda_fused_products_match_cpu() {
     blas.linears(&gpu.upload(&x).unwrap(), 2, &mut [(&ma, &mut ya), (&mb, &mut yb)]).unwrap();
     check("linears, mixed types", &gpu.download(&ya).unwrap(), &super::matmul::linear(&x, 2, &wa, 32, 64).unwrap(), BOUND);
     check("linears, mixed types", &gpu.download(&yb).unwrap(), &super::matmul::linear_w(&x, 2, Weights::Bf16(&wb16), 8, 64).unwrap(), BOUND);
-    // A gated product of halves that do not match the matrix is refused.
-    let mut y = nan(&gpu, 32);
-    assert!(blas.gated_linear(&gpu.upload(&vec![0.0f32; 2 * 63]).unwrap(), GemvInput::Silu, 1, &ma, &mut y, |_| Ok(())).is_err());
+    // A gated unit over a matrix of an odd number of rows, or a plain one, is refused.
+    let w_odd = rng.vec(7 * 64, -0.1, 0.1);
+    let m_odd = blas.matrix(&Weights::F32(&w_odd), 7, 64).unwrap();
+    let dx2 = gpu.upload(&x).unwrap();
+    assert!(blas.glu(&dx2, 2, &m_odd, GemvOutput::Silu, &mut nan(&gpu, 2 * 3), |_, _| Ok(())).is_err());
+    assert!(blas.glu(&dx2, 2, &ma, GemvOutput::Plain, &mut nan(&gpu, 2 * 16), |_, _| Ok(())).is_err());
 }
 
 /// Q8_0 blocks of `w` (an f16 scale max|w|/127, then the rounded quants), as GGUF writes them.

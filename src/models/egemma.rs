@@ -523,9 +523,9 @@ impl<O: Ops> Encoder<O> {
         drop(att);
         ops.add_norm_next(x, &o, &layer.post_attn_norm, 1.0, h, cfg.eps, &layer.pre_ff_norm, a)?;
         let i = cfg.intermediate;
-        let gu = ops.linear(a, t, &layer.gate_up, None)?;
-        let m = ops.gated_linear(&gu, t, i, GatedActivation::GeluTanh, &layer.down)?;
-        drop(gu);
+        let g = ops.glu(a, t, &layer.gate_up, i, GatedActivation::GeluTanh)?;
+        let m = ops.linear(&g, t, &layer.down, None)?;
+        drop(g);
         match (&layer.ple, ple) {
             (Some(block), Some(ple)) => {
                 ops.add_norm(x, &m, &layer.post_ff_norm, 1.0, h, cfg.eps)?;

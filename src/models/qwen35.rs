@@ -760,8 +760,8 @@ impl<O: Ops> Qwen35<O> {
 
     fn mlp(&self, m: &Mlp<O>, a: &O::Buf, n: usize) -> Result<O::Buf> {
         let ops = &self.ops;
-        let gu = ops.linear(a, n, &m.gate_up, None)?;
-        ops.gated_linear(&gu, n, m.width, GatedActivation::Silu, &m.down)
+        let act = ops.glu(a, n, &m.gate_up, m.width, GatedActivation::Silu)?;
+        ops.linear(&act, n, &m.down, None)
     }
 
     fn ffn(&self, f: &Ffn<O>, a: &O::Buf, n: usize) -> Result<O::Buf> {

@@ -95,13 +95,32 @@ pub struct GpuMatrixTable {
     pub inp: usize,
 }
 
-/// What a GEMV reads as its input rows (`TERN_X_*` in gemv.cu): plain rows of `in`, or rows
-/// of `2·in` holding a gate and an up half whose product through the activation is the input.
+/// What a GEMV writes (`TERN_Y_*` in gemv.cu): each output feature, or, for a matrix stacking
+/// a gate [h][in] over an up [h][in], the gated activation act(gate)·up of each of the h pairs.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum GemvInput {
+pub enum GemvOutput {
     Plain,
     Silu,
     GeluTanh,
+}
+
+impl GemvOutput {
+    fn index(self) -> usize {
+        match self {
+            GemvOutput::Plain => 0,
+            GemvOutput::Silu => 1,
+            GemvOutput::GeluTanh => 2,
+        }
+    }
+
+    /// Output features of a product with `w` in this mode.
+    fn features(self, w: &GpuMatrix) -> usize {
+        if self == GemvOutput::Plain {
+            w.out
+        } else {
+            w.out / 2
+        }
+    }
 }
 
 /// Products one GEMV launch runs side by side (`TERN_GEMV_PARTS`).
@@ -134,13 +153,8 @@ impl GemvKernels {
         Ok(GemvKernels([by_type("")?, by_type("silu_")?, by_type("gelu_")?]))
     }
 
-    fn get(&self, input: GemvInput, w: &GpuMatrix, rows: usize) -> &CudaFunction {
-        let i = match input {
-            GemvInput::Plain => 0,
-            GemvInput::Silu => 1,
-            GemvInput::GeluTanh => 2,
-        };
-        &self.0[i][w.kind()][match rows {
+    fn get(&self, output: GemvOutput, w: &GpuMatrix, rows: usize) -> &CudaFunction {
+        &self.0[output.index()][w.kind()][match rows {
             1 => 0,
             2 => 1,
             3 | 4 => 2,
@@ -149,19 +163,21 @@ impl GemvKernels {
     }
 }
 
-/// Output features each warp of a GEMV computes for `rows` rows of x (the kernels' OPW): one
-/// for a single row; for more, several, so that each x value loaded serves several weight rows.
-fn gemv_outputs_per_warp(rows: usize) -> usize {
-    match rows {
+/// Output features each warp of a GEMV computes for `rows` rows of x (the kernels' OPW and
+/// OPW_GATED): one for a single row; for more, several, so that each x value loaded serves
+/// several weight rows. A gated feature holds two weight rows (gate and up), so half as many.
+fn gemv_outputs_per_warp(rows: usize, output: GemvOutput) -> usize {
+    let plain = match rows {
         0 | 1 => 1,
         2 => 2,
         _ => 4,
+    };
+    if output == GemvOutput::Plain {
+        plain
+    } else {
+        (plain / 2).max(1)
     }
 }
-
-/// Shared memory a gated GEMV block may take for its activated rows without asking the
-/// driver for more (the default limit).
-pub const GEMV_GATED_SMEM: usize = 48 * 1024;
 
 /// A cuBLAS handle on the GPU's stream, and the helper kernels.
 pub struct Blas {
@@ -172,7 +188,7 @@ pub struct Blas {
     to_bf16: CudaFunction,
     add_bias: CudaFunction,
     gemv: GemvKernels,
-    /// The routed GEMV: [plain, silu-gated input][f32, bf16, Q8_0].
+    /// The routed GEMV: [plain, silu-gated output][f32, bf16, Q8_0].
     routed: [[CudaFunction; 3]; 2],
     expand_bf16_f32: CudaFunction,
     expand_q8_f32: CudaFunction,
@@ -308,7 +324,7 @@ impl Blas {
             return Ok(());
         }
         if Self::gemv_fits(rows, w) {
-            return self.gemv(x, GemvInput::Plain, rows, &mut [(w, y)]);
+            return self.gemv(x, GemvOutput::Plain, rows, &mut [(w, y)]);
         }
         let g = &self.gpu;
         let n = w.out * w.inp;
@@ -395,7 +411,7 @@ impl Blas {
             for (w, y) in parts.iter() {
                 check_len("linears output", y.len(), rows * w.out)?;
             }
-            return self.gemv(x, GemvInput::Plain, rows, parts);
+            return self.gemv(x, GemvOutput::Plain, rows, parts);
         }
         for (w, y) in parts.iter_mut() {
             self.linear(x, rows, w, y)?;
@@ -403,32 +419,39 @@ impl Blas {
         Ok(())
     }
 
-    /// `Y = act(G)·U · Wᵀ` for `rows` rows of `gu` = [gate | up] (each `w.inp` wide): the
-    /// activation folded into a GEMV when the product takes one and its activated rows fit a
-    /// block's shared memory, else `activate` (the activation kernel, writing the rows) and
-    /// [`Blas::linear`]. CPU twin: the gated activation, then [`super::linear_w`].
-    pub fn gated_linear(
+    /// The gated linear unit `Y = act(X·Gᵀ)·(X·Uᵀ)` for `w` stacking a gate G [h][in] over an
+    /// up U [h][in]; Y is [rows][h]. A GEMV that writes the gated values when the product takes
+    /// one (the activation costs nothing and X·Wᵀ never goes to memory); else the product into a
+    /// scratch [rows][2h] and `activate(scratch, y)`, the activation kernel. CPU twin:
+    /// [`super::linear_w`], then the gated activation of its two halves.
+    pub fn glu(
         &self,
-        gu: &CudaSlice<f32>,
-        input: GemvInput,
+        x: &CudaSlice<f32>,
         rows: usize,
         w: &GpuMatrix,
+        output: GemvOutput,
         y: &mut CudaSlice<f32>,
-        activate: impl FnOnce(&mut CudaSlice<f32>) -> Result<()>,
+        activate: impl FnOnce(&CudaSlice<f32>, &mut CudaSlice<f32>) -> Result<()>,
     ) -> Result<()> {
-        check_len("gated linear input", gu.len(), rows * 2 * w.inp)?;
-        check_len("gated linear output", y.len(), rows * w.out)?;
-        if input != GemvInput::Plain && Self::gemv_fits(rows, w) && rows * w.inp * 4 <= GEMV_GATED_SMEM {
-            return self.gemv(gu, input, rows, &mut [(w, y)]);
+        if output == GemvOutput::Plain || w.out % 2 != 0 {
+            return Err(Error::Shape(format!("glu: a gated activation over {} stacked rows", w.out)));
         }
-        let mut act = self.gpu.alloc::<f32>(rows * w.inp)?;
-        activate(&mut act)?;
-        self.linear(&act, rows, w, y)
+        check_len("glu input", x.len(), rows * w.inp)?;
+        check_len("glu output", y.len(), rows * w.out / 2)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        if Self::gemv_fits(rows, w) {
+            return self.gemv(x, output, rows, &mut [(w, y)]);
+        }
+        let mut gu = self.gpu.alloc::<f32>(rows * w.out)?;
+        self.linear(x, rows, w, &mut gu)?;
+        activate(&gu, y)
     }
 
     /// One GEMV launch over `parts` (at most [`GEMV_PARTS`], one stored type, shapes checked
     /// by the caller), for at most [`GEMV_MAX_ROWS`] rows; `in` % 8 == 0.
-    fn gemv(&self, x: &CudaSlice<f32>, input: GemvInput, rows: usize, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)]) -> Result<()> {
+    fn gemv(&self, x: &CudaSlice<f32>, output: GemvOutput, rows: usize, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)]) -> Result<()> {
         let g = &self.gpu;
         let first = parts.first().map(|(w, _)| *w).ok_or_else(|| Error::Shape("gemv: no product".into()))?;
         let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", first.inp)?);
@@ -439,21 +462,20 @@ impl Blas {
             p.w[i] = wp;
             p.scales[i] = sp;
             p.y[i] = g.ptr(&**y);
-            p.out[i] = int_arg("gemv out", w.out)?;
+            let features = output.features(w);
+            p.out[i] = int_arg("gemv out", features)?;
             p.block0[i] = blocks as i32;
-            blocks += grid_for(w.out, (GEMV_WARPS * gemv_outputs_per_warp(rows)) as u32)?;
+            blocks += grid_for(features, (GEMV_WARPS * gemv_outputs_per_warp(rows, output)) as u32)?;
         }
         p.block0[parts.len()] = int_arg("gemv blocks", blocks as usize)?;
-        let smem = if input == GemvInput::Plain { 0 } else { (rows * first.inp * 4) as u32 };
         let xp = g.ptr(x);
-        let mut l = g.stream().launch_builder(self.gemv.get(input, first, rows));
+        let mut l = g.stream().launch_builder(self.gemv.get(output, first, rows));
         l.arg(&p).arg(&xp).arg(&r).arg(&inp);
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: smem };
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_gemv_*; the kernel (R >= rows) reads each part's
-        // out × in weights of the one type it is compiled for and writes rows × out outputs
-        // (lengths checked by the callers); x holds rows × in (gated: rows × 2·in) values;
-        // in % 8 == 0 keeps the vector loads aligned; the gated forms' shared memory is
-        // rows × in floats (at most GEMV_GATED_SMEM, the default limit).
+        // out × in weights of the one type it is compiled for and writes rows × features
+        // outputs (out, or out / 2 gated; lengths checked by the callers); x holds rows × in
+        // values; in % 8 == 0 keeps the vector loads aligned.
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv"))?;
         Ok(())
     }
@@ -476,52 +498,47 @@ impl Blas {
         }))
     }
 
-    /// Routed products: for each of `slots` slots s, `y[s] = x_s · W_{ids[s]}ᵀ`, where x_s is
-    /// row s / k of `x` (rows of `in`, [`GemvInput::Plain`]) or silu(g)·u of row s of `x`
-    /// (rows of 2·in, [`GemvInput::Silu`]). The ids are device values below `table.len`
-    /// (the routing kernel's); CPU twin: [`super::linear_w`] of each slot's expert.
+    /// Routed products: for each of `slots` slots s, row s of `y` is the product of the
+    /// expert `ids[s]`'s matrix with row s / x_div of `x` (rows of `in`): plain outputs, or the
+    /// gated activation of a stacked gate|up matrix ([`GemvOutput`]). The ids are device values
+    /// below `table.len` (the routing kernel's). CPU twin: [`super::linear_w`] of each slot's
+    /// expert (and the gated activation).
     #[allow(clippy::too_many_arguments)]
     pub fn routed(
         &self,
         table: &GpuMatrixTable,
         ids: &CudaSlice<i32>,
-        k: usize,
         slots: usize,
         x: &CudaSlice<f32>,
-        input: GemvInput,
+        x_div: usize,
+        output: GemvOutput,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        let width = match input {
-            GemvInput::Plain => table.inp,
-            GemvInput::Silu => 2 * table.inp,
-            GemvInput::GeluTanh => return Err(Error::Shape("routed products take plain or silu-gated rows".into())),
+        let features = match output {
+            GemvOutput::Plain => table.out,
+            GemvOutput::Silu if table.out % 2 == 0 => table.out / 2,
+            _ => return Err(Error::Shape(format!("routed: plain or silu-gated products of {} rows", table.out))),
         };
         check_len("routed ids", ids.len(), slots)?;
-        let x_rows = if input == GemvInput::Plain { slots / k.max(1) } else { slots };
-        if k == 0 || slots % k != 0 {
-            return Err(Error::Shape(format!("routed: {slots} slots are not rows of {k} choices")));
+        if x_div == 0 || slots % x_div != 0 {
+            return Err(Error::Shape(format!("routed: {slots} slots over input rows of {x_div} slots each")));
         }
-        check_len("routed input", x.len(), x_rows * width)?;
-        check_len("routed output", y.len(), slots * table.out)?;
+        check_len("routed input", x.len(), slots / x_div * table.inp)?;
+        check_len("routed output", y.len(), slots * features)?;
         if slots == 0 {
             return Ok(());
         }
         let g = &self.gpu;
         let slots_y = u32::try_from(slots).ok().filter(|&n| n <= 65_535).ok_or_else(|| Error::Shape(format!("routed: {slots} slots, at most 65535")))?;
-        let (ki, inp, out) = (int_arg("routed k", k)?, int_arg("routed in", table.inp)?, int_arg("routed out", table.out)?);
+        let (div, inp, out) = (int_arg("routed x_div", x_div)?, int_arg("routed in", table.inp)?, int_arg("routed out", features)?);
         let (wt, st, ip, xp, yp) = (g.ptr(&table.weights), g.ptr(&table.scales), g.ptr(ids), g.ptr(x), g.ptr(y));
-        let smem = if input == GemvInput::Plain { 0 } else { (4 * table.inp) as u32 };
-        if smem as usize > GEMV_GATED_SMEM {
-            return Err(Error::Shape(format!("routed: gated rows of {} exceed a block's shared memory", table.inp)));
-        }
-        let f = &self.routed[(input == GemvInput::Silu) as usize][table.kind];
+        let f = &self.routed[(output == GemvOutput::Silu) as usize][table.kind];
         let mut l = g.stream().launch_builder(f);
-        l.arg(&wt).arg(&st).arg(&ip).arg(&ki).arg(&xp).arg(&inp).arg(&out).arg(&yp);
-        let cfg = LaunchConfig { grid_dim: (grid_for(table.out, GEMV_WARPS as u32)?, slots_y, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: smem };
+        l.arg(&wt).arg(&st).arg(&ip).arg(&div).arg(&xp).arg(&inp).arg(&out).arg(&yp);
+        let cfg = LaunchConfig { grid_dim: (grid_for(features, GEMV_WARPS as u32)?, slots_y, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_gemv_routed_*; the tables hold `len` matrices of
         // out × in weights of the kernel's type, and the ids (written by the routing kernel) are
-        // below `len`; x, y and ids hold what the slots read and write (checked above); the
-        // gated form's shared memory is in floats (at most the default limit).
+        // below `len`; x, y and ids hold what the slots read and write (checked above).
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_routed"))?;
         Ok(())
     }

@@ -15,9 +15,8 @@
 // A decode step is also a chain of small launches, so one launch does more than one product:
 // - up to TERN_GEMV_PARTS matrices that read the same x (a layer's input projections), each
 //   writing its own output, the grid's blocks split between them (tern_gemv_parts);
-// - a gated activation folded into x: x[r][c] = act(g[r][c])·u[r][c] with gate and up side by
-//   side in one row of 2·in (the FFN's fused gate|up product), formed once per block in shared
-//   memory (rows·in floats), in the activation kernels' own form (prelude.cuh);
+// - an FFN's fused gate|up product and its gated activation, act(gate)·up written directly
+//   (TERN_Y_SILU, TERN_Y_GELU);
 // - a mixture-of-experts layer's routed products, the expert of each (row, choice) read from
 //   device memory (routed on the device), so that a decode step of a MoE model records as a
 //   graph like a dense one (tern_gemv_routed).
@@ -81,47 +80,39 @@ struct TernWeightsQ8 {
     }
 };
 
-// How x is given: as rows of `in` (TERN_X_PLAIN), or as rows of 2·in holding a gate and an up
-// half whose product through an activation is x (TERN_X_SILU, TERN_X_GELU).
-#define TERN_X_PLAIN 0
-#define TERN_X_SILU 1
-#define TERN_X_GELU 2
+// What a GEMV writes: each output feature o of W (TERN_Y_PLAIN), or, for a matrix of 2·half
+// rows stacking a gate [half][in] over an up [half][in] (an FFN's fused gate|up product),
+// act(gate_o)·up_o for o < half (TERN_Y_SILU, TERN_Y_GELU; the activation kernels' own forms,
+// prelude.cuh): one warp computes both rows of a pair and writes the gated value, so the
+// activation costs nothing beyond the product and its input never goes to memory.
+#define TERN_Y_PLAIN 0
+#define TERN_Y_SILU 1
+#define TERN_Y_GELU 2
 
-// Forms the activated rows act(g)·u of `rows` rows of 2·in (gate | up) in shared memory, once
-// per block, and returns them; x as it is for TERN_X_PLAIN. Every thread of the block calls it.
-template <int XMODE>
-__device__ __forceinline__ const float* tern_gemv_input(const float* __restrict__ x, int rows, int in) {
-    extern __shared__ float tern_gemv_x[];
-    if (XMODE == TERN_X_PLAIN) return x;
-    for (int e = threadIdx.x; e < rows * in; e += blockDim.x) {
-        const int r = e / in, c = e % in;
-        const float g = x[(size_t)r * 2 * in + c], u = x[(size_t)r * 2 * in + in + c];
-        tern_gemv_x[e] = (XMODE == TERN_X_SILU ? tern_silu(g) : tern_gelu_tanh(g)) * u;
-    }
-    __syncthreads();
-    return tern_gemv_x;
-}
-
-// One warp's OPW consecutive output features o0 .. o0 + OPW - 1 (those below `out`; weights
-// rows of `w`) for rows r < rows <= R of x (rows of `in`), written to y[r·out + o]; in % 8 == 0.
-// Each x value a lane loads serves OPW weight rows: with several rows of x (a batch of decode
-// steps, a short query) the x reads, which come from L1, would otherwise outweigh the weights.
-template <int R, int OPW, typename W>
+// One warp's OPW consecutive output features o0 .. o0 + OPW - 1 (those below `out`: the
+// matrix's rows, or `half` of them for a gated product) for rows r < rows <= R of x (rows of
+// `in`), written to y[r·out + o]; in % 8 == 0. Each x value a lane loads serves every weight
+// row the warp holds: with several rows of x (a batch of decode steps, a short query) the x
+// reads, which come from L1, would otherwise outweigh the weights.
+template <int R, int OPW, int OMODE, typename W>
 __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restrict__ x, int rows, int in, int o0, int out,
                                                float* __restrict__ y) {
+    constexpr int NW = OMODE == TERN_Y_PLAIN ? OPW : 2 * OPW;  // weight rows held
     const int lane = threadIdx.x % 32;
-    float acc[OPW][R];
+    float acc[NW][R];
 #pragma unroll
-    for (int j = 0; j < OPW; ++j)
+    for (int j = 0; j < NW; ++j)
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[j][r] = 0.0f;
 #pragma unroll 4
     for (int c = lane * 8; c < in; c += 256) {
-        float v[OPW][8];
+        float v[NW][8];
 #pragma unroll
-        for (int j = 0; j < OPW; ++j) {
-            if (o0 + j < out) {
-                w.load8((size_t)(o0 + j) * in + c, v[j]);
+        for (int j = 0; j < NW; ++j) {
+            // Gated: rows o (gate) for j < OPW, then o + out (up).
+            const int o = o0 + j % OPW;
+            if (o < out) {
+                w.load8((size_t)(j < OPW ? o : o + out) * in + c, v[j]);
             } else {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) v[j][i] = 0.0f;
@@ -133,7 +124,7 @@ __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restri
                 const float4 a = *reinterpret_cast<const float4*>(x + (size_t)r * in + c);
                 const float4 b = *reinterpret_cast<const float4*>(x + (size_t)r * in + c + 4);
 #pragma unroll
-                for (int j = 0; j < OPW; ++j) {
+                for (int j = 0; j < NW; ++j) {
                     float s = acc[j][r];
                     s = fmaf(a.x, v[j][0], s); s = fmaf(a.y, v[j][1], s); s = fmaf(a.z, v[j][2], s); s = fmaf(a.w, v[j][3], s);
                     s = fmaf(b.x, v[j][4], s); s = fmaf(b.y, v[j][5], s); s = fmaf(b.z, v[j][6], s); s = fmaf(b.w, v[j][7], s);
@@ -146,74 +137,79 @@ __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restri
     for (int j = 0; j < OPW; ++j)
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            const float s = tern_warp_sum(acc[j][r]);
+            float s = tern_warp_sum(acc[j][r]);
+            if (OMODE != TERN_Y_PLAIN) {
+                const float u = tern_warp_sum(acc[j + OPW][r]);
+                s = (OMODE == TERN_Y_SILU ? tern_silu(s) : tern_gelu_tanh(s)) * u;
+            }
             if (lane == 0 && r < rows && o0 + j < out) y[(size_t)r * out + o0 + j] = s;
         }
 }
 
-// y_part[r][o] = Σ_c x[r][c]·W_part[o][c] for r < rows <= R; a block covers TERN_GEMV_WARPS
-// · OPW output features of its part.
-template <int R, int OPW, typename W, int XMODE>
+// y_part[r][o] for r < rows <= R, o < out[part] (see tern_gemv_rows); a block covers
+// TERN_GEMV_WARPS · OPW output features of its part.
+template <int R, int OPW, int OMODE, typename W>
 __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
     int part = 0;
     while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
     const int o0 = (((int)blockIdx.x - p.block0[part]) * TERN_GEMV_WARPS + threadIdx.x / 32) * OPW;
-    x = tern_gemv_input<XMODE>(x, rows, in);
     if (o0 >= p.out[part]) return;
-    tern_gemv_rows<R, OPW>(W(p.w[part], p.scales[part]), x, rows, in, o0, p.out[part], (float*)p.y[part]);
+    tern_gemv_rows<R, OPW, OMODE>(W(p.w[part], p.scales[part]), x, rows, in, o0, p.out[part], (float*)p.y[part]);
 }
 
 // Routed experts (a mixture-of-experts layer's few rows, routed on the device): slot s =
 // blockIdx.y is row s / k's choice s % k, expert ids[s], whose matrix comes from the tables of
-// every expert's weights (and Q8_0 scales). Its input is row s / k of x (TERN_X_PLAIN: the
-// layer's input rows of `in`) or row s of x (gated: the slot's own gate | up row of 2·in);
-// its output is row s of y [slots][out].
-template <typename W, int XMODE>
+// every expert's weights (and Q8_0 scales). Its input is row s / x_div of x (x_div = k: the
+// layer's input rows; 1: the slot's own row) and its output row s of y [slots][out] (`out`
+// features, or gated values of a [gate | up] matrix, as tern_gemv_rows).
+template <int OMODE, typename W>
 __device__ __forceinline__ void tern_gemv_routed(const unsigned long long* __restrict__ w_table,
                                                  const unsigned long long* __restrict__ s_table,
-                                                 const int* __restrict__ ids, int k, const float* __restrict__ x, int in,
-                                                 int out, float* __restrict__ y) {
+                                                 const int* __restrict__ ids, int x_div, const float* __restrict__ x,
+                                                 int in, int out, float* __restrict__ y) {
     const int slot = blockIdx.y, e = ids[slot];
     const int o = (int)blockIdx.x * TERN_GEMV_WARPS + threadIdx.x / 32;
-    x = tern_gemv_input<XMODE>(XMODE == TERN_X_PLAIN ? x + (size_t)(slot / k) * in : x + (size_t)slot * 2 * in, 1, in);
     if (o >= out) return;
-    tern_gemv_rows<1, 1>(W(w_table[e], s_table[e]), x, 1, in, o, out, y + (size_t)slot * out);
+    tern_gemv_rows<1, 1, OMODE>(W(w_table[e], s_table[e]), x + (size_t)(slot / x_div) * in, 1, in, o, out,
+                                y + (size_t)slot * out);
 }
 
-// OPW, output features per warp, for R rows of x: gemv_outputs_per_warp in matmul/cuda.rs.
-#define TERN_GEMV_KERNEL(name, R, OPW, W, XMODE)                                                                \
+// OPW, output features per warp for R rows of x (plain, and gated products, whose warps hold
+// two weight rows per feature): gemv_outputs_per_warp in matmul/cuda.rs.
+#define TERN_GEMV_KERNEL(name, R, OPW, W, OMODE)                                                                \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                            \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
-        tern_gemv<R, OPW, W, XMODE>(p, x, rows, in);                                                              \
+        tern_gemv<R, OPW, OMODE, W>(p, x, rows, in);                                                              \
     }
-#define TERN_GEMV_KERNELS(R, OPW)                                                                                 \
-    TERN_GEMV_KERNEL(tern_gemv_f32_##R, R, OPW, TernWeightsF32, TERN_X_PLAIN)                                    \
-    TERN_GEMV_KERNEL(tern_gemv_bf16_##R, R, OPW, TernWeightsBf16, TERN_X_PLAIN)                                  \
-    TERN_GEMV_KERNEL(tern_gemv_q8_##R, R, OPW, TernWeightsQ8, TERN_X_PLAIN)                                      \
-    TERN_GEMV_KERNEL(tern_gemv_silu_f32_##R, R, OPW, TernWeightsF32, TERN_X_SILU)                                \
-    TERN_GEMV_KERNEL(tern_gemv_silu_bf16_##R, R, OPW, TernWeightsBf16, TERN_X_SILU)                              \
-    TERN_GEMV_KERNEL(tern_gemv_silu_q8_##R, R, OPW, TernWeightsQ8, TERN_X_SILU)                                  \
-    TERN_GEMV_KERNEL(tern_gemv_gelu_f32_##R, R, OPW, TernWeightsF32, TERN_X_GELU)                                \
-    TERN_GEMV_KERNEL(tern_gemv_gelu_bf16_##R, R, OPW, TernWeightsBf16, TERN_X_GELU)                              \
-    TERN_GEMV_KERNEL(tern_gemv_gelu_q8_##R, R, OPW, TernWeightsQ8, TERN_X_GELU)
+#define TERN_GEMV_KERNELS(R, OPW, OPW_GATED)                                                                      \
+    TERN_GEMV_KERNEL(tern_gemv_f32_##R, R, OPW, TernWeightsF32, TERN_Y_PLAIN)                                    \
+    TERN_GEMV_KERNEL(tern_gemv_bf16_##R, R, OPW, TernWeightsBf16, TERN_Y_PLAIN)                                  \
+    TERN_GEMV_KERNEL(tern_gemv_q8_##R, R, OPW, TernWeightsQ8, TERN_Y_PLAIN)                                      \
+    TERN_GEMV_KERNEL(tern_gemv_silu_f32_##R, R, OPW_GATED, TernWeightsF32, TERN_Y_SILU)                          \
+    TERN_GEMV_KERNEL(tern_gemv_silu_bf16_##R, R, OPW_GATED, TernWeightsBf16, TERN_Y_SILU)                        \
+    TERN_GEMV_KERNEL(tern_gemv_silu_q8_##R, R, OPW_GATED, TernWeightsQ8, TERN_Y_SILU)                            \
+    TERN_GEMV_KERNEL(tern_gemv_gelu_f32_##R, R, OPW_GATED, TernWeightsF32, TERN_Y_GELU)                          \
+    TERN_GEMV_KERNEL(tern_gemv_gelu_bf16_##R, R, OPW_GATED, TernWeightsBf16, TERN_Y_GELU)                        \
+    TERN_GEMV_KERNEL(tern_gemv_gelu_q8_##R, R, OPW_GATED, TernWeightsQ8, TERN_Y_GELU)
 
-TERN_GEMV_KERNELS(1, 1)
-TERN_GEMV_KERNELS(2, 2)
-TERN_GEMV_KERNELS(4, 4)
-TERN_GEMV_KERNELS(8, 4)
+TERN_GEMV_KERNELS(1, 1, 1)
+TERN_GEMV_KERNELS(2, 2, 1)
+TERN_GEMV_KERNELS(4, 4, 2)
+TERN_GEMV_KERNELS(8, 4, 2)
 
-#define TERN_GEMV_ROUTED_KERNEL(name, W, XMODE)                                                                   \
+#define TERN_GEMV_ROUTED_KERNEL(name, W, OMODE)                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                            \
         name(const unsigned long long* __restrict__ w_table, const unsigned long long* __restrict__ s_table,     \
-             const int* __restrict__ ids, int k, const float* __restrict__ x, int in, int out, float* __restrict__ y) { \
-        tern_gemv_routed<W, XMODE>(w_table, s_table, ids, k, x, in, out, y);                                      \
+             const int* __restrict__ ids, int x_div, const float* __restrict__ x, int in, int out,               \
+             float* __restrict__ y) {                                                                             \
+        tern_gemv_routed<OMODE, W>(w_table, s_table, ids, x_div, x, in, out, y);                                  \
     }
-TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_f32, TernWeightsF32, TERN_X_PLAIN)
-TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_bf16, TernWeightsBf16, TERN_X_PLAIN)
-TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_q8, TernWeightsQ8, TERN_X_PLAIN)
-TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_f32, TernWeightsF32, TERN_X_SILU)
-TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_bf16, TernWeightsBf16, TERN_X_SILU)
-TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_q8, TernWeightsQ8, TERN_X_SILU)
+TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_f32, TernWeightsF32, TERN_Y_PLAIN)
+TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_bf16, TernWeightsBf16, TERN_Y_PLAIN)
+TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_q8, TernWeightsQ8, TERN_Y_PLAIN)
+TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_f32, TernWeightsF32, TERN_Y_SILU)
+TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_bf16, TernWeightsBf16, TERN_Y_SILU)
+TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_q8, TernWeightsQ8, TERN_Y_SILU)
 
 // Stored weights expanded to a GEMM operand (prefill): bf16 -> f32 (exact), Q8_0 -> f32
 // (exact) or -> bf16 (d·q rounded to nearest even: the fast mode's operand rounding).
