@@ -140,42 +140,53 @@ struct GemvParts {
 // SAFETY: plain integers in the kernel's C layout.
 unsafe impl DeviceRepr for GemvParts {}
 
-/// The GEMV kernels: [input kind][weight type: f32, bf16, Q8_0][row bound R: 1, 2, 4, 8].
-struct GemvKernels([[[CudaFunction; 4]; 3]; 3]);
+/// The GEMV kernels: [output kind][weight type: f32, bf16, Q8_0][row bound R: 1, 2, 4, 8]
+/// [wide, narrow] (see [`gemv_outputs_per_warp`]).
+struct GemvKernels([[[[CudaFunction; 2]; 4]; 3]; 3]);
 
 impl GemvKernels {
     fn new(gpu: &Gpu) -> Result<Self> {
-        let f = |input: &str, kind: &str, r: usize| gpu.function(&SOURCE, &format!("tern_gemv_{input}{kind}_{r}"));
-        let by_type = |input: &str| -> Result<[[CudaFunction; 4]; 3]> {
-            let rows = |kind: &str| -> Result<[CudaFunction; 4]> { Ok([f(input, kind, 1)?, f(input, kind, 2)?, f(input, kind, 4)?, f(input, kind, 8)?]) };
+        let f = |output: &str, kind: &str, r: &str| gpu.function(&SOURCE, &format!("tern_gemv_{output}{kind}_{r}"));
+        let by_type = |output: &str| -> Result<[[[CudaFunction; 2]; 4]; 3]> {
+            let rows = |kind: &str| -> Result<[[CudaFunction; 2]; 4]> {
+                Ok([
+                    [f(output, kind, "1")?, f(output, kind, "1")?],
+                    [f(output, kind, "2")?, f(output, kind, "2n")?],
+                    [f(output, kind, "4")?, f(output, kind, "4n")?],
+                    [f(output, kind, "8")?, f(output, kind, "8n")?],
+                ])
+            };
             Ok([rows("f32")?, rows("bf16")?, rows("q8")?])
         };
         Ok(GemvKernels([by_type("")?, by_type("silu_")?, by_type("gelu_")?]))
     }
 
-    fn get(&self, output: GemvOutput, w: &GpuMatrix, rows: usize) -> &CudaFunction {
-        &self.0[output.index()][w.kind()][match rows {
+    fn get(&self, output: GemvOutput, w: &GpuMatrix, rows: usize, narrow: bool) -> &CudaFunction {
+        let r = match rows {
             1 => 0,
             2 => 1,
             3 | 4 => 2,
             _ => 3,
-        }]
+        };
+        &self.0[output.index()][w.kind()][r][narrow as usize]
     }
 }
 
 /// Output features each warp of a GEMV computes for `rows` rows of x (the kernels' OPW and
-/// OPW_GATED): one for a single row; for more, several, so that each x value loaded serves
-/// several weight rows. A gated feature holds two weight rows (gate and up), so half as many.
-fn gemv_outputs_per_warp(rows: usize, output: GemvOutput) -> usize {
+/// OPW_GATED; one in the narrow forms): one for a single row; for more, several, so that each
+/// x value loaded serves several weight rows. A gated feature holds two weight rows (gate and
+/// up), so half as many. A launch whose wide form would leave multiprocessors idle (small
+/// matrices: an embedding model's few-token query) takes the narrow form instead.
+fn gemv_outputs_per_warp(rows: usize, output: GemvOutput, narrow: bool) -> usize {
     let plain = match rows {
         0 | 1 => 1,
         2 => 2,
         _ => 4,
     };
-    if output == GemvOutput::Plain {
-        plain
-    } else {
-        (plain / 2).max(1)
+    match (narrow, output) {
+        (true, _) => 1,
+        (false, GemvOutput::Plain) => plain,
+        (false, _) => (plain / 2).max(1),
     }
 }
 
@@ -188,6 +199,8 @@ pub struct Blas {
     to_bf16: CudaFunction,
     add_bias: CudaFunction,
     gemv: GemvKernels,
+    /// Multiprocessors of the device (the GEMV's choice of form).
+    multiprocessors: usize,
     /// The routed GEMV: [plain, silu-gated output][f32, bf16, Q8_0].
     routed: [[CudaFunction; 3]; 2],
     expand_bf16_f32: CudaFunction,
@@ -219,6 +232,7 @@ impl Blas {
             to_bf16: f("tern_to_bf16")?,
             add_bias: f("tern_add_bias")?,
             gemv: GemvKernels::new(&gpu)?,
+            multiprocessors: gpu.multiprocessors()?,
             routed: [
                 [f("tern_gemv_routed_f32")?, f("tern_gemv_routed_bf16")?, f("tern_gemv_routed_q8")?],
                 [f("tern_gemv_routed_silu_f32")?, f("tern_gemv_routed_silu_bf16")?, f("tern_gemv_routed_silu_q8")?],
@@ -456,6 +470,10 @@ impl Blas {
         let first = parts.first().map(|(w, _)| *w).ok_or_else(|| Error::Shape("gemv: no product".into()))?;
         let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", first.inp)?);
         let mut p = GemvParts { n: parts.len() as i32, ..Default::default() };
+        // The wide form unless its blocks would not cover every multiprocessor twice.
+        let wide_blocks: usize =
+            parts.iter().map(|(w, _)| output.features(w).div_ceil(GEMV_WARPS * gemv_outputs_per_warp(rows, output, false))).sum();
+        let narrow = wide_blocks < 2 * self.multiprocessors;
         let mut blocks = 0u32;
         for (i, (w, y)) in parts.iter().enumerate() {
             let (wp, sp) = w.pointers(g);
@@ -465,11 +483,11 @@ impl Blas {
             let features = output.features(w);
             p.out[i] = int_arg("gemv out", features)?;
             p.block0[i] = blocks as i32;
-            blocks += grid_for(features, (GEMV_WARPS * gemv_outputs_per_warp(rows, output)) as u32)?;
+            blocks += grid_for(features, (GEMV_WARPS * gemv_outputs_per_warp(rows, output, narrow)) as u32)?;
         }
         p.block0[parts.len()] = int_arg("gemv blocks", blocks as usize)?;
         let xp = g.ptr(x);
-        let mut l = g.stream().launch_builder(self.gemv.get(output, first, rows));
+        let mut l = g.stream().launch_builder(self.gemv.get(output, first, rows, narrow));
         l.arg(&p).arg(&xp).arg(&r).arg(&inp);
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_gemv_*; the kernel (R >= rows) reads each part's

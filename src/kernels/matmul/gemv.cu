@@ -181,21 +181,26 @@ __device__ __forceinline__ void tern_gemv_routed(const unsigned long long* __res
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
         tern_gemv<R, OPW, OMODE, W>(p, x, rows, in);                                                              \
     }
-#define TERN_GEMV_KERNELS(R, OPW, OPW_GATED)                                                                      \
-    TERN_GEMV_KERNEL(tern_gemv_f32_##R, R, OPW, TernWeightsF32, TERN_Y_PLAIN)                                    \
-    TERN_GEMV_KERNEL(tern_gemv_bf16_##R, R, OPW, TernWeightsBf16, TERN_Y_PLAIN)                                  \
-    TERN_GEMV_KERNEL(tern_gemv_q8_##R, R, OPW, TernWeightsQ8, TERN_Y_PLAIN)                                      \
-    TERN_GEMV_KERNEL(tern_gemv_silu_f32_##R, R, OPW_GATED, TernWeightsF32, TERN_Y_SILU)                          \
-    TERN_GEMV_KERNEL(tern_gemv_silu_bf16_##R, R, OPW_GATED, TernWeightsBf16, TERN_Y_SILU)                        \
-    TERN_GEMV_KERNEL(tern_gemv_silu_q8_##R, R, OPW_GATED, TernWeightsQ8, TERN_Y_SILU)                            \
-    TERN_GEMV_KERNEL(tern_gemv_gelu_f32_##R, R, OPW_GATED, TernWeightsF32, TERN_Y_GELU)                          \
-    TERN_GEMV_KERNEL(tern_gemv_gelu_bf16_##R, R, OPW_GATED, TernWeightsBf16, TERN_Y_GELU)                        \
-    TERN_GEMV_KERNEL(tern_gemv_gelu_q8_##R, R, OPW_GATED, TernWeightsQ8, TERN_Y_GELU)
+// SUFFIX names the variant: R (the wide form, OPW and OPW_GATED as given) or Rn (the narrow
+// form, one output feature per warp, for matrices too small to fill the GPU otherwise).
+#define TERN_GEMV_KERNELS(SUFFIX, R, OPW, OPW_GATED)                                                              \
+    TERN_GEMV_KERNEL(tern_gemv_f32_##SUFFIX, R, OPW, TernWeightsF32, TERN_Y_PLAIN)                               \
+    TERN_GEMV_KERNEL(tern_gemv_bf16_##SUFFIX, R, OPW, TernWeightsBf16, TERN_Y_PLAIN)                             \
+    TERN_GEMV_KERNEL(tern_gemv_q8_##SUFFIX, R, OPW, TernWeightsQ8, TERN_Y_PLAIN)                                 \
+    TERN_GEMV_KERNEL(tern_gemv_silu_f32_##SUFFIX, R, OPW_GATED, TernWeightsF32, TERN_Y_SILU)                     \
+    TERN_GEMV_KERNEL(tern_gemv_silu_bf16_##SUFFIX, R, OPW_GATED, TernWeightsBf16, TERN_Y_SILU)                   \
+    TERN_GEMV_KERNEL(tern_gemv_silu_q8_##SUFFIX, R, OPW_GATED, TernWeightsQ8, TERN_Y_SILU)                       \
+    TERN_GEMV_KERNEL(tern_gemv_gelu_f32_##SUFFIX, R, OPW_GATED, TernWeightsF32, TERN_Y_GELU)                     \
+    TERN_GEMV_KERNEL(tern_gemv_gelu_bf16_##SUFFIX, R, OPW_GATED, TernWeightsBf16, TERN_Y_GELU)                   \
+    TERN_GEMV_KERNEL(tern_gemv_gelu_q8_##SUFFIX, R, OPW_GATED, TernWeightsQ8, TERN_Y_GELU)
 
-TERN_GEMV_KERNELS(1, 1, 1)
-TERN_GEMV_KERNELS(2, 2, 1)
-TERN_GEMV_KERNELS(4, 4, 2)
-TERN_GEMV_KERNELS(8, 4, 2)
+TERN_GEMV_KERNELS(1, 1, 1, 1)
+TERN_GEMV_KERNELS(2, 2, 2, 1)
+TERN_GEMV_KERNELS(4, 4, 4, 2)
+TERN_GEMV_KERNELS(8, 8, 4, 2)
+TERN_GEMV_KERNELS(2n, 2, 1, 1)
+TERN_GEMV_KERNELS(4n, 4, 1, 1)
+TERN_GEMV_KERNELS(8n, 8, 1, 1)
 
 #define TERN_GEMV_ROUTED_KERNEL(name, W, OMODE)                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                            \
