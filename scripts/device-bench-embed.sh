@@ -20,7 +20,8 @@ xz -dc "$dir/tokenizer.json.xz" > $bench/tokenizer.json
 tern="$dir/tern"
 if [ ! -x "$tern" ]; then xz -dc "$dir/tern.xz" > $bench/tern && chmod +x $bench/tern && tern=$bench/tern; fi
 # TERN_BENCH_EMBED_MODELS picks the checkpoints (default both); TERN_BENCH_PEERS=0 runs tern
-# alone on its own generated documents (no transformers or egemma2 timings).
+# alone on its own generated documents (no transformers or egemma2 timings);
+# TERN_BENCH_VARIANTS (device-env.sh) repeats each tern run under several settings.
 models=${TERN_BENCH_EMBED_MODELS:-eg300m eg2}
 python3 "$here/make_bench_egemma.py" $bench $bench/tokenizer.json "$(echo $models | tr ' ' ,)"
 docs=()
@@ -30,7 +31,7 @@ if [ "${TERN_BENCH_PEERS:-1}" != 0 ]; then
 fi
 for model in $models; do
   for dtype in f32 bf16; do
-    "$tern" bench embed --model $bench/$model --device cuda --dtype $dtype "${docs[@]}" --batch 64 --iters 5 $([ $dtype = bf16 ] && echo --compare-f32)
+    tern_variants "$tern" bench embed --model $bench/$model --device cuda --dtype $dtype "${docs[@]}" --batch 64 --iters 5 $([ $dtype = bf16 ] && echo --compare-f32)
     if [ $model = eg2 ] && [ ${#docs[@]} -gt 0 ]; then
       "$tern" bench embed --model $bench/$model --device cuda --dtype $dtype --input $bench/inputs/long.txt --batch 1 --iters 5
     fi

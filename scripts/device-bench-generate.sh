@@ -11,7 +11,8 @@
 # BF16 and Q8_0 GGUFs; then runs `tern bench generate` on each file in f32 and bf16 (prefill of
 # 4096 tokens, batch-1 decode, decode rounds of 1, 8, 32 and 128 sequences, each with the
 # rooflines measured in the run) and llama-bench on the GGUFs (pp4096, tg128), plus one profiled
-# run per precision (TERN_CUDA_PROFILE). Every JSON report also goes to $OUT/generate.jsonl
+# run per precision (TERN_CUDA_PROFILE). TERN_BENCH_MODELS, TERN_BENCH_CONCURRENT and
+# TERN_BENCH_VARIANTS (device-env.sh) narrow or repeat the tern runs. Every JSON report also goes to $OUT/generate.jsonl
 # (profiles to $OUT/profile.jsonl) when $OUT is set.
 set -euo pipefail
 dir=$(cd "${1:?usage: scripts/device-bench-generate.sh DIR}" && pwd)
@@ -44,8 +45,8 @@ models=(${TERN_BENCH_MODELS:-$bench/qwen35-0.8b-bf16.gguf $bench/qwen35-0.8b-q8_
 for model in "${models[@]}"; do
   [ -e "$model" ] || continue
   for dtype in f32 bf16; do
-    "$tern" bench generate --model "$model" --device cuda --dtype $dtype --prompt-tokens 4096 --gen-tokens 64 --iters 3 \
-      --concurrent 1,8,32,128 | tee -a "$report"
+    tern_variants "$tern" bench generate --model "$model" --device cuda --dtype $dtype --prompt-tokens 4096 --gen-tokens 64 --iters 3 \
+      --concurrent ${TERN_BENCH_CONCURRENT:-1,8,32,128} | tee -a "$report"
   done
 done
 

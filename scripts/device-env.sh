@@ -21,3 +21,14 @@ fi
 echo "cuBLAS: ${TERN_CUBLAS_LIB:-not found}"
 export LD_LIBRARY_PATH="$(dirname "${TERN_CUBLAS_LIB:-/x}"):$LD_LIBRARY_PATH"
 export TERN_CUDA_CACHE="${TERN_CUDA_CACHE:-/tmp/tern-cuda-cache}"
+
+# Runs "$@" once per variant of TERN_BENCH_VARIANTS (space-separated; a variant is a
+# comma-separated list of VAR=VALUE set for that run, `-` for none; default one run as is), each
+# run preceded by a line {"variant": "..."} so that reports of the same call can be told apart.
+tern_variants() {
+  local v
+  for v in ${TERN_BENCH_VARIANTS:--}; do
+    echo "{\"variant\": \"$v\"}"
+    if [ "$v" = - ]; then "$@"; else env ${v//,/ } "$@"; fi
+  done
+}

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, OnceLock};
 
-pub use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+pub use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use cudarc::driver::{CudaModule, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits};
 
 use crate::error::{Error, Result};
@@ -150,6 +150,8 @@ pub struct Gpu {
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     /// Page-locked host memory that large downloads pass through (see [`Gpu::download_f32`]).
     staging: Mutex<Option<PinnedHostSlice<f32>>>,
+    /// Whether kernels are launched as dependent launches (see [`Gpu::launch_builder`]).
+    dependent_launch: bool,
 }
 
 /// Downloads of at least this many floats go through the page-locked staging buffer.
@@ -190,6 +192,9 @@ impl Gpu {
             name,
             modules: Mutex::new(HashMap::new()),
             staging: Mutex::new(None),
+            // Programmatic dependent launch needs sm_90; TERN_DEPENDENT_LAUNCH=0 turns it off
+            // (to measure what it saves, or to rule it out).
+            dependent_launch: major >= 9 && std::env::var("TERN_DEPENDENT_LAUNCH").map_or(true, |v| v != "0"),
         }))
     }
 
@@ -233,6 +238,18 @@ impl Gpu {
             }
         };
         module.load_function(func).map_err(driver_err(&format!("{}: function {func}", source.name)))
+    }
+
+    /// A launch of `func` on the GPU's stream; arguments are added with [`KernelLaunch::arg`]
+    /// in the kernel's parameter order, then [`KernelLaunch::launch`] queues it.
+    ///
+    /// On sm_90 and later the launch is a programmatic dependent launch: the kernel may be
+    /// scheduled while the kernel before it on the stream still runs, and waits for it on the
+    /// device (every kernel of tern starts with `tern_await_prior_kernel()`, launch.cuh). A
+    /// step of small dependent kernels (decode, a short query) then spends less time between
+    /// kernels. Recorded graphs keep the relation as programmatic edges.
+    pub fn launch_builder<'a>(&'a self, func: &'a CudaFunction) -> KernelLaunch<'a> {
+        KernelLaunch { gpu: self, func, args: Vec::new(), addresses: Vec::new() }
     }
 
     /// Refuses a copy between host and device while the stream is being recorded into a
@@ -357,6 +374,64 @@ impl Gpu {
     }
 }
 
+/// A kernel launch being assembled (see [`Gpu::launch_builder`]). cudarc's own builder has no
+/// way to pass launch attributes, hence this one: arguments are borrowed, like cudarc's, so
+/// they live until the launch call has copied them.
+pub struct KernelLaunch<'a> {
+    gpu: &'a Gpu,
+    func: &'a CudaFunction,
+    args: Vec<*mut std::ffi::c_void>,
+    /// Device addresses of buffer arguments, boxed so that `args` can point at them.
+    addresses: Vec<Box<u64>>,
+}
+
+impl<'a> KernelLaunch<'a> {
+    /// Adds the next kernel argument: a plain value of the parameter's C type (device
+    /// addresses as u64, see [`Gpu::ptr`]).
+    pub fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
+        self.args.push(value as *const T as *mut std::ffi::c_void);
+        self
+    }
+
+    /// Adds a buffer argument: its device address.
+    pub fn buf<T>(&mut self, buffer: &CudaSlice<T>) -> &mut Self {
+        let address = Box::new(self.gpu.ptr(buffer));
+        self.args.push(&*address as *const u64 as *mut std::ffi::c_void);
+        self.addresses.push(address);
+        self
+    }
+
+    /// Queues the kernel on the GPU's stream.
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameters in number, order and type, and every
+    /// buffer the kernel reads or writes must hold what the configuration makes it touch.
+    pub unsafe fn launch(&mut self, cfg: LaunchConfig) -> std::result::Result<(), DriverError> {
+        use cudarc::driver::sys;
+        self.gpu.ctx.bind_to_thread()?;
+        // SAFETY: a zeroed attribute is a valid "ignore" value; id and the union member are set
+        // together below.
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.gpu.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: self.gpu.dependent_launch as std::ffi::c_uint,
+        };
+        // SAFETY: the caller vouches for the arguments (see above); `args` points at values
+        // borrowed for 'a, alive during the call, which copies them.
+        sys::cuLaunchKernelEx(&config, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()).result()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -406,6 +481,31 @@ mod tests {
             assert_eq!(&cubin[..4], b"\x7fELF", "{}", src.name);
             eprintln!("nvrtc {major}.{minor}: {} -> {} bytes of sm_90 CUBIN", src.name, cubin.len());
         }
+    }
+
+    /// The rule that makes dependent launches safe (launch.cuh): the first statement of every
+    /// kernel, after any L2 prefetches (`tern_prefetch_*`), waits for the kernel before it. A kernel without it could read its inputs before
+    /// they are written, so a new kernel that forgets it fails here, on any machine.
+    #[test]
+    fn every_kernel_awaits_the_prior_kernel() {
+        let mut kernels = 0;
+        for src in sources() {
+            let mut rest = src.code;
+            while let Some(at) = rest.find("__global__") {
+                let body = &rest[at..];
+                let open = body.find('{').unwrap_or_else(|| panic!("{}: a kernel without a body", src.name));
+                let mut first = body[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+                // L2 prefetches may come first: they read nothing into registers.
+                while first.starts_with("tern_prefetch") {
+                    first = first[first.find(';').map_or(first.len(), |e| e + 1)..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+                }
+                let head = &body[..open];
+                assert!(first.starts_with("tern_await_prior_kernel();"), "{}: kernel `{}` does not start with tern_await_prior_kernel()", src.name, head.trim());
+                kernels += 1;
+                rest = &body[open..];
+            }
+        }
+        assert!(kernels >= 40, "only {kernels} kernels found");
     }
 
     /// The cache returns the compiled CUBIN on a second call and treats a damaged file as a miss.

@@ -116,10 +116,15 @@ pub fn options(arch: &str) -> Vec<String> {
     o
 }
 
-/// Compiles `source` (named `name` in diagnostics) to a CUBIN for `arch`, uncached.
+/// What every program starts with: the device side of dependent launches (see launch.cuh and
+/// [`super::Gpu::launch_builder`]).
+pub const PREAMBLE: &str = include_str!("launch.cuh");
+
+/// Compiles `source` (named `name` in diagnostics), after [`PREAMBLE`], to a CUBIN for
+/// `arch`, uncached.
 pub fn compile(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
     let api = api()?;
-    let src = CString::new(source).map_err(|_| Error::Cuda(format!("{name}: NUL byte in kernel source")))?;
+    let src = CString::new(format!("{PREAMBLE}\n{source}")).map_err(|_| Error::Cuda(format!("{name}: NUL byte in kernel source")))?;
     let cname = CString::new(name).map_err(|_| Error::Cuda(format!("{name}: NUL byte in kernel name")))?;
     let opts: Vec<CString> = options(arch).into_iter().map(|o| CString::new(o).expect("options have no NUL")).collect();
     let opt_ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
@@ -176,10 +181,12 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 fn cache_key(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
     let (major, minor) = version()?;
-    let mut key = format!("tern-cubin-v1\nname {name}\narch {arch}\nnvrtc {major}.{minor}\n").into_bytes();
+    let mut key = format!("tern-cubin-v2\nname {name}\narch {arch}\nnvrtc {major}.{minor}\n").into_bytes();
     for o in options(arch) {
         key.extend_from_slice(format!("option {o}\n").as_bytes());
     }
+    key.extend_from_slice(format!("preamble {}\n", PREAMBLE.len()).as_bytes());
+    key.extend_from_slice(PREAMBLE.as_bytes());
     key.extend_from_slice(format!("source {}\n", source.len()).as_bytes());
     key.extend_from_slice(source.as_bytes());
     Ok(key)

@@ -8,7 +8,7 @@
 #define TERN_GATED_ACTIVATION(name, act)                                                                          \
     extern "C" __global__ void name(const float* __restrict__ g, long long g_off, long long g_ld,                  \
                                     const float* __restrict__ u, long long u_off, long long u_ld, int rows,        \
-                                    int width, float* __restrict__ out, tern_bf16* __restrict__ out16) {           \
+                                    int width, float* __restrict__ out, tern_bf16* __restrict__ out16) { tern_await_prior_kernel(); \
         const size_t n = (size_t)rows * width;                                                                     \
         for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) { \
             const size_t r = e / width, i = e % width;                                                             \

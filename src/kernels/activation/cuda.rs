@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::cuda::{driver_err, grid_for, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
+use crate::cuda::{driver_err, grid_for, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use crate::error::Result;
 use crate::kernels::backend::{check_view, View};
 use crate::kernels::check_len;
@@ -50,7 +50,7 @@ impl ActivationCuda {
         let (r, w) = (int_arg("activation rows", rows)?, int_arg("activation width", width)?);
         let (g_off, g_ld, u_off, u_ld) = (long_arg(g.offset), long_arg(g.stride), long_arg(u.offset), long_arg(u.stride));
         let (g_p, u_p, o_p, o16_p) = (gp.ptr(g.buf), gp.ptr(u.buf), gp.ptr_opt(out.f32.as_deref()), gp.ptr_opt(out.bf16.as_deref()));
-        let mut l = gp.stream().launch_builder(f);
+        let mut l = gp.launch_builder(f);
         l.arg(&g_p).arg(&g_off).arg(&g_ld).arg(&u_p).arg(&u_off).arg(&u_ld).arg(&r).arg(&w).arg(&o_p).arg(&o16_p);
         let blocks = grid_for(rows * width, 256)?.min(65_535);
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };

@@ -292,7 +292,7 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
         const float* q, long long q_off, long long q_ld, const float* k, long long k_off, long long k_ld, const float* v, \
         long long v_off, long long v_ld, float* out, long long out_ld, tern_bf16* out16, const tern_u32* seg_start,      \
         const tern_u32* seg_len, const tern_u32* tile_seg, const tern_u32* tile_q0, int group, int hd, float scale,       \
-        int max_distance) {                                                                                              \
+        int max_distance) { tern_await_prior_kernel();                                                                   \
         tern_attention_tc_tile<HD>(q, q_off, q_ld, k, k_off, k_ld, v, v_off, v_ld, out, out_ld, out16, seg_start,        \
                                    seg_len, tile_seg, tile_q0, group, hd, scale, max_distance);                          \
     }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN_SMEM;
 
-use crate::cuda::{driver_err, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
+use crate::cuda::{driver_err, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::kernels::attention::AttentionShape;
 use crate::kernels::backend::{check_view, View};
@@ -254,7 +254,7 @@ impl AttentionCuda {
         let out_ld = long_arg(q_heads * hd);
         let (group, hd_i) = (int_arg("attention group", q_heads / kv_heads)?, int_arg("head size", hd)?);
         let (ss, sl, ts, tq) = (g.ptr(&batch.seg_start), g.ptr(&batch.seg_len), g.ptr(tiles.seg), g.ptr(tiles.q0));
-        let mut l = g.stream().launch_builder(f);
+        let mut l = g.launch_builder(f);
         l.arg(&qp).arg(&qo).arg(&ql).arg(&kp).arg(&ko).arg(&kl).arg(&vp).arg(&vo).arg(&vl);
         l.arg(&op).arg(&out_ld).arg(&o16p).arg(&ss).arg(&sl).arg(&ts).arg(&tq).arg(&group).arg(&hd_i).arg(&scale).arg(&window);
         let count = u32::try_from(tiles.count).map_err(|_| Error::Shape("attention: too many query tiles".into()))?;
@@ -422,7 +422,7 @@ impl KvAttentionCuda {
         let g = &self.gpu;
         let (n, w) = (int_arg("gate rows", batch.rows)?, int_arg("gate width", qw)?);
         let (op, gp, g_off, g_ld) = (g.ptr(out), g.ptr(gate.buf), long_arg(gate.offset), long_arg(gate.stride));
-        let mut l = g.stream().launch_builder(&self.gate);
+        let mut l = g.launch_builder(&self.gate);
         l.arg(&op).arg(&gp).arg(&g_off).arg(&g_ld).arg(&n).arg(&w);
         let blocks = crate::cuda::grid_for(batch.rows * qw, 256)?.min(65_535);
         // SAFETY: argument types match tern_sigmoid_gate; out holds rows × qw (checked by the
@@ -448,7 +448,7 @@ impl KvAttentionCuda {
         let (k_off, v_off) = (long_arg(k.offset + first * k.stride), long_arg(v.offset + first * v.stride));
         let (k_ld, v_ld) = (long_arg(k.stride), long_arg(v.stride));
         let (kp, vp) = (g.ptr(k.buf), g.ptr(v.buf));
-        let mut l = g.stream().launch_builder(&self.append);
+        let mut l = g.launch_builder(&self.append);
         l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&n).arg(&w).arg(&pp).arg(&kc).arg(&vc);
         let blocks = crate::cuda::grid_for(seg.len * kw, 256)?.min(65_535);
         // SAFETY: argument types match tern_kv_append; the views hold the segment's rows
@@ -513,7 +513,7 @@ impl KvAttentionCuda {
             let (q_ld, g_ld) = (long_arg(q.stride), long_arg(gate.stride));
             let (qp, gp, kc0, vc0) = (g.ptr(q.buf), g.ptr(gate.buf), g.ptr(&cache.keys), g.ptr(&cache.values));
             let op = g.ptr(out) + 4 * (first * qw) as u64;
-            let mut l = g.stream().launch_builder(&self.attend);
+            let mut l = g.launch_builder(&self.attend);
             l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld).arg(&kc0).arg(&vc0).arg(&pp);
             l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).arg(&op);
             let grid_rows = u32::try_from(seg.len).ok().filter(|&r| r <= 65_535).ok_or_else(|| {

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::cuda::{driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
+use crate::cuda::{driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use crate::error::Result;
 use crate::kernels::check_len;
 
@@ -56,7 +56,7 @@ impl EmbeddingCuda {
         let g = &self.gpu;
         let (rows, w) = (int_arg("embedding rows", ids.len)?, int_arg("embedding width", width)?);
         let (tp, ip, op) = (g.ptr(table), g.ptr(&ids.ids), g.ptr(out));
-        let mut l = g.stream().launch_builder(&self.lookup);
+        let mut l = g.launch_builder(&self.lookup);
         l.arg(&tp).arg(&ip).arg(&rows).arg(&w).arg(&scale).arg(&op);
         let blocks = grid_for(ids.len * width, 256)?.min(65_535);
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };

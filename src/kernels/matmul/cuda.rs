@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 
-use crate::cuda::{cublas_available, driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
+use crate::cuda::{cublas_available, driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use cudarc::driver::DeviceRepr;
 use crate::error::{Error, Result};
 use crate::kernels::check_len;
@@ -136,6 +136,7 @@ struct GemvParts {
     out: [i32; GEMV_PARTS],
     block0: [i32; GEMV_PARTS + 1],
     n: i32,
+    prefetch: i32,
 }
 // SAFETY: plain integers in the kernel's C layout.
 unsafe impl DeviceRepr for GemvParts {}
@@ -201,6 +202,12 @@ pub struct Blas {
     gemv: GemvKernels,
     /// Multiprocessors of the device (the GEMV's choice of form).
     multiprocessors: usize,
+    /// Products of at most this many rows take the GEMV: [`GEMV_MAX_ROWS`], or fewer where
+    /// TERN_GEMV_MAX_ROWS says so (to measure the GEMV against cuBLAS on the same run).
+    gemv_max_rows: usize,
+    /// Whether GEMV launches that fit the GPU at once prefetch their weights into L2 before
+    /// the prior kernel ends (TERN_GEMV_PREFETCH=0: not, to measure what it saves).
+    prefetch_weights: bool,
     /// The routed GEMV: [plain, silu-gated output][f32, bf16, Q8_0].
     routed: [[CudaFunction; 3]; 2],
     expand_bf16_f32: CudaFunction,
@@ -233,6 +240,8 @@ impl Blas {
             add_bias: f("tern_add_bias")?,
             gemv: GemvKernels::new(&gpu)?,
             multiprocessors: gpu.multiprocessors()?,
+            prefetch_weights: std::env::var("TERN_GEMV_PREFETCH").map_or(true, |v| v != "0"),
+            gemv_max_rows: std::env::var("TERN_GEMV_MAX_ROWS").ok().and_then(|v| v.parse().ok()).map_or(GEMV_MAX_ROWS, |n: usize| n.min(GEMV_MAX_ROWS)),
             routed: [
                 [f("tern_gemv_routed_f32")?, f("tern_gemv_routed_bf16")?, f("tern_gemv_routed_q8")?],
                 [f("tern_gemv_routed_silu_f32")?, f("tern_gemv_routed_silu_bf16")?, f("tern_gemv_routed_silu_q8")?],
@@ -306,7 +315,7 @@ impl Blas {
         }
         let g = &self.gpu;
         let (xp, yp, n) = (g.ptr(x), g.ptr(y), x.len() as u64);
-        let mut l = g.stream().launch_builder(&self.to_bf16);
+        let mut l = g.launch_builder(&self.to_bf16);
         l.arg(&xp).arg(&n).arg(&yp);
         let cfg = LaunchConfig { grid_dim: (grid_for(x.len(), 256)?.min(65_535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match; both buffers hold n elements.
@@ -322,7 +331,7 @@ impl Blas {
         let g = &self.gpu;
         let (rows, d) = (int_arg("bias rows", y.len() / bias.len())?, int_arg("bias width", bias.len())?);
         let (yp, bp) = (g.ptr(y), g.ptr(bias));
-        let mut l = g.stream().launch_builder(&self.add_bias);
+        let mut l = g.launch_builder(&self.add_bias);
         l.arg(&yp).arg(&bp).arg(&rows).arg(&d);
         let cfg = LaunchConfig { grid_dim: (grid_for(y.len(), 256)?.min(65_535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match; y holds rows × d.
@@ -337,7 +346,7 @@ impl Blas {
         if rows == 0 || w.out == 0 {
             return Ok(());
         }
-        if Self::gemv_fits(rows, w) {
+        if self.gemv_fits(rows, w) {
             return self.gemv(x, GemvOutput::Plain, rows, &mut [(w, y)]);
         }
         let g = &self.gpu;
@@ -410,8 +419,8 @@ impl Blas {
 
     /// Whether a product of `rows` rows with `w` takes the GEMV kernel (few rows; rows of
     /// whole 8-weight steps, which keep its vector loads aligned).
-    fn gemv_fits(rows: usize, w: &GpuMatrix) -> bool {
-        rows <= GEMV_MAX_ROWS && w.inp % 8 == 0
+    fn gemv_fits(&self, rows: usize, w: &GpuMatrix) -> bool {
+        rows <= self.gemv_max_rows && w.inp % 8 == 0
     }
 
     /// Several products of the same `rows` rows of x, `Y_i = X·W_iᵀ` for each `(W_i, Y_i)`:
@@ -419,7 +428,7 @@ impl Blas {
     /// stored type), else one [`Blas::linear`] each. CPU twin: [`super::linear_w`] per matrix.
     pub fn linears(&self, x: &CudaSlice<f32>, rows: usize, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)]) -> Result<()> {
         let one_launch = parts.len() <= GEMV_PARTS
-            && parts.iter().all(|(w, _)| Self::gemv_fits(rows, w) && std::mem::discriminant(&w.w) == std::mem::discriminant(&parts[0].0.w) && w.inp == parts[0].0.inp);
+            && parts.iter().all(|(w, _)| self.gemv_fits(rows, w) && std::mem::discriminant(&w.w) == std::mem::discriminant(&parts[0].0.w) && w.inp == parts[0].0.inp);
         if one_launch && !parts.is_empty() {
             check_len("linears input", x.len(), rows * parts[0].0.inp)?;
             for (w, y) in parts.iter() {
@@ -455,7 +464,7 @@ impl Blas {
         if rows == 0 {
             return Ok(());
         }
-        if Self::gemv_fits(rows, w) {
+        if self.gemv_fits(rows, w) {
             return self.gemv(x, output, rows, &mut [(w, y)]);
         }
         let mut gu = self.gpu.alloc::<f32>(rows * w.out)?;
@@ -486,8 +495,12 @@ impl Blas {
             blocks += grid_for(features, (GEMV_WARPS * gemv_outputs_per_warp(rows, output, narrow)) as u32)?;
         }
         p.block0[parts.len()] = int_arg("gemv blocks", blocks as usize)?;
+        // Prefetching the weights before the prior kernel ends helps the blocks that are
+        // resident then: all of them when the grid fits the GPU at once (a 256-thread block
+        // of the GEMV leaves room for several per multiprocessor; four is a safe count).
+        p.prefetch = (self.prefetch_weights && blocks as usize <= 4 * self.multiprocessors) as i32;
         let xp = g.ptr(x);
-        let mut l = g.stream().launch_builder(self.gemv.get(output, first, rows, narrow));
+        let mut l = g.launch_builder(self.gemv.get(output, first, rows, narrow));
         l.arg(&p).arg(&xp).arg(&r).arg(&inp);
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_gemv_*; the kernel (R >= rows) reads each part's
@@ -502,7 +515,7 @@ impl Blas {
     /// (different shapes or stored types, or rows the GEMV does not take).
     pub fn matrix_table(&self, ms: &[&GpuMatrix]) -> Result<Option<GpuMatrixTable>> {
         let Some(first) = ms.first() else { return Ok(None) };
-        if ms.iter().any(|m| (m.out, m.inp, m.kind()) != (first.out, first.inp, first.kind())) || !Self::gemv_fits(1, first) {
+        if ms.iter().any(|m| (m.out, m.inp, m.kind()) != (first.out, first.inp, first.kind())) || !self.gemv_fits(1, first) {
             return Ok(None);
         }
         let (weights, scales): (Vec<u64>, Vec<u64>) = ms.iter().map(|m| m.pointers(&self.gpu)).unzip();
@@ -551,7 +564,7 @@ impl Blas {
         let (div, inp, out) = (int_arg("routed x_div", x_div)?, int_arg("routed in", table.inp)?, int_arg("routed out", features)?);
         let (wt, st, ip, xp, yp) = (g.ptr(&table.weights), g.ptr(&table.scales), g.ptr(ids), g.ptr(x), g.ptr(y));
         let f = &self.routed[(output == GemvOutput::Silu) as usize][table.kind];
-        let mut l = g.stream().launch_builder(f);
+        let mut l = g.launch_builder(f);
         l.arg(&wt).arg(&st).arg(&ip).arg(&div).arg(&xp).arg(&inp).arg(&out).arg(&yp);
         let cfg = LaunchConfig { grid_dim: (grid_for(features, GEMV_WARPS as u32)?, slots_y, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_gemv_routed_*; the tables hold `len` matrices of
@@ -565,7 +578,7 @@ impl Blas {
     fn expand(&self, f: &CudaFunction, weights: &[u64], n: usize, dst: u64) -> Result<()> {
         let g = &self.gpu;
         let count = n as u64;
-        let mut l = g.stream().launch_builder(f);
+        let mut l = g.launch_builder(f);
         for p in weights {
             l.arg(p);
         }

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use crate::cuda::{driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
+use crate::cuda::{driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::kernels::check_len;
 
@@ -63,7 +63,7 @@ impl MoeCuda {
         let g = &self.gpu;
         let (nei, ki) = (int_arg("experts", ne)?, int_arg("top-k", k)?);
         let (lp, ip, wp) = (g.ptr(logits), g.ptr(ids), g.ptr(weights));
-        let mut l = g.stream().launch_builder(&self.route);
+        let mut l = g.launch_builder(&self.route);
         l.arg(&lp).arg(&nei).arg(&ki).arg(&ip).arg(&wp);
         let cfg = LaunchConfig { grid_dim: (grid_for(rows, 1)?, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: (4 * ne) as u32 };
         // SAFETY: argument types match tern_moe_route; one warp per row reads its ne logits and
@@ -87,7 +87,7 @@ impl MoeCuda {
         let g = &self.gpu;
         let (ri, ki, di) = (int_arg("rows", rows)?, int_arg("top-k", k)?, int_arg("width", d)?);
         let (yp, wp, op) = (g.ptr(y), g.ptr(weights), g.ptr(out));
-        let mut l = g.stream().launch_builder(&self.combine);
+        let mut l = g.launch_builder(&self.combine);
         l.arg(&yp).arg(&wp).arg(&ri).arg(&ki).arg(&di).arg(&op);
         // SAFETY: argument types match tern_moe_combine; y holds rows × k × d, weights rows × k
         // and out rows × d (checked).
@@ -112,7 +112,7 @@ impl MoeCuda {
         let (rows_d, weights_d) = (g.upload(rows)?, g.upload(weights)?);
         let (n, dw) = (int_arg("scatter rows", rows.len())?, int_arg("scatter width", d)?);
         let (op, yp, rp, wp) = (g.ptr(out), g.ptr(y), g.ptr(&rows_d), g.ptr(&weights_d));
-        let mut l = g.stream().launch_builder(&self.scatter);
+        let mut l = g.launch_builder(&self.scatter);
         l.arg(&op).arg(&yp).arg(&rp).arg(&wp).arg(&n).arg(&dw);
         // SAFETY: argument types match; every row index is inside `out` (checked), y holds n × d.
         unsafe { l.launch(grid(rows.len() * d)?) }.map_err(driver_err("launching tern_scatter_add_rows"))?;
@@ -129,7 +129,7 @@ impl MoeCuda {
         let g = &self.gpu;
         let (n, dw) = (int_arg("gated rows", gate.len())?, int_arg("gated width", d)?);
         let (op, yp, gp) = (g.ptr(out), g.ptr(y), g.ptr(gate));
-        let mut l = g.stream().launch_builder(&self.gated);
+        let mut l = g.launch_builder(&self.gated);
         l.arg(&op).arg(&yp).arg(&gp).arg(&n).arg(&dw);
         // SAFETY: argument types match; out and y hold n × d, gate n (checked).
         unsafe { l.launch(grid(out.len())?) }.map_err(driver_err("launching tern_add_sigmoid_gated"))?;

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::cuda::{driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
+use crate::cuda::{driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::kernels::check_len;
 
@@ -72,7 +72,7 @@ impl NormCuda {
         let g = &self.gpu;
         let (dw, rows32) = (int_arg("rms_norm width", d)?, grid_for(rows, 1)?);
         let (xp, wp, yp, y16p) = (g.ptr(x), g.ptr_opt(w), g.ptr_opt(y.f32.as_deref()), g.ptr_opt(y.bf16.as_deref()));
-        let mut l = g.stream().launch_builder(&self.rms);
+        let mut l = g.launch_builder(&self.rms);
         l.arg(&xp).arg(&wp).arg(&pre).arg(&eps).arg(&dw).arg(&yp).arg(&y16p);
         let cfg = LaunchConfig { grid_dim: (rows32, 1, 1), block_dim: (row_block(d), 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_rms_norm; every buffer holds rows × d (checked),
@@ -111,7 +111,7 @@ impl NormCuda {
             None => (0, 0, 0),
         };
         let (hp, yp, wp) = (g.ptr(h), g.ptr(y), g.ptr(w));
-        let mut l = g.stream().launch_builder(&self.add);
+        let mut l = g.launch_builder(&self.add);
         l.arg(&hp).arg(&yp).arg(&wp).arg(&post).arg(&eps).arg(&dw).arg(&w2p).arg(&ap).arg(&a16p);
         let cfg = LaunchConfig { grid_dim: (rows32, 1, 1), block_dim: (row_block(d), 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_add_norm; all buffers hold rows × d (checked).
@@ -131,7 +131,7 @@ impl NormCuda {
         let g = &self.gpu;
         let (dw, rows32) = (int_arg("residual_norm width", d)?, grid_for(rows, 1)?);
         let (xp, yp, wp, ap, a16p) = (g.ptr(x), g.ptr(y), g.ptr(w), g.ptr_opt(a.f32.as_deref()), g.ptr_opt(a.bf16.as_deref()));
-        let mut l = g.stream().launch_builder(&self.residual);
+        let mut l = g.launch_builder(&self.residual);
         l.arg(&xp).arg(&yp).arg(&wp).arg(&eps).arg(&dw).arg(&ap).arg(&a16p);
         let cfg = LaunchConfig { grid_dim: (rows32, 1, 1), block_dim: (row_block(d), 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_residual_norm; all buffers hold rows × d (checked).

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::cuda::{driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
+use crate::cuda::{driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::kernels::attention::cuda::GpuAttentionBatch;
 use crate::kernels::check_len;
@@ -32,7 +32,7 @@ impl PoolCuda {
         let g = &self.gpu;
         let dw = int_arg("mean_pool width", d)?;
         let (hp, sp, lp, op) = (g.ptr(h), g.ptr(&batch.seg_start), g.ptr(&batch.seg_len), g.ptr(out));
-        let mut l = g.stream().launch_builder(&self.mean);
+        let mut l = g.launch_builder(&self.mean);
         l.arg(&hp).arg(&dw).arg(&sp).arg(&lp).arg(&op);
         let cfg = LaunchConfig { grid_dim: (grid_for(d, 128)?, seqs, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match; segments lie inside h's rows (made by the batch).

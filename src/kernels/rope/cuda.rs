@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::cuda::{driver_err, grid_for, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
+use crate::cuda::{driver_err, grid_for, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::kernels::backend::check_view;
 use crate::kernels::check_len;
@@ -86,7 +86,7 @@ impl RopeCuda {
             None => (0, 0, 0),
         };
         let (xp, pp) = (g.ptr(x), g.ptr(positions));
-        let mut l = g.stream().launch_builder(&self.prep);
+        let mut l = g.launch_builder(&self.prep);
         l.arg(&xp).arg(&off).arg(&ld).arg(&r).arg(&heads).arg(&hd).arg(&norm).arg(&wp).arg(&prep.eps).arg(&cp).arg(&sp).arg(&rot).arg(&pp);
         let cfg = LaunchConfig { grid_dim: (grid_for(rows * prep.heads, WARPS)?, 1, 1), block_dim: (32 * WARPS, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_head_prep; the view holds every head (checked) and

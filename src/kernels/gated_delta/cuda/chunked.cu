@@ -363,10 +363,28 @@ __device__ void tern_gdn_chunk_state_body(const tern_gdn_state_args& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_prepare_f32(tern_gdn_chunk_args a) { tern_gdn_chunk_prepare_body<float>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_prepare_f64(tern_gdn_chunk_args a) { tern_gdn_chunk_prepare_body<double>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f32_bv16(tern_gdn_state_args a) { tern_gdn_chunk_state_body<float, 16>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f64_bv16(tern_gdn_state_args a) { tern_gdn_chunk_state_body<double, 16>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f32_bv8(tern_gdn_state_args a) { tern_gdn_chunk_state_body<float, 8>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f64_bv8(tern_gdn_state_args a) { tern_gdn_chunk_state_body<double, 8>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_prepare_f32(tern_gdn_chunk_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_chunk_prepare_body<float>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_prepare_f64(tern_gdn_chunk_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_chunk_prepare_body<double>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f32_bv16(tern_gdn_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_chunk_state_body<float, 16>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f64_bv16(tern_gdn_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_chunk_state_body<double, 16>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f32_bv8(tern_gdn_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_chunk_state_body<float, 8>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_chunk_state_f64_bv8(tern_gdn_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_chunk_state_body<double, 8>(a);
+}
 #undef TERN_GDN_CHUNK

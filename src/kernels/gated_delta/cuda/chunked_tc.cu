@@ -535,15 +535,51 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         }
 }
 
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv64_r1(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<64, 64, 1>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv64_r8(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<64, 64, 8>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv128_r1(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<64, 128, 1>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv128_r8(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<64, 128, 8>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv64_r1(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<128, 64, 1>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv64_r8(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<128, 64, 8>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv128_r1(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<128, 128, 1>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv128_r8(tern_gdn_tc_prep_args a) { tern_gdn_tc_prepare_body<128, 128, 8>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk64_s2(tern_gdn_tc_state_args a) { tern_gdn_tc_state_body<64, 2>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk64_s3(tern_gdn_tc_state_args a) { tern_gdn_tc_state_body<64, 3>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s2(tern_gdn_tc_state_args a) { tern_gdn_tc_state_body<128, 2>(a); }
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3(tern_gdn_tc_state_args a) { tern_gdn_tc_state_body<128, 3>(a); }
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv64_r1(tern_gdn_tc_prep_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_prepare_body<64, 64, 1>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv64_r8(tern_gdn_tc_prep_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_prepare_body<64, 64, 8>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv128_r1(tern_gdn_tc_prep_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_prepare_body<64, 128, 1>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv128_r8(tern_gdn_tc_prep_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_prepare_body<64, 128, 8>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv64_r1(tern_gdn_tc_prep_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_prepare_body<128, 64, 1>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv64_r8(tern_gdn_tc_prep_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_prepare_body<128, 64, 8>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv128_r1(tern_gdn_tc_prep_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_prepare_body<128, 128, 1>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv128_r8(tern_gdn_tc_prep_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_prepare_body<128, 128, 8>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk64_s2(tern_gdn_tc_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_state_body<64, 2>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk64_s3(tern_gdn_tc_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_state_body<64, 3>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s2(tern_gdn_tc_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_state_body<128, 2>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3(tern_gdn_tc_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_state_body<128, 3>(a);
+}

@@ -56,7 +56,7 @@ __device__ void tern_gdn_conv_body(const float* __restrict__ x, const float* __r
     extern "C" __global__ void tern_gdn_conv_k##KW(const float* x, const float* weight, float* conv_states, \
                                                    float* out, const tern_gdn_u32* seg_start,           \
                                                    const tern_gdn_u32* seg_len, const tern_gdn_u32* slot, \
-                                                   int channels, int chunk) {                           \
+                                                   int channels, int chunk) { tern_await_prior_kernel(); \
         tern_gdn_conv_body<KW>(x, weight, conv_states, out, seg_start, seg_len, slot, channels, chunk); \
     }
 TERN_GDN_CONV(1)

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN_SMEM;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 
-use crate::cuda::{driver_err, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, PushKernelArg};
+use crate::cuda::{driver_err, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::kernels::gated_delta::{check_segments, DeltaRuleHeads, KeyHeadMap, L2_NORM_EPS};
 use crate::kernels::{check_len, Segment};
@@ -555,8 +555,8 @@ impl GatedDeltaCuda {
         if total == 0 {
             return Ok(());
         }
-        let mut l = self.gpu.stream().launch_builder(&self.gates);
-        l.arg(alpha).arg(b).arg(dt_bias).arg(a).arg(g).arg(beta).arg(&nh).arg(&total);
+        let mut l = self.gpu.launch_builder(&self.gates);
+        l.buf(alpha).buf(b).buf(dt_bias).buf(a).buf(g).buf(beta).arg(&nh).arg(&total);
         // SAFETY: argument types match tern_gdn_gates; every index is < total (checked lengths).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_gates"))?;
         Ok(())
@@ -606,8 +606,8 @@ impl GatedDeltaCuda {
         };
         let chunk_arg = chunk as i32;
         let f = &self.conv[kernel_width - 1];
-        let mut l = self.gpu.stream().launch_builder(f);
-        l.arg(x).arg(weight).arg(conv_states).arg(out).arg(&segs.start).arg(&segs.len).arg(&segs.slot).arg(&ch).arg(&chunk_arg);
+        let mut l = self.gpu.launch_builder(f);
+        l.buf(x).buf(weight).buf(conv_states).buf(out).buf(&segs.start).buf(&segs.len).buf(&segs.slot).arg(&ch).arg(&chunk_arg);
         // SAFETY: argument types match tern_gdn_conv_k*; segments lie inside the rows and slots
         // inside the pool (checked), a chunk after the first reads the K - 1 rows before it in its
         // own segment (chunk >= MAX_CONV_WIDTH), only the first chunk's thread reads and writes
@@ -634,8 +634,8 @@ impl GatedDeltaCuda {
             block_dim: (32 * ROW_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut l = self.gpu.stream().launch_builder(&self.normalize_qk);
-        l.arg(q).arg(k).arg(&rows).arg(&d).arg(&eps).arg(&scale);
+        let mut l = self.gpu.launch_builder(&self.normalize_qk);
+        l.buf(q).buf(k).arg(&rows).arg(&d).arg(&eps).arg(&scale);
         // SAFETY: argument types match; rows × d_k elements in both buffers (checked).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_normalize_qk"))?;
         Ok(())
@@ -667,8 +667,8 @@ impl GatedDeltaCuda {
             block_dim: (32 * ROW_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut l = self.gpu.stream().launch_builder(&self.gated_norm);
-        l.arg(y).arg(z).arg(w).arg(out).arg(&rows).arg(&di).arg(&eps);
+        let mut l = self.gpu.launch_builder(&self.gated_norm);
+        l.buf(y).buf(z).buf(w).buf(out).arg(&rows).arg(&di).arg(&eps);
         // SAFETY: argument types match; rows × d elements in y, z, out and d in w (checked).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_gated_rms_norm"))?;
         Ok(())
@@ -714,7 +714,8 @@ impl GatedDeltaCuda {
             block_dim: (32 * ROW_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (qv, kv, vv) = (x.q.buf.slice(x.q.offset..), x.k.buf.slice(x.k.offset..), x.v.buf.slice(x.v.offset..));
+        let at = |r: &Rows| self.gpu.ptr(r.buf) + 4 * r.offset as u64;
+        let (qv, kv, vv) = (at(&x.q), at(&x.k), at(&x.v));
         let (qs, ks, vs) = (x.q.stride as i64, x.k.stride as i64, x.v.stride as i64);
         let nk = i32_of("key heads", heads.n_k_heads)?;
         let nv = i32_of("value heads", heads.n_v_heads)?;
@@ -722,9 +723,9 @@ impl GatedDeltaCuda {
         let grouped = (heads.key_head == KeyHeadMap::Grouped) as i32;
         let l2 = x.normalize_qk as i32;
         let (eps, scale) = (L2_NORM_EPS, (1.0 / (heads.d_k as f64).sqrt()) as f32);
-        let mut l = self.gpu.stream().launch_builder(f);
-        l.arg(states).arg(&qv).arg(&qs).arg(&kv).arg(&ks).arg(&vv).arg(&vs).arg(x.g).arg(x.beta).arg(out);
-        l.arg(&segs.start).arg(&segs.len).arg(&segs.slot).arg(&nk).arg(&nv).arg(&dv).arg(&grouped).arg(&l2).arg(&eps).arg(&scale);
+        let mut l = self.gpu.launch_builder(f);
+        l.buf(states).arg(&qv).arg(&qs).arg(&kv).arg(&ks).arg(&vv).arg(&vs).buf(x.g).buf(x.beta).buf(out);
+        l.buf(&segs.start).buf(&segs.len).buf(&segs.slot).arg(&nk).arg(&nv).arg(&dv).arg(&grouped).arg(&l2).arg(&eps).arg(&scale);
         // SAFETY: argument types match tern_gdn_recurrence_dk*; every row, slot and segment
         // index lies inside its buffer (checked above).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_recurrence"))?;
@@ -800,7 +801,7 @@ impl GatedDeltaCuda {
             block_dim: (CHUNK_THREADS, 1, 1),
             shared_mem_bytes: prepare_smem(d_k, d_v) as u32,
         };
-        let mut l = stream.launch_builder(&self.chunk_prepare[which]);
+        let mut l = gpu.launch_builder(&self.chunk_prepare[which]);
         l.arg(&args);
         // SAFETY: ChunkArgs mirrors the kernel's struct; every pointer is a live buffer of the
         // length the shape checks above established, and the scratch holds every chunk-head.
@@ -839,7 +840,7 @@ impl GatedDeltaCuda {
             block_dim: (CHUNK_THREADS, 1, 1),
             shared_mem_bytes: state_smem(d_k, self.chunk_state_rows) as u32,
         };
-        let mut l = stream.launch_builder(&self.chunk_state[which][(self.chunk_state_rows == 16) as usize]);
+        let mut l = gpu.launch_builder(&self.chunk_state[which][(self.chunk_state_rows == 16) as usize]);
         l.arg(&args);
         // SAFETY: as above; slots lie inside the state pool (checked).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_chunk_state"))?;
@@ -936,7 +937,7 @@ impl GatedDeltaCuda {
             block_dim: (CHUNK_THREADS, 1, 1),
             shared_mem_bytes: tc_prepare_smem(d_k, d_v) as u32,
         };
-        let mut l = stream.launch_builder(prepare);
+        let mut l = self.gpu.launch_builder(prepare);
         l.arg(&args);
         // SAFETY: TcPrepArgs mirrors the kernel's struct; every pointer is a live buffer of the
         // length the shape checks established, and the scratch regions hold every chunk-head.
@@ -969,7 +970,7 @@ impl GatedDeltaCuda {
             block_dim: (CHUNK_THREADS, 1, 1),
             shared_mem_bytes: tc_state_smem(d_k, stages) as u32,
         };
-        let mut l = stream.launch_builder(state);
+        let mut l = self.gpu.launch_builder(state);
         l.arg(&args);
         // SAFETY: as above; slots lie inside the state pool (checked).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_tc_state"))?;

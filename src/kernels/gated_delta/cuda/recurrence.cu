@@ -165,7 +165,7 @@ __device__ void tern_gdn_recurrence_body(float* __restrict__ states, const float
         float* states, const float* q, long long q_stride, const float* k, long long k_stride, const float* v, \
         long long v_stride, const float* g, const float* beta, float* out, const tern_gdn_u32* seg_start,  \
         const tern_gdn_u32* seg_len, const tern_gdn_u32* slot, int nk, int nv, int dv, int grouped, int l2qk, \
-        float eps, float q_scale) {                                                                        \
+        float eps, float q_scale) { tern_await_prior_kernel();                                             \
         tern_gdn_recurrence_body<D, R, P>(states, q, q_stride, k, k_stride, v, v_stride, g, beta, out,     \
                                           seg_start, seg_len, slot, nk, nv, dv, grouped, l2qk, eps, q_scale); \
     }
