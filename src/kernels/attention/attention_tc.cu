@@ -1,6 +1,6 @@
 // Bidirectional flash attention over packed variable-length sequences on bf16 tensor cores
 // (fast mode). Same operands, visibility rule and output as attention.cu; the numerics differ
-// by design: Q, K and V are rounded to bf16 (RNE) when staged, S = Q·Kᵀ and O = P·V run on
+// by design: Q, K and V are rounded to bf16 (RNE), S = Q·Kᵀ and O = P·V run on
 // mma.sync m16n8k16 with f32 accumulation, the online softmax is f32 and P is rounded to bf16
 // before P·V. The row sum l adds the ROUNDED p, so the weights that multiply V sum to one.
 //
@@ -13,13 +13,17 @@
 //    row maxima through shared memory (a 64-thread named barrier) so that both keep the
 //    same running max bit for bit, and writes its p to the shared P tile that both read for
 //    P·V. Each warp keeps the partial row sum of its keys; the pair adds them at the end.
-// K/V tiles of BK = 32 keys: cp.async copies the f32 rows into one staging buffer, all threads
-// convert it to a bf16 tile, and the next copy (V of this tile while S is formed, K of the next
-// tile while P·V runs) overlaps the tensor-core work. Rows past the visible band and columns
-// past hd are zero-filled by cp.async (src-size 0), so padded heads (hd rounded up to 64, 128,
-// 256 or 512) and tail tiles contribute exact zeros; masked scores are -inf before the max.
-// bf16 tiles have rows padded by 8 elements (16 bytes) so that the eight 16-byte row reads of
-// an ldmatrix phase fall in distinct bank groups.
+// K and V arrive as bf16, packed once per call by tern_attention_tc_pack_kv into
+// [rows][kv_heads][HD] with zero columns past hd: every block of a sequence reads all of its
+// keys, so rounding them once halves the bytes those reads move and leaves the blocks no
+// conversion to do. K/V tiles of BK = 32 keys go straight from global memory into their
+// shared tiles by cp.async, each copy overlapping tensor-core work (V of this tile while S is
+// formed, K of the next tile while P·V runs), two barriers a tile. Rows past the visible band
+// are zero-filled by cp.async (src-size 0), so tail tiles contribute exact zeros; masked
+// scores are -inf before the max. bf16 tiles have rows padded by 8 elements (16 bytes) so that
+// the eight 16-byte row reads of an ldmatrix phase fall in distinct bank groups.
+// The softmax works in base 2: the scores are scaled by scale·log2(e) and exponentiated with
+// exp2f, one multiply-add and one exp2 per score.
 // The launcher checks hd % 4 == 0, hd <= 512, 16-byte alignment of every offset and stride.
 
 #define TERN_TC_WARPS 8
@@ -58,8 +62,7 @@ __device__ __forceinline__ void tern_tc_cp_wait() { asm volatile("cp.async.wait_
 
 template <int HD>
 __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_off, long long q_ld,
-                                       const float* __restrict__ k, long long k_off, long long k_ld,
-                                       const float* __restrict__ v, long long v_off, long long v_ld,
+                                       const tern_bf16* __restrict__ k, const tern_bf16* __restrict__ v, int kv_heads,
                                        float* __restrict__ out, long long out_ld, tern_bf16* __restrict__ out16,
                                        const tern_u32* __restrict__ seg_start, const tern_u32* __restrict__ seg_len,
                                        const tern_u32* __restrict__ tile_seg, const tern_u32* __restrict__ tile_q0,
@@ -74,8 +77,7 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
     constexpr int C4 = HD / 4;
     constexpr int THREADS = 32 * TERN_TC_WARPS;
     extern __shared__ float4 tern_tc_smem4[];
-    float* stage = (float*)tern_tc_smem4;                    // [BK][HD] f32, cp.async target
-    tern_bf16* qs = (tern_bf16*)(stage + BK * HD);           // [BQ][LD]
+    tern_bf16* qs = (tern_bf16*)tern_tc_smem4;               // [BQ][LD]
     tern_bf16* ks = qs + BQ * LD;                            // [BK][LD]
     tern_bf16* vs = ks + BK * LD;                            // [BK][LD]
     tern_bf16* ps = vs + BK * LD;                            // [BQ][PLD]
@@ -91,31 +93,24 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
     const int q1 = min(q0 + BQ, len);
     int lo, hi;
     tern_att_band(q0, q1, len, max_distance, lo, hi);
-    const float* kbase = k + k_off + start * k_ld + (long long)kv_head * hd;
-    const float* vbase = v + v_off + start * v_ld + (long long)kv_head * hd;
-    const tern_u32 stage_a = tern_tc_smem(stage);
+    // Packed rows of kv_heads · HD bf16 (tern_attention_tc_pack_kv).
+    const long long kv_ld = (long long)kv_heads * HD;
+    const tern_bf16* kbase = k + start * kv_ld + (long long)kv_head * HD;
+    const tern_bf16* vbase = v + start * kv_ld + (long long)kv_head * HD;
 
-    // Rows k0 .. k0+BK of K or V into `stage`; zeros past hi and past column hd.
-    auto stage_tile = [&](const float* base, long long ld, int k0) {
-        for (int e = tid; e < BK * C4; e += THREADS) {
-            const int r = e / C4, c = (e % C4) * 4;
-            const bool ok = k0 + r < hi && c < hd;
-            tern_tc_cp16(stage_a + 4 * (r * HD + c), ok ? base + (long long)(k0 + r) * ld + c : base, ok ? 16 : 0);
+    // Rows k0 .. k0+BK of K or V into the tile `dst`, 16 bytes (8 values) a copy; zeros past hi.
+    auto load_tile = [&](tern_bf16* dst, const tern_bf16* base, int k0) {
+        constexpr int C8 = HD / 8;
+        const tern_u32 d = tern_tc_smem(dst);
+        for (int e = tid; e < BK * C8; e += THREADS) {
+            const int r = e / C8, c = (e % C8) * 8;
+            const bool ok = k0 + r < hi;
+            tern_tc_cp16(d + 2 * (r * LD + c), ok ? base + (long long)(k0 + r) * kv_ld + c : base, ok ? 16 : 0);
         }
         tern_tc_cp_commit();
     };
-    auto convert = [&](tern_bf16* dst) {
-        for (int e = tid; e < BK * C4; e += THREADS) {
-            const int r = e / C4, c = (e % C4) * 4;
-            const float4 x = *(const float4*)(stage + r * HD + c);
-            uint2 u;
-            u.x = tern_tc_pack(x.x, x.y);
-            u.y = tern_tc_pack(x.z, x.w);
-            *(uint2*)(dst + r * LD + c) = u;
-        }
-    };
 
-    stage_tile(kbase, k_ld, lo);
+    load_tile(ks, kbase, lo);
     // Q tile; rows past the sequence are zero (their results are never written).
     for (int e = tid; e < BQ * C4; e += THREADS) {
         const int r = e / C4, c = (e % C4) * 4;
@@ -146,12 +141,12 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
     const int qlo = q0 + 16 * rg + g, qhi = qlo + 8;
     float m_lo = -tern_inf(), m_hi = -tern_inf(), l_lo = 0.f, l_hi = 0.f;
 
+    // Scores in base 2: s · scale · log2(e), so that p = exp2(s2 - m2) = exp(scale·s - m).
+    const float scale2 = scale * 1.4426950408889634f;
     for (int k0 = lo; k0 < hi; k0 += BK) {
         tern_tc_cp_wait();
-        __syncthreads();  // K staged; every warp is done with vs and ps of the previous tile
-        convert(ks);
-        __syncthreads();  // ks ready, stage free
-        stage_tile(vbase, v_ld, k0);
+        __syncthreads();  // K in ks (and Q in qs); every warp is done with vs and ps of the previous tile
+        load_tile(vs, vbase, k0);
 
         float s[NK / 8][4];
 #pragma unroll
@@ -178,8 +173,8 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
                 const int kj = k0 + wd * NK + 8 * t + 2 * tig + j;
                 const bool vlo = tern_att_visible(qlo, kj, hi, max_distance);
                 const bool vhi = tern_att_visible(qhi, kj, hi, max_distance);
-                s[t][j] = vlo ? s[t][j] * scale : -tern_inf();
-                s[t][2 + j] = vhi ? s[t][2 + j] * scale : -tern_inf();
+                s[t][j] = vlo ? s[t][j] * scale2 : -tern_inf();
+                s[t][2 + j] = vhi ? s[t][2 + j] * scale2 : -tern_inf();
                 mx_lo = fmaxf(mx_lo, s[t][j]);
                 mx_hi = fmaxf(mx_hi, s[t][2 + j]);
             }
@@ -206,15 +201,15 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
         // A row with no visible key yet (window not started, or past the sequence end) keeps
         // its state: no exp(-inf - -inf).
         const bool none_lo = mn_lo == -tern_inf(), none_hi = mn_hi == -tern_inf();
-        const float al_lo = none_lo ? 1.f : expf(m_lo - mn_lo), al_hi = none_hi ? 1.f : expf(m_hi - mn_hi);
+        const float al_lo = none_lo ? 1.f : exp2f(m_lo - mn_lo), al_hi = none_hi ? 1.f : exp2f(m_hi - mn_hi);
         m_lo = mn_lo;
         m_hi = mn_hi;
         l_lo *= al_lo;
         l_hi *= al_hi;
 #pragma unroll
         for (int t = 0; t < NK / 8; ++t) {
-            const tern_u32 plo = tern_tc_pack(none_lo ? 0.f : expf(s[t][0] - mn_lo), none_lo ? 0.f : expf(s[t][1] - mn_lo));
-            const tern_u32 phi = tern_tc_pack(none_hi ? 0.f : expf(s[t][2] - mn_hi), none_hi ? 0.f : expf(s[t][3] - mn_hi));
+            const tern_u32 plo = tern_tc_pack(none_lo ? 0.f : exp2f(s[t][0] - mn_lo), none_lo ? 0.f : exp2f(s[t][1] - mn_lo));
+            const tern_u32 phi = tern_tc_pack(none_hi ? 0.f : exp2f(s[t][2] - mn_hi), none_hi ? 0.f : exp2f(s[t][3] - mn_hi));
             l_lo += __uint_as_float(plo << 16) + __uint_as_float(plo & 0xffff0000u);
             l_hi += __uint_as_float(phi << 16) + __uint_as_float(phi & 0xffff0000u);
             const int col = wd * NK + 8 * t + 2 * tig;
@@ -230,10 +225,8 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
         }
 
         tern_tc_cp_wait();
-        __syncthreads();  // V staged; every warp is done with ks and has written its p
-        convert(vs);
-        __syncthreads();  // vs ready, stage free
-        if (k0 + BK < hi) stage_tile(kbase, k_ld, k0 + BK);
+        __syncthreads();  // V in vs; every warp is done with ks and has written its p
+        if (k0 + BK < hi) load_tile(ks, kbase, k0 + BK);
 
 #pragma unroll
         for (int kc = 0; kc < BK / 16; ++kc) {
@@ -289,14 +282,40 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
 
 #define TERN_ATTENTION_TC_ENTRY(HD)                                                                                      \
     extern "C" __global__ void __launch_bounds__(32 * TERN_TC_WARPS, 1) tern_attention_tc_hd##HD(                       \
-        const float* q, long long q_off, long long q_ld, const float* k, long long k_off, long long k_ld, const float* v, \
-        long long v_off, long long v_ld, float* out, long long out_ld, tern_bf16* out16, const tern_u32* seg_start,      \
-        const tern_u32* seg_len, const tern_u32* tile_seg, const tern_u32* tile_q0, int group, int hd, float scale,       \
-        int max_distance) { tern_await_prior_kernel();                                                                   \
-        tern_attention_tc_tile<HD>(q, q_off, q_ld, k, k_off, k_ld, v, v_off, v_ld, out, out_ld, out16, seg_start,        \
-                                   seg_len, tile_seg, tile_q0, group, hd, scale, max_distance);                          \
+        const float* q, long long q_off, long long q_ld, const tern_bf16* k, const tern_bf16* v, int kv_heads,           \
+        float* out, long long out_ld, tern_bf16* out16, const tern_u32* seg_start, const tern_u32* seg_len,              \
+        const tern_u32* tile_seg, const tern_u32* tile_q0, int group, int hd, float scale, int max_distance) {           \
+        tern_await_prior_kernel();                                                                                       \
+        tern_attention_tc_tile<HD>(q, q_off, q_ld, k, v, kv_heads, out, out_ld, out16, seg_start, seg_len, tile_seg,     \
+                                   tile_q0, group, hd, scale, max_distance);                                             \
     }
 TERN_ATTENTION_TC_ENTRY(64)
 TERN_ATTENTION_TC_ENTRY(128)
 TERN_ATTENTION_TC_ENTRY(256)
 TERN_ATTENTION_TC_ENTRY(512)
+
+// K and V of `rows` rows (views with rows of kv_heads · hd f32) rounded to bf16 (RNE) into
+// kb, vb = [rows][kv_heads][hdp], columns hd .. hdp - 1 zero: the operands of the kernels
+// above, made once per call. Four values a thread (hd % 4 == 0, so a group never straddles hd).
+extern "C" __global__ void tern_attention_tc_pack_kv(const float* __restrict__ k, long long k_off, long long k_ld,
+                                                     const float* __restrict__ v, long long v_off, long long v_ld,
+                                                     int rows, int kv_heads, int hd, int hdp, tern_bf16* __restrict__ kb,
+                                                     tern_bf16* __restrict__ vb) {
+    tern_await_prior_kernel();
+    const int g4 = hdp / 4;
+    const size_t groups = (size_t)rows * kv_heads * g4;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < groups; e += (size_t)gridDim.x * blockDim.x) {
+        const int c = (int)(e % g4) * 4, h = (int)(e / g4 % kv_heads);
+        const long long r = (long long)(e / g4 / kv_heads);
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f), y = x;
+        if (c < hd) {
+            x = *(const float4*)(k + k_off + r * k_ld + (long long)h * hd + c);
+            y = *(const float4*)(v + v_off + r * v_ld + (long long)h * hd + c);
+        }
+        uint2 a, b;
+        a.x = tern_tc_pack(x.x, x.y); a.y = tern_tc_pack(x.z, x.w);
+        b.x = tern_tc_pack(y.x, y.y); b.y = tern_tc_pack(y.z, y.w);
+        *(uint2*)(kb + 4 * e) = a;
+        *(uint2*)(vb + 4 * e) = b;
+    }
+}

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN_SMEM;
 
-use crate::cuda::{driver_err, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
+use crate::cuda::{driver_err, grid_for, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::kernels::attention::AttentionShape;
 use crate::kernels::backend::{check_view, View};
@@ -31,6 +31,10 @@ const TC_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
 /// Its query tiles: 8 warps of 16 rows, pairs of warps per row group when hd is 512.
 const TC_QUERY_TILES: [usize; 2] = [128, 64];
 const TC_KEY_TILE: usize = 32;
+/// Batches of at most this many rows (a short query) take the f32 kernel even in the fast
+/// mode: one launch instead of the K/V packing and the tensor-core kernel, at a size where
+/// the tensor cores have nothing to gain.
+const TC_MIN_ROWS: usize = 64;
 
 fn tc_query_tile(padded_hd: usize) -> usize {
     if padded_hd > 256 {
@@ -42,7 +46,7 @@ fn tc_query_tile(padded_hd: usize) -> usize {
 
 fn tc_smem_bytes(padded_hd: usize) -> usize {
     let (bq, bk, ld) = (tc_query_tile(padded_hd), TC_KEY_TILE, padded_hd + 8);
-    4 * bk * padded_hd + 2 * (bq * ld + 2 * bk * ld + bq * (bk + 8)) + 4 * 8 * 16
+    2 * (bq * ld + 2 * bk * ld + bq * (bk + 8)) + 4 * 8 * 16
 }
 
 /// One tile list: tile i covers queries q0[i] .. q0[i] + size of segment seg[i].
@@ -114,6 +118,8 @@ pub struct AttentionCuda {
     kernels: [(usize, CudaFunction); 3],
     /// bf16 tensor-core kernels, by padded head size.
     tc_kernels: [(usize, CudaFunction); 4],
+    /// Their K and V operands: bf16, packed, padded heads (`tern_attention_tc_pack_kv`).
+    tc_pack_kv: CudaFunction,
 }
 
 fn smem_bytes(hd: usize) -> usize {
@@ -136,7 +142,8 @@ impl AttentionCuda {
             Ok((hd, f))
         };
         let tc_kernels = [load_tc(TC_HEAD_DIMS[0])?, load_tc(TC_HEAD_DIMS[1])?, load_tc(TC_HEAD_DIMS[2])?, load_tc(TC_HEAD_DIMS[3])?];
-        Ok(AttentionCuda { gpu, kernels, tc_kernels })
+        let tc_pack_kv = gpu.function(&SOURCE_TC, "tern_attention_tc_pack_kv")?;
+        Ok(AttentionCuda { gpu, kernels, tc_kernels, tc_pack_kv })
     }
 
     /// out[t] = softmax(scale · q_h(t)·K_gᵀ)·V_g within each sequence, over the keys with
@@ -156,9 +163,10 @@ impl AttentionCuda {
     }
 
     /// The fast-mode form of [`Self::attention`], same operands and checks: Q, K, V rounded to
-    /// bf16 while staged, S = Q·Kᵀ and P·V on tensor cores with f32 accumulation, the online
+    /// bf16 (K and V once, into packed copies), S = Q·Kᵀ and P·V on tensor cores with f32 accumulation, the online
     /// softmax in f32, P rounded to bf16; f32 output (+ optional bf16 copy). Head sizes are
-    /// padded with zero columns to 64, 128, 256 or 512.
+    /// padded with zero columns to 64, 128, 256 or 512. A batch of at most [`TC_MIN_ROWS`]
+    /// rows runs the f32 kernel instead.
     pub fn attention_bf16(
         &self,
         q: View<CudaSlice<f32>>,
@@ -207,16 +215,14 @@ impl AttentionCuda {
         window: i32,
         tensor_cores: bool,
     ) -> Result<()> {
-        if tensor_cores {
+        if tensor_cores && batch.rows > TC_MIN_ROWS {
             let (padded, f) = self.tc_kernels.iter().find(|(max, _)| shape.hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
             let list = &batch.tc_tiles[TC_QUERY_TILES.iter().position(|&t| t == tc_query_tile(*padded)).expect("a tile list per tile size")];
             if list.count == 0 {
                 return Ok(());
             }
             let tiles = Tiles { seg: &list.seg, q0: &list.q0, count: list.count };
-            // SAFETY: tern_attention_tc_hd* takes the arguments `launch` passes; its tiles are
-            // tc_query_tile(padded) queries, as this list's.
-            unsafe { self.launch(f, tiles, tc_smem_bytes(*padded), "launching tern_attention_tc", q, k, v, batch, shape, out, window) }
+            self.launch_tc(f, *padded, tiles, q, k, v, batch, shape, out, window)
         } else {
             if batch.tiles == 0 {
                 return Ok(());
@@ -257,13 +263,69 @@ impl AttentionCuda {
         let mut l = g.launch_builder(f);
         l.arg(&qp).arg(&qo).arg(&ql).arg(&kp).arg(&ko).arg(&kl).arg(&vp).arg(&vo).arg(&vl);
         l.arg(&op).arg(&out_ld).arg(&o16p).arg(&ss).arg(&sl).arg(&ts).arg(&tq).arg(&group).arg(&hd_i).arg(&scale).arg(&window);
-        let count = u32::try_from(tiles.count).map_err(|_| Error::Shape("attention: too many query tiles".into()))?;
-        let heads = u32::try_from(q_heads).ok().filter(|&h| h <= 65_535).ok_or_else(|| Error::Shape(format!("attention: {q_heads} heads")))?;
-        let cfg = LaunchConfig { grid_dim: (count, heads, 1), block_dim: (256, 1, 1), shared_mem_bytes: smem as u32 };
+        let cfg = tiles.grid(q_heads, smem)?;
         // SAFETY: argument types match (the caller's contract); every view holds the rows of
         // the batch (checked), offsets and strides are 16-byte multiples, tiles index the segments.
         unsafe { l.launch(cfg) }.map_err(driver_err(what))?;
         Ok(())
+    }
+}
+
+impl AttentionCuda {
+    /// The tensor-core kernel `f` for heads padded to `padded` columns: K and V packed into
+    /// bf16 copies [rows][kv_heads][padded], then the tiles. The operands passed [`check_args`].
+    #[allow(clippy::too_many_arguments)]
+    fn launch_tc(
+        &self,
+        f: &CudaFunction,
+        padded: usize,
+        tiles: Tiles,
+        q: View<CudaSlice<f32>>,
+        k: View<CudaSlice<f32>>,
+        v: View<CudaSlice<f32>>,
+        batch: &GpuAttentionBatch,
+        shape: &AttentionShape,
+        out: NormOut,
+        window: i32,
+    ) -> Result<()> {
+        let AttentionShape { q_heads, kv_heads, hd, scale, .. } = *shape;
+        let g = &self.gpu;
+        let packed = batch.rows * kv_heads * padded;
+        // Freed when this returns; the stream orders the free after the kernels that read them.
+        let (kb, vb) = (g.alloc::<u16>(packed)?, g.alloc::<u16>(packed)?);
+        let (kp, vp, kbp, vbp) = (g.ptr(k.buf), g.ptr(v.buf), g.ptr(&kb), g.ptr(&vb));
+        let (ko, kl, vo, vl) = (long_arg(k.offset), long_arg(k.stride), long_arg(v.offset), long_arg(v.stride));
+        let (rows, kvh, hd_i, hdp) = (int_arg("attention rows", batch.rows)?, int_arg("kv heads", kv_heads)?, int_arg("head size", hd)?, int_arg("padded head size", padded)?);
+        let mut l = g.launch_builder(&self.tc_pack_kv);
+        l.arg(&kp).arg(&ko).arg(&kl).arg(&vp).arg(&vo).arg(&vl).arg(&rows).arg(&kvh).arg(&hd_i).arg(&hdp).arg(&kbp).arg(&vbp);
+        let groups = packed / 4;
+        let cfg = LaunchConfig { grid_dim: (grid_for(groups.max(1), 256)?.min(65_535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match tern_attention_tc_pack_kv; the views hold rows of
+        // kv_heads · hd (checked), kb and vb rows · kv_heads · padded values, padded % 4 == 0.
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_attention_tc_pack_kv"))?;
+
+        let (qp, op, o16p) = (g.ptr(q.buf), g.ptr_opt(out.f32.as_deref()), g.ptr_opt(out.bf16.as_deref()));
+        let (qo, ql, out_ld) = (long_arg(q.offset), long_arg(q.stride), long_arg(q_heads * hd));
+        let group = int_arg("attention group", q_heads / kv_heads)?;
+        let (ss, sl, ts, tq) = (g.ptr(&batch.seg_start), g.ptr(&batch.seg_len), g.ptr(tiles.seg), g.ptr(tiles.q0));
+        let mut l = g.launch_builder(f);
+        l.arg(&qp).arg(&qo).arg(&ql).arg(&kbp).arg(&vbp).arg(&kvh);
+        l.arg(&op).arg(&out_ld).arg(&o16p).arg(&ss).arg(&sl).arg(&ts).arg(&tq).arg(&group).arg(&hd_i).arg(&scale).arg(&window);
+        let cfg = tiles.grid(q_heads, tc_smem_bytes(padded))?;
+        // SAFETY: argument types match tern_attention_tc_hd{padded}; q holds the batch's rows
+        // (checked, 16-byte offsets and strides), kb and vb the packed rows; the tiles are
+        // tc_query_tile(padded) queries and index the segments.
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_attention_tc"))?;
+        Ok(())
+    }
+}
+
+impl Tiles<'_> {
+    /// One block of 256 threads per (tile, query head), with `smem` bytes of shared memory.
+    fn grid(&self, q_heads: usize, smem: usize) -> Result<LaunchConfig> {
+        let count = u32::try_from(self.count).map_err(|_| Error::Shape("attention: too many query tiles".into()))?;
+        let heads = u32::try_from(q_heads).ok().filter(|&h| h <= 65_535).ok_or_else(|| Error::Shape(format!("attention: {q_heads} heads")))?;
+        Ok(LaunchConfig { grid_dim: (count, heads, 1), block_dim: (256, 1, 1), shared_mem_bytes: smem as u32 })
     }
 }
 
