@@ -18,7 +18,7 @@ extern "C" __global__ void tern_kv_append(const float* __restrict__ k, long long
                                           const float* __restrict__ v, long long v_off, long long v_ld, int rows,
                                           int width, const unsigned* __restrict__ positions,
                                           float* __restrict__ k_cache, float* __restrict__ v_cache) {
-                                              tern_await_prior_kernel();
+    tern_await_prior_kernel();
     const size_t n = (size_t)rows * width;
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) {
         const size_t r = e / width, i = e % width;
@@ -35,7 +35,7 @@ extern "C" __global__ void tern_kv_attention(const float* __restrict__ q, long l
                                              const float* __restrict__ k_cache, const float* __restrict__ v_cache,
                                              const unsigned* __restrict__ positions, int q_heads, int kv_heads, int hd, float scale,
                                              float* __restrict__ out) {
-                                                 tern_await_prior_kernel();
+    tern_await_prior_kernel();
     const int h = blockIdx.x, i = blockIdx.y;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int kvh = h / (q_heads / kv_heads);
@@ -103,7 +103,7 @@ extern "C" __global__ void tern_kv_attention(const float* __restrict__ q, long l
 // flash kernels' causal attention).
 extern "C" __global__ void tern_sigmoid_gate(float* __restrict__ out, const float* __restrict__ gate, long long g_off,
                                              long long g_ld, int rows, int width) {
-                                                 tern_await_prior_kernel();
+    tern_await_prior_kernel();
     const size_t n = (size_t)rows * width;
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) {
         const size_t r = e / width, c = e % width;

@@ -270,14 +270,14 @@ extern "C" __global__ void tern_expand_bf16_f32(const tern_bf16* __restrict__ w,
 
 extern "C" __global__ void tern_expand_q8_f32(const signed char* __restrict__ q, const unsigned short* __restrict__ d,
                                               size_t n, float* __restrict__ y) {
-                                                  tern_await_prior_kernel();
+    tern_await_prior_kernel();
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x)
         y[e] = tern_f16_to_f32(d[e / 32]) * (float)q[e];
 }
 
 extern "C" __global__ void tern_expand_q8_bf16(const signed char* __restrict__ q, const unsigned short* __restrict__ d,
                                                size_t n, tern_bf16* __restrict__ y) {
-                                                   tern_await_prior_kernel();
+    tern_await_prior_kernel();
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x)
         y[e] = tern_bf16_from_f32(tern_f16_to_f32(d[e / 32]) * (float)q[e]);
 }

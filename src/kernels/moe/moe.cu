@@ -10,7 +10,7 @@
 extern "C" __global__ void tern_scatter_add_rows(float* __restrict__ out, const float* __restrict__ y,
                                                  const tern_u32* __restrict__ rows, const float* __restrict__ weights,
                                                  int n, int d) {
-                                                     tern_await_prior_kernel();
+    tern_await_prior_kernel();
     const size_t total = (size_t)n * d;
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
         const size_t r = e / d, i = e % d;
@@ -22,7 +22,7 @@ extern "C" __global__ void tern_scatter_add_rows(float* __restrict__ out, const 
 // out[r] += sigmoid(gate[r])·y[r], rows of d.
 extern "C" __global__ void tern_add_sigmoid_gated(float* __restrict__ out, const float* __restrict__ y,
                                                   const float* __restrict__ gate, int n, int d) {
-                                                      tern_await_prior_kernel();
+    tern_await_prior_kernel();
     const size_t total = (size_t)n * d;
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
         const float s = 1.0f / (1.0f + expf(-gate[e / d]));
@@ -39,7 +39,7 @@ extern "C" __global__ void tern_add_sigmoid_gated(float* __restrict__ out, const
 // order: the order tern_moe_combine adds them in, which is the CPU's (experts in index order).
 extern "C" __global__ void tern_moe_route(const float* __restrict__ logits, int ne, int k, int* __restrict__ ids,
                                           float* __restrict__ weights) {
-                                              tern_await_prior_kernel();
+    tern_await_prior_kernel();
     extern __shared__ float tern_moe_p[];
     const int row = blockIdx.x, lane = threadIdx.x;
     const float* l = logits + (size_t)row * ne;
@@ -105,7 +105,7 @@ extern "C" __global__ void tern_moe_route(const float* __restrict__ logits, int 
 // slot order from zero, each product rounded first: the CPU's sequence of additions.
 extern "C" __global__ void tern_moe_combine(const float* __restrict__ y, const float* __restrict__ weights, int rows,
                                             int k, int d, float* __restrict__ out) {
-                                                tern_await_prior_kernel();
+    tern_await_prior_kernel();
     const size_t total = (size_t)rows * d;
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
         const size_t r = e / d, c = e % d;

@@ -18,7 +18,7 @@ __device__ __forceinline__ float tern_inv_rms(const float* x, int d, float pre, 
 // y[r] = rms(pre·x[r])·w (w nullable: no weight).
 extern "C" __global__ void tern_rms_norm(const float* __restrict__ x, const float* __restrict__ w, float pre, float eps,
                                          int d, float* __restrict__ y, tern_bf16* __restrict__ y16) {
-                                             tern_await_prior_kernel();
+    tern_await_prior_kernel();
     __shared__ double scratch[32];
     const size_t off = (size_t)blockIdx.x * d;
     const float inv = tern_inv_rms(x + off, d, pre, eps, scratch);
@@ -34,7 +34,7 @@ extern "C" __global__ void tern_rms_norm(const float* __restrict__ x, const floa
 extern "C" __global__ void tern_add_norm(float* __restrict__ h, const float* __restrict__ y, const float* __restrict__ w,
                                          float post, float eps, int d, const float* __restrict__ w2,
                                          float* __restrict__ a, tern_bf16* __restrict__ a16) {
-                                             tern_await_prior_kernel();
+    tern_await_prior_kernel();
     __shared__ double scratch[32];
     const size_t off = (size_t)blockIdx.x * d;
     const float inv = tern_inv_rms(y + off, d, 1.0f, eps, scratch);
@@ -57,7 +57,7 @@ extern "C" __global__ void tern_add_norm(float* __restrict__ h, const float* __r
 // The pre-norm residual step: x[r] += y[r], then a[r] = rms(x[r])·w. CPU twin: residual_norm.
 extern "C" __global__ void tern_residual_norm(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
                                               float eps, int d, float* __restrict__ a, tern_bf16* __restrict__ a16) {
-                                                  tern_await_prior_kernel();
+    tern_await_prior_kernel();
     __shared__ double scratch[32];
     const size_t off = (size_t)blockIdx.x * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) x[off + i] = x[off + i] + y[off + i];

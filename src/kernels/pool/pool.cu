@@ -3,7 +3,7 @@
 
 extern "C" __global__ void tern_mean_pool(const float* __restrict__ h, int d, const tern_u32* __restrict__ seg_start,
                                           const tern_u32* __restrict__ seg_len, float* __restrict__ out) {
-                                              tern_await_prior_kernel();
+    tern_await_prior_kernel();
     const int s = blockIdx.y;
     const int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= d) return;

@@ -9,7 +9,7 @@ extern "C" __global__ void tern_head_prep(float* __restrict__ x, long long off, 
                                           int norm, const float* __restrict__ w, float eps,
                                           const float* __restrict__ cos_t, const float* __restrict__ sin_t, int rot,
                                           const tern_u32* __restrict__ positions) {
-                                              tern_await_prior_kernel();
+    tern_await_prior_kernel();
     const int lane = threadIdx.x % 32;
     const size_t item = (size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (item >= (size_t)rows * heads) return;

@@ -28,7 +28,7 @@ extern "C" __global__ void tern_gdn_gates(const float* __restrict__ alpha, const
                                           const float* __restrict__ dt_bias, const float* __restrict__ a,
                                           float* __restrict__ g, float* __restrict__ beta,
                                           int n_heads, long long total) {
-                                              tern_await_prior_kernel();
+    tern_await_prior_kernel();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= total) return;
     int h = (int)(i % n_heads);

@@ -7,7 +7,7 @@
 // in one launch: blockIdx.y picks the buffer.
 extern "C" __global__ void tern_gdn_normalize_qk(float* __restrict__ q, float* __restrict__ k, long long rows,
                                                  int d, float eps, float q_scale) {
-                                                     tern_await_prior_kernel();
+    tern_await_prior_kernel();
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;
@@ -26,7 +26,7 @@ extern "C" __global__ void tern_gdn_normalize_qk(float* __restrict__ q, float* _
 extern "C" __global__ void tern_gdn_gated_rms_norm(const float* y, const float* __restrict__ z,
                                                    const float* __restrict__ w, float* out, long long rows,
                                                    int d, float eps) {
-                                                       tern_await_prior_kernel();
+    tern_await_prior_kernel();
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;
