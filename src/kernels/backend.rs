@@ -176,10 +176,10 @@ pub trait Ops: Send + Sync + Sized {
     ) -> Result<()>;
     /// `gelu_tanh(g)·u` over `rows × width`, contiguous out.
     fn gelu_tanh_mul(&self, g: View<Self::Buf>, u: View<Self::Buf>, rows: usize, width: usize) -> Result<Self::Buf>;
-    /// In place on the heads of `x`'s rows from `offset` (row stride `stride`), at each row's
-    /// position in `batch`.
-    fn head_prep(&self, x: &mut Self::Buf, offset: usize, stride: usize, batch: &Self::Batch, prep: &HeadOps<Self>)
-        -> Result<()>;
+    /// In place on the heads of `x`'s rows (row stride `stride`), at each row's position in
+    /// `batch`: per section `(offset, prep)`, `prep.heads` heads from column `offset` (the q,
+    /// k and v of one fused projection, prepared together).
+    fn head_prep(&self, x: &mut Self::Buf, stride: usize, batch: &Self::Batch, sections: &[(usize, HeadOps<Self>)]) -> Result<()>;
     /// Attention within each sequence of `batch`; out is [rows][q_heads·hd].
     fn attention(
         &self,
@@ -447,9 +447,12 @@ impl Ops for CpuOps {
         crate::kernels::activation::gelu_tanh_mul_views((g.buf, g.offset, g.stride), (u.buf, u.offset, u.stride), rows, width)
     }
 
-    fn head_prep(&self, x: &mut Vec<f32>, offset: usize, stride: usize, batch: &CpuBatch, prep: &HeadOps<Self>) -> Result<()> {
-        let p = HeadPrep { heads: prep.heads, hd: prep.hd, norm: prep.norm.map(|w| w.map(|w| &w[..])), eps: prep.eps, rope: prep.rope };
-        head_prep_view(x, offset, stride, batch.rows(), &batch.positions, &p)
+    fn head_prep(&self, x: &mut Vec<f32>, stride: usize, batch: &CpuBatch, sections: &[(usize, HeadOps<Self>)]) -> Result<()> {
+        for (offset, prep) in sections {
+            let p = HeadPrep { heads: prep.heads, hd: prep.hd, norm: prep.norm.map(|w| w.map(|w| &w[..])), eps: prep.eps, rope: prep.rope };
+            head_prep_view(x, *offset, stride, batch.rows(), &batch.positions, &p)?;
+        }
+        Ok(())
     }
 
     fn attention(
@@ -632,7 +635,7 @@ mod tests {
         let batch = ops.batch(&crate::kernels::pack([2]), &[5, 6]).unwrap();
         let mut x: Vec<f32> = (0..12).map(|v| v as f32 + 1.0).collect();
         let prep = HeadOps::<CpuOps> { heads: 1, hd: 2, norm: Some(None), eps: 0.0, rope: None };
-        ops.head_prep(&mut x, 2, 6, &batch, &prep).unwrap();
+        ops.head_prep(&mut x, 6, &batch, &[(2, prep)]).unwrap();
         // Columns 2..4 of each 6-wide row are RMS-normalised; the others are untouched.
         let inv = |a: f32, b: f32| 1.0 / ((a * a + b * b) / 2.0).sqrt();
         assert_eq!(&x[..2], &[1.0, 2.0]);

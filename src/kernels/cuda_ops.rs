@@ -609,10 +609,13 @@ impl Ops for CudaOps {
         Ok(out)
     }
 
-    fn head_prep(&self, x: &mut CudaSlice<f32>, offset: usize, stride: usize, batch: &CudaBatch, prep: &HeadOps<Self>) -> Result<()> {
+    fn head_prep(&self, x: &mut CudaSlice<f32>, stride: usize, batch: &CudaBatch, sections: &[(usize, HeadOps<Self>)]) -> Result<()> {
         let _timer = self.op_timer("head_prep");
-        let p = GpuHeadPrep { heads: prep.heads, hd: prep.hd, norm: prep.norm, eps: prep.eps, rope: prep.rope };
-        self.rope.head_prep(x, offset, stride, batch.att.rows, &batch.positions, batch.max_position, &p)
+        let sections: Vec<(usize, GpuHeadPrep)> = sections
+            .iter()
+            .map(|(offset, p)| (*offset, GpuHeadPrep { heads: p.heads, hd: p.hd, norm: p.norm, eps: p.eps, rope: p.rope }))
+            .collect();
+        self.rope.head_prep(x, stride, batch.att.rows, &batch.positions, batch.max_position, &sections)
     }
 
     fn attention(

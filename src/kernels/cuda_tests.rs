@@ -115,29 +115,36 @@ fn cuda_head_prep_matches_cpu() {
         let w = rng.vec(hd, 0.5, 1.5);
         let dw = gpu.upload(&w).unwrap();
         let dpos = gpu.upload(&positions).unwrap();
-        // The heads sit at column `off` of rows `ld` wide, as q or k inside a fused projection.
-        let (off, ld) = (8, heads * hd + 24);
-        for (norm, with_rope) in [(Some(true), true), (Some(false), false), (None, true)] {
+        let max_pos = lengths.iter().max().unwrap() - 1;
+        // (norm: with weight / without / none, rope) of each section.
+        let kinds = [(Some(true), true), (Some(false), false), (None, true), (Some(true), false)];
+        // Each kind alone, then all four in one call (one launch of three sections and one of
+        // the fourth). Section i holds heads + i heads at column off_i of rows `ld` wide, as q,
+        // k and v inside a fused projection.
+        let runs: Vec<Vec<usize>> = (0..kinds.len()).map(|i| vec![i]).chain([vec![0, 1, 2, 3]]).collect();
+        for run in runs {
+            let widths: Vec<usize> = run.iter().map(|&i| (heads + i) * hd).collect();
+            let offs: Vec<usize> = widths.iter().scan(8, |at, w| Some(std::mem::replace(at, *at + w))).collect();
+            let ld = 8 + widths.iter().sum::<usize>() + 16;
             let buf = rng.vec(rows * ld, -2.0, 2.0);
             let mut want = buf.clone();
-            let mut part: Vec<f32> = (0..rows).flat_map(|r| buf[r * ld + off..r * ld + off + heads * hd].to_vec()).collect();
-            let prep = HeadPrep {
-                heads,
-                hd,
-                norm: norm.map(|with_w| with_w.then_some(&w[..])),
-                eps: 1e-6,
-                rope: with_rope.then_some(&table),
-            };
-            head_prep(&mut part, rows, &positions, &prep).unwrap();
-            for r in 0..rows {
-                want[r * ld + off..r * ld + off + heads * hd].copy_from_slice(&part[r * heads * hd..(r + 1) * heads * hd]);
+            let mut sections = Vec::new();
+            for (j, &i) in run.iter().enumerate() {
+                let (norm, with_rope) = kinds[i];
+                let (off, width) = (offs[j], widths[j]);
+                let mut part: Vec<f32> = (0..rows).flat_map(|r| buf[r * ld + off..r * ld + off + width].to_vec()).collect();
+                let prep = HeadPrep { heads: heads + i, hd, norm: norm.map(|with_w| with_w.then_some(&w[..])), eps: 1e-6, rope: with_rope.then_some(&table) };
+                head_prep(&mut part, rows, &positions, &prep).unwrap();
+                for r in 0..rows {
+                    want[r * ld + off..r * ld + off + width].copy_from_slice(&part[r * width..(r + 1) * width]);
+                }
+                let gp = GpuHeadPrep { heads: heads + i, hd, norm: norm.map(|with_w| with_w.then_some(&dw)), eps: 1e-6, rope: with_rope.then_some(&rope) };
+                sections.push((off, gp));
             }
             let mut x = gpu.upload(&buf).unwrap();
-            let gp = GpuHeadPrep { heads, hd, norm: norm.map(|with_w| with_w.then_some(&dw)), eps: 1e-6, rope: with_rope.then_some(&rope) };
-            let max_pos = lengths.iter().max().unwrap() - 1;
-            k.head_prep(&mut x, off, ld, rows, &dpos, max_pos, &gp).unwrap();
+            k.head_prep(&mut x, ld, rows, &dpos, max_pos, &sections).unwrap();
             let e = check("head_prep", &gpu.download(&x).unwrap(), &want, BOUND);
-            eprintln!("head_prep {heads}x{hd} rows {rows} norm={norm:?} rope={with_rope}: {e:.2e}");
+            eprintln!("head_prep {heads}x{hd} rows {rows} sections {run:?}: {e:.2e}");
         }
     }
 }

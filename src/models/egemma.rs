@@ -503,13 +503,12 @@ impl<O: Ops> Encoder<O> {
         let ld = qw + 2 * kw;
         let mut qkv = ops.linear(a, t, &layer.wqkv, None)?;
         let q_prep = HeadOps::<O> { heads: cfg.q_heads, hd, norm: Some(Some(&layer.q_norm)), eps: cfg.eps, rope: Some(rope) };
-        ops.head_prep(&mut qkv, 0, ld, batch, &q_prep)?;
         let k_prep = HeadOps::<O> { heads: kv_heads, norm: Some(Some(&layer.k_norm)), ..q_prep };
-        ops.head_prep(&mut qkv, qw, ld, batch, &k_prep)?;
+        let mut sections = vec![(0, q_prep), (qw, k_prep)];
         if cfg.variant == Variant::V2 {
-            let v_prep = HeadOps::<O> { heads: kv_heads, hd, norm: Some(None), eps: cfg.eps, rope: None };
-            ops.head_prep(&mut qkv, qw + kw, ld, batch, &v_prep)?;
+            sections.push((qw + kw, HeadOps::<O> { heads: kv_heads, hd, norm: Some(None), eps: cfg.eps, rope: None }));
         }
+        ops.head_prep(&mut qkv, ld, batch, &sections)?;
         let shape = AttentionShape {
             q_heads: cfg.q_heads,
             kv_heads,

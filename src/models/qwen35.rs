@@ -818,8 +818,8 @@ impl<O: Ops> Qwen35<O> {
         let stride = 2 * qw + 2 * kw;
         let mut y = ops.linear(a, n, &m.qgkv, None)?;
         let q_prep = HeadOps::<O> { heads: c.q_heads, hd, norm: Some(Some(&m.q_norm)), eps: c.eps, rope: Some(&self.rope) };
-        ops.head_prep(&mut y, 0, stride, b, &q_prep)?;
-        ops.head_prep(&mut y, 2 * qw, stride, b, &HeadOps { heads: c.kv_heads, norm: Some(Some(&m.k_norm)), ..q_prep })?;
+        let k_prep = HeadOps { heads: c.kv_heads, norm: Some(Some(&m.k_norm)), ..q_prep };
+        ops.head_prep(&mut y, stride, b, &[(0, q_prep), (2 * qw, k_prep)])?;
         let shape = AttentionShape { q_heads: c.q_heads, kv_heads: c.kv_heads, hd, scale: (hd as f32).powf(-0.5), max_distance: None };
         let view = |offset| View::new(&y, offset, stride);
         let att = ops.kv_attention(view(0), view(2 * qw), view(2 * qw + kw), view(qw), b, caches, &shape)?;

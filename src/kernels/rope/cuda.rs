@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::DeviceRepr;
+
 use crate::cuda::{driver_err, grid_for, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::kernels::backend::check_view;
@@ -40,58 +42,89 @@ pub struct RopeCuda {
 }
 
 const WARPS: u32 = 4;
+/// Sections one launch prepares (TERN_HEAD_SECTIONS in rope.cu).
+pub const HEAD_SECTIONS: usize = 3;
+
+/// Mirrors `tern_head_sections` in rope.cu field for field (C layout), passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct HeadSections {
+    off: [i64; HEAD_SECTIONS],
+    w: [u64; HEAD_SECTIONS],
+    cos: [u64; HEAD_SECTIONS],
+    sin: [u64; HEAD_SECTIONS],
+    heads: [i32; HEAD_SECTIONS],
+    hd: [i32; HEAD_SECTIONS],
+    norm: [i32; HEAD_SECTIONS],
+    rot: [i32; HEAD_SECTIONS],
+    eps: [f32; HEAD_SECTIONS],
+    n: i32,
+}
+// SAFETY: plain integers and floats in the kernel's C layout.
+unsafe impl DeviceRepr for HeadSections {}
 
 impl RopeCuda {
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
         Ok(RopeCuda { prep: gpu.function(&SOURCE, "tern_head_prep")?, gpu })
     }
 
-    /// In place on `rows` rows of `x` from `offset` (row stride `stride`); `positions[r]` is
-    /// row r's position, `max_position` their maximum (the caller knows it from the segments).
-    /// CPU twin: [`super::head_prep`].
-    #[allow(clippy::too_many_arguments)]
+    /// In place on `rows` rows of `x` (row stride `stride`): each section `(offset, prep)`
+    /// holds `prep.heads` heads from column `offset` (the q, k and v of a fused projection),
+    /// prepared by one launch per [`HEAD_SECTIONS`] sections. `positions[r]` is row r's
+    /// position, `max_position` their maximum (the caller knows it from the segments). CPU
+    /// twin: [`super::head_prep`] per section.
     pub fn head_prep(
         &self,
         x: &mut CudaSlice<f32>,
-        offset: usize,
         stride: usize,
         rows: usize,
         positions: &CudaSlice<u32>,
         max_position: usize,
-        prep: &GpuHeadPrep,
+        sections: &[(usize, GpuHeadPrep)],
     ) -> Result<()> {
-        check_view("head_prep input", x.len(), offset, stride, rows, prep.heads * prep.hd)?;
-        if let Some(Some(w)) = prep.norm {
-            check_len("head_prep norm weight", w.len(), prep.hd)?;
-        }
-        if let Some(t) = prep.rope {
-            check_len("head_prep positions", positions.len(), rows)?;
-            if t.rot > prep.hd || t.rot % 2 != 0 {
-                return Err(Error::Shape(format!("rope over {} channels of a {}-channel head", t.rot, prep.hd)));
+        for (offset, prep) in sections {
+            check_view("head_prep input", x.len(), *offset, stride, rows, prep.heads * prep.hd)?;
+            if let Some(Some(w)) = prep.norm {
+                check_len("head_prep norm weight", w.len(), prep.hd)?;
             }
-            if rows > 0 && max_position >= t.positions {
-                return Err(Error::Shape(format!("rope table positions: {} elements, at least {} needed", t.positions, max_position + 1)));
+            if let Some(t) = prep.rope {
+                check_len("head_prep positions", positions.len(), rows)?;
+                if t.rot > prep.hd || t.rot % 2 != 0 {
+                    return Err(Error::Shape(format!("rope over {} channels of a {}-channel head", t.rot, prep.hd)));
+                }
+                if rows > 0 && max_position >= t.positions {
+                    return Err(Error::Shape(format!("rope table positions: {} elements, at least {} needed", t.positions, max_position + 1)));
+                }
             }
-        }
-        if rows * prep.heads == 0 {
-            return Ok(());
         }
         let g = &self.gpu;
-        let (r, heads, hd) = (int_arg("head_prep rows", rows)?, int_arg("heads", prep.heads)?, int_arg("head size", prep.hd)?);
-        let (off, ld) = (long_arg(offset), long_arg(stride));
-        let norm = prep.norm.is_some() as i32;
-        let wp = g.ptr_opt(prep.norm.flatten());
-        let (cp, sp, rot) = match prep.rope {
-            Some(t) => (g.ptr(&t.cos), g.ptr(&t.sin), t.rot as i32),
-            None => (0, 0, 0),
-        };
-        let (xp, pp) = (g.ptr(x), g.ptr(positions));
-        let mut l = g.launch_builder(&self.prep);
-        l.arg(&xp).arg(&off).arg(&ld).arg(&r).arg(&heads).arg(&hd).arg(&norm).arg(&wp).arg(&prep.eps).arg(&cp).arg(&sp).arg(&rot).arg(&pp);
-        let cfg = LaunchConfig { grid_dim: (grid_for(rows * prep.heads, WARPS)?, 1, 1), block_dim: (32 * WARPS, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: argument types match tern_head_prep; the view holds every head (checked) and
-        // positions index inside the table (checked against the maximum).
-        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_head_prep"))?;
+        for group in sections.chunks(HEAD_SECTIONS) {
+            let mut s = HeadSections { n: group.len() as i32, ..Default::default() };
+            let mut total = 0usize;
+            for (i, (offset, prep)) in group.iter().enumerate() {
+                s.off[i] = long_arg(*offset);
+                s.w[i] = g.ptr_opt(prep.norm.flatten());
+                s.norm[i] = prep.norm.is_some() as i32;
+                s.eps[i] = prep.eps;
+                s.heads[i] = int_arg("heads", prep.heads)?;
+                s.hd[i] = int_arg("head size", prep.hd)?;
+                if let Some(t) = prep.rope {
+                    (s.cos[i], s.sin[i], s.rot[i]) = (g.ptr(&t.cos), g.ptr(&t.sin), t.rot as i32);
+                }
+                total += prep.heads;
+            }
+            if rows * total == 0 {
+                continue;
+            }
+            let (r, heads, ld) = (int_arg("head_prep rows", rows)?, int_arg("heads", total)?, long_arg(stride));
+            let (xp, pp) = (g.ptr(x), g.ptr(positions));
+            let mut l = g.launch_builder(&self.prep);
+            l.arg(&xp).arg(&ld).arg(&r).arg(&heads).arg(&s).arg(&pp);
+            let cfg = LaunchConfig { grid_dim: (grid_for(rows * total, WARPS)?, 1, 1), block_dim: (32 * WARPS, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: argument types match tern_head_prep; every section's view holds its heads
+            // (checked) and positions index inside each table (checked against the maximum).
+            unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_head_prep"))?;
+        }
         Ok(())
     }
 }

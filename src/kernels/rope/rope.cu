@@ -1,37 +1,59 @@
 // Per-head RMS norm and rotate-half RoPE, CUDA form. CPU twin: rope/mod.rs (norm from a
 // double sum, ((v·inv)·w), then the pair rotation a·c − b·s, b·c + a·s with the same f32
-// cos/sin table, uploaded once). One warp per (row, head) of a strided view: head h of row r
-// starts at x[off + r·ld + h·hd], so the q, k and v sections of one fused projection are each
-// prepared in place. The normalised head is written back before the rotation reads its pairs:
-// __syncwarp orders the lanes' global writes and reads within the warp.
+// cos/sin table, uploaded once). One warp per (row, head) of a strided view: head h of a section
+// starting at column off starts at x[off + r·ld + h·hd], so the q, k and v sections of one fused
+// projection are prepared in place, in one launch. The normalised head is written back before
+// the rotation reads its pairs: __syncwarp orders the lanes' global writes and reads within the
+// warp.
 
-extern "C" __global__ void tern_head_prep(float* __restrict__ x, long long off, long long ld, int rows, int heads, int hd,
-                                          int norm, const float* __restrict__ w, float eps,
-                                          const float* __restrict__ cos_t, const float* __restrict__ sin_t, int rot,
-                                          const tern_u32* __restrict__ positions) {
+// Up to TERN_HEAD_SECTIONS sections of each row prepared by one launch (q, k and v of a fused
+// projection): section i holds heads[i] heads of hd[i] channels from column off[i], each with
+// its own norm (0 none, 1 with the weight w, or unweighted when w is null), eps and RoPE table
+// (rot 0: none). Mirrors HeadSections in rope/cuda.rs field for field (C layout).
+#define TERN_HEAD_SECTIONS 3
+struct tern_head_sections {
+    long long off[TERN_HEAD_SECTIONS];
+    unsigned long long w[TERN_HEAD_SECTIONS];
+    unsigned long long cos_t[TERN_HEAD_SECTIONS];
+    unsigned long long sin_t[TERN_HEAD_SECTIONS];
+    int heads[TERN_HEAD_SECTIONS];
+    int hd[TERN_HEAD_SECTIONS];
+    int norm[TERN_HEAD_SECTIONS];
+    int rot[TERN_HEAD_SECTIONS];
+    float eps[TERN_HEAD_SECTIONS];
+    int n;
+};
+
+// One warp per (row, head of any section); total_heads = the sections' heads summed.
+extern "C" __global__ void tern_head_prep(float* __restrict__ x, long long ld, int rows, int total_heads,
+                                          const tern_head_sections s, const tern_u32* __restrict__ positions) {
     tern_await_prior_kernel();
     const int lane = threadIdx.x % 32;
     const size_t item = (size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (item >= (size_t)rows * heads) return;
-    const size_t r = item / heads, h = item % heads;
-    float* v = x + off + r * ld + h * hd;
-    if (norm) {
+    if (item >= (size_t)rows * total_heads) return;
+    const size_t r = item / total_heads;
+    int h = (int)(item % total_heads), sec = 0;
+    while (sec + 1 < s.n && h >= s.heads[sec]) h -= s.heads[sec++];
+    const int hd = s.hd[sec], rot = s.rot[sec];
+    const float* w = (const float*)s.w[sec];
+    float* v = x + s.off[sec] + r * ld + (size_t)h * hd;
+    if (s.norm[sec]) {
         double ss = 0.0;
         for (int i = lane; i < hd; i += 32) ss += (double)v[i] * (double)v[i];
         ss = tern_warp_sum_d(ss);
-        const float inv = (float)(1.0 / sqrt(ss / (double)hd + (double)eps));
+        const float inv = (float)(1.0 / sqrt(ss / (double)hd + (double)s.eps[sec]));
         for (int i = lane; i < hd; i += 32) v[i] = w ? (v[i] * inv) * w[i] : v[i] * inv;
         __syncwarp();
     }
     if (rot > 0) {
         const int half = rot / 2;
         const size_t p = positions[r];
-        const float* c = cos_t + p * half;
-        const float* s = sin_t + p * half;
+        const float* c = (const float*)s.cos_t[sec] + p * half;
+        const float* sn = (const float*)s.sin_t[sec] + p * half;
         for (int i = lane; i < half; i += 32) {
             const float a = v[i], b = v[i + half];
-            v[i] = a * c[i] - b * s[i];
-            v[i + half] = b * c[i] + a * s[i];
+            v[i] = a * c[i] - b * sn[i];
+            v[i + half] = b * c[i] + a * sn[i];
         }
     }
 }
