@@ -1,17 +1,15 @@
 // Prepended to every CUDA program of tern (nvrtc.rs), before the family's own helpers.
 //
-// Kernels are launched with programmatic dependent launch where the device has it (sm_90 and
-// later; Gpu::launch_builder): the next kernel on the stream is scheduled while this one still
-// runs, so a decode step's chain of a few hundred small kernels does not pay a full launch gap
-// between each pair. The rule that makes this safe, kept by every kernel: its first statement
+// Kernels can be launched with programmatic dependent launch where the device has it (sm_90
+// and later, TERN_DEPENDENT_LAUNCH=1; Gpu::launch_builder): the next kernel on the stream is
+// scheduled while this one still runs, so that a chain of small kernels need not pay a full
+// launch gap between each pair. The rule that makes this safe, kept by every kernel: its first statement
 // is tern_await_prior_kernel(), which blocks until the kernel before it on the stream has
 // finished and its writes are visible (griddepcontrol.wait), and only then lets the kernel
 // after it be scheduled (griddepcontrol.launch_dependents). As every kernel waits before it
 // can end, a kernel's end implies the end of all kernels before it, and at most two grids are
-// in flight. In a plain launch both instructions do nothing. The one thing a kernel may do
-// before it: request lines into L2 (functions named tern_prefetch_*), a hint that reads nothing
-// into registers and always sees coherent data later, since L2 is the point of coherence. A
-// CPU test checks the rule (cuda::tests::every_kernel_awaits_the_prior_kernel).
+// in flight. In a plain launch (the default) both instructions do nothing. A CPU test checks
+// the rule (cuda::tests::every_kernel_awaits_the_prior_kernel).
 __device__ __forceinline__ void tern_await_prior_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

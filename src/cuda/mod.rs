@@ -192,9 +192,11 @@ impl Gpu {
             name,
             modules: Mutex::new(HashMap::new()),
             staging: Mutex::new(None),
-            // Programmatic dependent launch needs sm_90; TERN_DEPENDENT_LAUNCH=0 turns it off
-            // (to measure what it saves, or to rule it out).
-            dependent_launch: major >= 9 && std::env::var("TERN_DEPENDENT_LAUNCH").map_or(true, |v| v != "0"),
+            // Opt-in (TERN_DEPENDENT_LAUNCH=1, sm_90 and later): measured on the H200 it left
+            // graph-recorded decode steps and queries unchanged, gained 1-6% on back-to-back
+            // recurrence steps of 16-256 sequences, and cost 16% on an f32-mode prefill
+            // (BENCHMARKS.md, 2026-12-03).
+            dependent_launch: major >= 9 && std::env::var("TERN_DEPENDENT_LAUNCH").is_ok_and(|v| v == "1"),
         }))
     }
 
@@ -243,11 +245,11 @@ impl Gpu {
     /// A launch of `func` on the GPU's stream; arguments are added with [`KernelLaunch::arg`]
     /// in the kernel's parameter order, then [`KernelLaunch::launch`] queues it.
     ///
-    /// On sm_90 and later the launch is a programmatic dependent launch: the kernel may be
-    /// scheduled while the kernel before it on the stream still runs, and waits for it on the
-    /// device (every kernel of tern starts with `tern_await_prior_kernel()`, launch.cuh). A
-    /// step of small dependent kernels (decode, a short query) then spends less time between
-    /// kernels. Recorded graphs keep the relation as programmatic edges.
+    /// With TERN_DEPENDENT_LAUNCH=1 on sm_90 and later the launch is a programmatic dependent
+    /// launch: the kernel may be scheduled while the kernel before it on the stream still
+    /// runs, and waits for it on the device (every kernel of tern starts with
+    /// `tern_await_prior_kernel()`, launch.cuh); recorded graphs keep the relation as
+    /// programmatic edges. Otherwise a plain launch.
     pub fn launch_builder<'a>(&'a self, func: &'a CudaFunction) -> KernelLaunch<'a> {
         KernelLaunch { gpu: self, func, args: Vec::new(), addresses: Vec::new() }
     }
@@ -484,7 +486,7 @@ mod tests {
     }
 
     /// The rule that makes dependent launches safe (launch.cuh): the first statement of every
-    /// kernel, after any L2 prefetches (`tern_prefetch_*`), waits for the kernel before it. A kernel without it could read its inputs before
+    /// kernel waits for the kernel before it. A kernel without it could read its inputs before
     /// they are written, so a new kernel that forgets it fails here, on any machine.
     #[test]
     fn every_kernel_awaits_the_prior_kernel() {
@@ -494,11 +496,7 @@ mod tests {
             while let Some(at) = rest.find("__global__") {
                 let body = &rest[at..];
                 let open = body.find('{').unwrap_or_else(|| panic!("{}: a kernel without a body", src.name));
-                let mut first = body[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
-                // L2 prefetches may come first: they read nothing into registers.
-                while first.starts_with("tern_prefetch") {
-                    first = first[first.find(';').map_or(first.len(), |e| e + 1)..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
-                }
+                let first = body[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
                 let head = &body[..open];
                 assert!(first.starts_with("tern_await_prior_kernel();"), "{}: kernel `{}` does not start with tern_await_prior_kernel()", src.name, head.trim());
                 kernels += 1;

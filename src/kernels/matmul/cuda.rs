@@ -136,7 +136,6 @@ struct GemvParts {
     out: [i32; GEMV_PARTS],
     block0: [i32; GEMV_PARTS + 1],
     n: i32,
-    prefetch: i32,
 }
 // SAFETY: plain integers in the kernel's C layout.
 unsafe impl DeviceRepr for GemvParts {}
@@ -205,9 +204,6 @@ pub struct Blas {
     /// Products of at most this many rows take the GEMV: [`GEMV_MAX_ROWS`], or fewer where
     /// TERN_GEMV_MAX_ROWS says so (to measure the GEMV against cuBLAS on the same run).
     gemv_max_rows: usize,
-    /// Whether GEMV launches that fit the GPU at once prefetch their weights into L2 before
-    /// the prior kernel ends (TERN_GEMV_PREFETCH=0: not, to measure what it saves).
-    prefetch_weights: bool,
     /// The routed GEMV: [plain, silu-gated output][f32, bf16, Q8_0].
     routed: [[CudaFunction; 3]; 2],
     expand_bf16_f32: CudaFunction,
@@ -240,7 +236,6 @@ impl Blas {
             add_bias: f("tern_add_bias")?,
             gemv: GemvKernels::new(&gpu)?,
             multiprocessors: gpu.multiprocessors()?,
-            prefetch_weights: std::env::var("TERN_GEMV_PREFETCH").map_or(true, |v| v != "0"),
             gemv_max_rows: std::env::var("TERN_GEMV_MAX_ROWS").ok().and_then(|v| v.parse().ok()).map_or(GEMV_MAX_ROWS, |n: usize| n.min(GEMV_MAX_ROWS)),
             routed: [
                 [f("tern_gemv_routed_f32")?, f("tern_gemv_routed_bf16")?, f("tern_gemv_routed_q8")?],
@@ -495,10 +490,6 @@ impl Blas {
             blocks += grid_for(features, (GEMV_WARPS * gemv_outputs_per_warp(rows, output, narrow)) as u32)?;
         }
         p.block0[parts.len()] = int_arg("gemv blocks", blocks as usize)?;
-        // Prefetching the weights before the prior kernel ends helps the blocks that are
-        // resident then: all of them when the grid fits the GPU at once (a 256-thread block
-        // of the GEMV leaves room for several per multiprocessor; four is a safe count).
-        p.prefetch = (self.prefetch_weights && blocks as usize <= 4 * self.multiprocessors) as i32;
         let xp = g.ptr(x);
         let mut l = g.launch_builder(self.gemv.get(output, first, rows, narrow));
         l.arg(&p).arg(&xp).arg(&r).arg(&inp);

@@ -33,18 +33,7 @@ struct tern_gemv_parts {
     int out[TERN_GEMV_PARTS];
     int block0[TERN_GEMV_PARTS + 1];
     int n;
-    int prefetch;  // 1: request the block's weight rows into L2 before awaiting the prior kernel
 };
-
-// Requests the lines of [p, p + bytes) into L2, spread over the warp's lanes. A prefetch is a
-// hint that reads nothing into registers, so it may run before tern_await_prior_kernel():
-// the weights of a decode step's next product stream in while the kernel before it (a norm, a
-// gate, the recurrence) still runs.
-__device__ __forceinline__ void tern_prefetch_l2_bytes(const void* p, size_t bytes) {
-    const size_t start = (size_t)p & ~(size_t)127, end = (size_t)p + bytes;
-    for (size_t a = start + (size_t)(threadIdx.x % 32) * 128; a < end; a += 32 * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-}
 
 __device__ __forceinline__ float tern_f16_to_f32(unsigned short h) {
     float f;
@@ -55,7 +44,6 @@ __device__ __forceinline__ float tern_f16_to_f32(unsigned short h) {
 struct TernWeightsF32 {
     const float* w;
     __device__ TernWeightsF32(unsigned long long wp, unsigned long long) : w((const float*)wp) {}
-    __device__ __forceinline__ void prefetch_row(size_t row, int in) const { tern_prefetch_l2_bytes(w + row * in, (size_t)in * 4); }
     __device__ __forceinline__ void load8(size_t at, float* v) const {
         const float4 a = *reinterpret_cast<const float4*>(w + at);
         const float4 b = *reinterpret_cast<const float4*>(w + at + 4);
@@ -67,7 +55,6 @@ struct TernWeightsF32 {
 struct TernWeightsBf16 {
     const tern_bf16* w;
     __device__ TernWeightsBf16(unsigned long long wp, unsigned long long) : w((const tern_bf16*)wp) {}
-    __device__ __forceinline__ void prefetch_row(size_t row, int in) const { tern_prefetch_l2_bytes(w + row * in, (size_t)in * 2); }
     __device__ __forceinline__ void load8(size_t at, float* v) const {
         const uint4 u = *reinterpret_cast<const uint4*>(w + at);
         const unsigned q[4] = {u.x, u.y, u.z, u.w};
@@ -84,10 +71,6 @@ struct TernWeightsQ8 {
     const unsigned short* d;
     __device__ TernWeightsQ8(unsigned long long wp, unsigned long long sp)
         : q((const signed char*)wp), d((const unsigned short*)sp) {}
-    __device__ __forceinline__ void prefetch_row(size_t row, int in) const {
-        tern_prefetch_l2_bytes(q + row * in, (size_t)in);
-        tern_prefetch_l2_bytes(d + row * (in / 32), (size_t)(in / 32) * 2);
-    }
     __device__ __forceinline__ void load8(size_t at, float* v) const {
         const uint2 u = *reinterpret_cast<const uint2*>(q + at);
         const float s = tern_f16_to_f32(d[at / 32]);
@@ -163,38 +146,13 @@ __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restri
         }
 }
 
-// The part of this block and its warp's first output feature (from the kernel's parameters
-// alone: no memory an earlier kernel writes).
-template <int OPW>
-__device__ __forceinline__ int tern_gemv_place(const tern_gemv_parts& p, int* o0) {
-    int part = 0;
-    while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
-    *o0 = (((int)blockIdx.x - p.block0[part]) * TERN_GEMV_WARPS + threadIdx.x / 32) * OPW;
-    return part;
-}
-
-// Before the prior kernel ends: the warp's weight rows into L2 (when the host asks: only when
-// every block of the launch is resident at once, else the later blocks would prefetch just
-// before reading anyway).
-template <int OPW, int OMODE, typename W>
-__device__ __forceinline__ void tern_prefetch_gemv_weights(const tern_gemv_parts& p, int in) {
-    if (!p.prefetch) return;
-    int o0;
-    const int part = tern_gemv_place<OPW>(p, &o0), out = p.out[part];
-    const W w(p.w[part], p.scales[part]);
-#pragma unroll
-    for (int j = 0; j < (OMODE == TERN_Y_PLAIN ? OPW : 2 * OPW); ++j) {
-        const int o = o0 + j % OPW;
-        if (o < out) w.prefetch_row((size_t)(j < OPW ? o : o + out), in);
-    }
-}
-
 // y_part[r][o] for r < rows <= R, o < out[part] (see tern_gemv_rows); a block covers
 // TERN_GEMV_WARPS · OPW output features of its part.
 template <int R, int OPW, int OMODE, typename W>
 __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
-    int o0;
-    const int part = tern_gemv_place<OPW>(p, &o0);
+    int part = 0;
+    while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
+    const int o0 = (((int)blockIdx.x - p.block0[part]) * TERN_GEMV_WARPS + threadIdx.x / 32) * OPW;
     if (o0 >= p.out[part]) return;
     tern_gemv_rows<R, OPW, OMODE>(W(p.w[part], p.scales[part]), x, rows, in, o0, p.out[part], (float*)p.y[part]);
 }
@@ -221,7 +179,6 @@ __device__ __forceinline__ void tern_gemv_routed(const unsigned long long* __res
 #define TERN_GEMV_KERNEL(name, R, OPW, W, OMODE)                                                                \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                            \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
-        tern_prefetch_gemv_weights<OPW, OMODE, W>(p, in);                                                         \
         tern_await_prior_kernel();                                                                                \
         tern_gemv<R, OPW, OMODE, W>(p, x, rows, in);                                                              \
     }
