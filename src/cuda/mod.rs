@@ -383,7 +383,9 @@ pub struct KernelLaunch<'a> {
     gpu: &'a Gpu,
     func: &'a CudaFunction,
     args: Vec<*mut std::ffi::c_void>,
-    /// Device addresses of buffer arguments, boxed so that `args` can point at them.
+    /// Device addresses of buffer arguments, boxed so that `args` can point at them (a Vec of
+    /// plain u64 would move them when it grows).
+    #[allow(clippy::vec_box)]
     addresses: Vec<Box<u64>>,
 }
 

@@ -32,8 +32,8 @@ const TC_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
 const TC_QUERY_TILES: [usize; 2] = [128, 64];
 const TC_KEY_TILE: usize = 32;
 /// Batches of at most this many rows (a short query) take the f32 kernel even in the fast
-/// mode: one launch instead of the K/V packing and the tensor-core kernel, at a size where
-/// the tensor cores have nothing to gain.
+/// mode: one launch instead of two (the K/V packing and the tensor-core kernel) for a product
+/// of at most one key tile per query tile.
 const TC_MIN_ROWS: usize = 64;
 
 fn tc_query_tile(padded_hd: usize) -> usize {

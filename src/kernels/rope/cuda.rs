@@ -5,10 +5,8 @@ use std::sync::Arc;
 use cudarc::driver::DeviceRepr;
 
 use crate::cuda::{driver_err, grid_for, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
-use crate::error::{Error, Result};
-use crate::kernels::backend::check_view;
-use crate::kernels::check_len;
-use crate::kernels::rope::RopeTable;
+use crate::error::Result;
+use crate::kernels::rope::{check_head_prep, HeadPrepView, RopeTable};
 
 pub const SOURCE: KernelSource =
     KernelSource { name: "tern_rope", code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("rope.cu")) };
@@ -83,19 +81,13 @@ impl RopeCuda {
         sections: &[(usize, GpuHeadPrep)],
     ) -> Result<()> {
         for (offset, prep) in sections {
-            check_view("head_prep input", x.len(), *offset, stride, rows, prep.heads * prep.hd)?;
-            if let Some(Some(w)) = prep.norm {
-                check_len("head_prep norm weight", w.len(), prep.hd)?;
-            }
-            if let Some(t) = prep.rope {
-                check_len("head_prep positions", positions.len(), rows)?;
-                if t.rot > prep.hd || t.rot % 2 != 0 {
-                    return Err(Error::Shape(format!("rope over {} channels of a {}-channel head", t.rot, prep.hd)));
-                }
-                if rows > 0 && max_position >= t.positions {
-                    return Err(Error::Shape(format!("rope table positions: {} elements, at least {} needed", t.positions, max_position + 1)));
-                }
-            }
+            check_head_prep(
+                HeadPrepView { len: x.len(), offset: *offset, stride, rows, heads: prep.heads, hd: prep.hd },
+                prep.norm.flatten().map(CudaSlice::len),
+                prep.rope.map(|t| (t.rot, t.positions)),
+                positions.len(),
+                (rows > 0).then_some(max_position),
+            )?;
         }
         let g = &self.gpu;
         for group in sections.chunks(HEAD_SECTIONS) {

@@ -74,22 +74,56 @@ pub fn head_prep(x: &mut [f32], rows: usize, positions: &[u32], prep: &HeadPrep)
     head_prep_view(x, 0, width, rows, positions, prep)
 }
 
+/// Where a head prep works: `rows` rows of `heads` heads of `hd` channels, row r's from
+/// `offset + r·stride` of a buffer of `len` values.
+pub(crate) struct HeadPrepView {
+    pub len: usize,
+    pub offset: usize,
+    pub stride: usize,
+    pub rows: usize,
+    pub heads: usize,
+    pub hd: usize,
+}
+
+/// The checks of a head prep, for the CPU and CUDA forms alike: the view holds every head, a
+/// norm weight (`norm_len`) is one head wide, a rotation (`rope`: rotated channels, table
+/// positions) covers whole pairs of the head, there is a position per row, and the largest
+/// (`max_position`; the CUDA form passes None without rows) is inside the table.
+pub(crate) fn check_head_prep(
+    v: HeadPrepView,
+    norm_len: Option<usize>,
+    rope: Option<(usize, usize)>,
+    positions: usize,
+    max_position: Option<usize>,
+) -> Result<()> {
+    crate::kernels::backend::check_view("head_prep input", v.len, v.offset, v.stride, v.rows, v.heads * v.hd)?;
+    if let Some(n) = norm_len {
+        check_len("head_prep norm weight", n, v.hd)?;
+    }
+    if let Some((rot, table)) = rope {
+        check_len("head_prep positions", positions, v.rows)?;
+        if rot > v.hd || rot % 2 != 0 {
+            return Err(Error::Shape(format!("rope over {rot} channels of a {}-channel head", v.hd)));
+        }
+        if let Some(max) = max_position {
+            check_at_least("rope table positions", table, max + 1)?;
+        }
+    }
+    Ok(())
+}
+
 /// [`head_prep`] in place on a strided view: row r's heads start at `x[offset + r·stride]`, the
 /// rest of each row is left as it is (q, k or v inside one fused projection).
 pub fn head_prep_view(x: &mut [f32], offset: usize, stride: usize, rows: usize, positions: &[u32], prep: &HeadPrep) -> Result<()> {
     let width = prep.heads * prep.hd;
-    crate::kernels::backend::check_view("head_prep input", x.len(), offset, stride, rows, width)?;
-    if let Some(Some(w)) = prep.norm {
-        check_len("head_prep norm weight", w.len(), prep.hd)?;
-    }
-    if let Some(t) = prep.rope {
-        check_len("head_prep positions", positions.len(), rows)?;
-        if t.rot > prep.hd || t.rot % 2 != 0 {
-            return Err(Error::Shape(format!("rope over {} channels of a {}-channel head", t.rot, prep.hd)));
-        }
-        let max = positions.iter().copied().max().unwrap_or(0) as usize;
-        check_at_least("rope table positions", t.positions, max + 1)?;
-    }
+    let max_position = positions.iter().copied().max().unwrap_or(0) as usize;
+    check_head_prep(
+        HeadPrepView { len: x.len(), offset, stride, rows, heads: prep.heads, hd: prep.hd },
+        prep.norm.flatten().map(<[f32]>::len),
+        prep.rope.map(|t| (t.rot, t.positions)),
+        positions.len(),
+        Some(max_position),
+    )?;
     if rows == 0 || width == 0 {
         return Ok(());
     }
