@@ -15,7 +15,7 @@
 //! the layer must move (q, k, v read and the output written once, f32) at the copy bandwidth.
 
 use tern::cuda::Gpu;
-use tern::kernels::gated_delta::cuda::{ChunkAccumulate, CHUNK_STATE_ROWS, FAST_VARIANT, FAST_VARIANTS, RECURRENCE_VARIANT, RECURRENCE_VARIANTS, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
+use tern::kernels::gated_delta::cuda::{ChunkAccumulate, CHUNK_STATE_ROWS, FAST_VARIANT, FAST_VARIANTS, RECURRENCE_VARIANT, RECURRENCE_VARIANTS, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
@@ -85,6 +85,7 @@ fn inputs<'a>(heads: &DeltaRuleHeads, l: &'a Layer) -> GpuDeltaRuleInputs<'a> {
         g: &l.g,
         beta: &l.beta,
         normalize_qk: true,
+        fused: None,
     }
 }
 
@@ -131,7 +132,7 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             k.set_recurrence_variant(rows)?;
             let ms = time_ms(gpu, 2, 15, |i| {
                 for s in 0..inner {
-                    k.delta_rule(heads, &x, &segs[(i * inner + s) % rot], &mut pool, &mut out)?;
+                    k.delta_rule(heads, &x, &segs[(i * inner + s) % rot], GpuStates::Pool(&mut pool), &mut out)?;
                 }
                 Ok(())
             })? / inner as f64;
@@ -161,15 +162,15 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
         let mut out = gpu.zeros::<f32>(n_out)?;
         let scan_ms = time_ms(gpu, 1, 3, |_| {
             gpu.write(&init, &mut st)?;
-            k.delta_rule(heads, &x, &segs, &mut st, &mut out)
+            k.delta_rule(heads, &x, &segs, GpuStates::Pool(&mut st), &mut out)
         })?;
         let (want_out, want_st) = (gpu.download(&out)?, gpu.download(&st)?);
         // (total ms, parallel pass alone ms, output error, state error) per mode.
         let mut res = vec![];
         for acc in [Some(ChunkAccumulate::F32), Some(ChunkAccumulate::F64), None] {
             let run = |k: &GatedDeltaCuda, st: &mut tern::cuda::CudaSlice<f32>, out: &mut tern::cuda::CudaSlice<f32>| match acc {
-                Some(acc) => k.delta_rule_chunked(heads, &x, &segs, st, out, acc),
-                None => k.delta_rule_chunked_fast(heads, &x, &segs, st, out),
+                Some(acc) => k.delta_rule_chunked(heads, &x, &segs, GpuStates::Pool(st), out, acc),
+                None => k.delta_rule_chunked_fast(heads, &x, &segs, GpuStates::Pool(st), out),
             };
             let ms = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
             k.set_chunk_prepare_only(true);

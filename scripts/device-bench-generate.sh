@@ -56,6 +56,9 @@ for dtype in f32 bf16; do
   [ -e $bench/qwen35-0.8b-bf16.gguf ] && [ "${TERN_BENCH_PROFILE:-1}" != 0 ] || continue
   TERN_CUDA_PROFILE=1 "$tern" bench generate --model $bench/qwen35-0.8b-bf16.gguf --device cuda --dtype $dtype \
     --prompt-tokens 4096 --gen-tokens 32 --iters 1 --concurrent 8 | tee -a "${OUT:-$bench}/profile.jsonl"
+  # The same decode inside its recorded graphs (event nodes around each op; prefill untimed).
+  TERN_CUDA_PROFILE=graph "$tern" bench generate --model $bench/qwen35-0.8b-bf16.gguf --device cuda --dtype $dtype \
+    --prompt-tokens 16 --gen-tokens 64 --iters 1 --concurrent 1,8 | tee -a "${OUT:-$bench}/profile-graph.jsonl"
 done
 
 llama=""

@@ -152,7 +152,25 @@ pub struct Gpu {
     staging: Mutex<Option<PinnedHostSlice<f32>>>,
     /// Whether kernels are launched as dependent launches (see [`Gpu::launch_builder`]).
     dependent_launch: bool,
+    /// Device tables of addresses by their contents (see [`Gpu::address_table`]).
+    tables: Mutex<AddressTables>,
 }
+
+/// Device copies of small address tables (each sequence's state, each row's KV cache), kept by
+/// their contents so that a step recorded as a CUDA graph finds on the device the table its
+/// plain first run uploaded (a recording may not copy from the host). Tables handed out while
+/// a step is recorded are also kept in `recorded` until the recorder takes them
+/// ([`Gpu::take_recorded_tables`]) to keep them alive as long as its graph: a graph holds the
+/// table's address, and clearing the cache must not free it under a graph that replays later.
+#[derive(Default)]
+struct AddressTables {
+    by_contents: HashMap<Vec<u64>, Arc<CudaSlice<u64>>>,
+    recorded: Vec<Arc<CudaSlice<u64>>>,
+}
+
+/// Tables kept before the cache is cleared: a decode step of a hybrid model needs a few dozen,
+/// and the tables of retired sequences are never asked for again.
+const ADDRESS_TABLES_KEPT: usize = 4096;
 
 /// Downloads of at least this many floats go through the page-locked staging buffer.
 const STAGED_MIN: usize = 1 << 16;
@@ -197,7 +215,45 @@ impl Gpu {
             // recurrence steps of 16-256 sequences, and cost 16% on an f32-mode prefill
             // (BENCHMARKS.md, 2026-12-03).
             dependent_launch: major >= 9 && std::env::var("TERN_DEPENDENT_LAUNCH").is_ok_and(|v| v == "1"),
+            tables: Mutex::new(AddressTables::default()),
         }))
+    }
+
+    /// A device table holding `addresses`, uploaded the first time these contents are asked
+    /// for and reused afterwards, recorded steps included (see [`AddressTables`]).
+    pub fn address_table(&self, addresses: &[u64]) -> Result<Arc<CudaSlice<u64>>> {
+        let recording = self.recording()?;
+        let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        let table = match t.by_contents.get(addresses) {
+            Some(table) => table.clone(),
+            None => {
+                // Never while recording: the step's plain run, just before, cleared nothing
+                // after uploading its tables, so a recording only misses a table it cannot
+                // upload anyway (and then fails as a whole, see `not_recording`).
+                if !recording && t.by_contents.len() >= ADDRESS_TABLES_KEPT {
+                    t.by_contents.clear();
+                }
+                let table = Arc::new(self.upload(addresses)?);
+                t.by_contents.insert(addresses.to_vec(), table.clone());
+                table
+            }
+        };
+        if recording {
+            t.recorded.push(table.clone());
+        }
+        Ok(table)
+    }
+
+    /// The tables handed out since the last call while a step was being recorded: the
+    /// recorder keeps them as long as its graph.
+    pub fn take_recorded_tables(&self) -> Vec<Arc<CudaSlice<u64>>> {
+        std::mem::take(&mut self.tables.lock().unwrap_or_else(|p| p.into_inner()).recorded)
+    }
+
+    /// Whether the stream is being recorded into a graph now.
+    pub fn recording(&self) -> Result<bool> {
+        use cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        Ok(self.stream.capture_status().map_err(driver_err("reading the capture status"))? != CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -259,10 +315,9 @@ impl Gpu {
     /// replay, long after the host buffer is gone. A recording that meets this error fails as
     /// a whole and the step runs plainly instead.
     fn not_recording(&self, what: &str) -> Result<()> {
-        use cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        match self.stream.capture_status().map_err(driver_err("reading the capture status"))? {
-            CU_STREAM_CAPTURE_STATUS_NONE => Ok(()),
-            _ => Err(Error::Cuda(format!("{what} inside a recorded step (a graph cannot own a host buffer)"))),
+        match self.recording()? {
+            false => Ok(()),
+            true => Err(Error::Cuda(format!("{what} inside a recorded step (a graph cannot own a host buffer)"))),
         }
     }
 

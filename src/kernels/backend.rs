@@ -60,6 +60,27 @@ pub struct HeadOps<'a, O: Ops> {
     pub rope: Option<&'a O::Rope>,
 }
 
+/// The operands of [`Ops::gated_delta`]: the conv output `qkv` ([rows][q | k | v]), the output
+/// gate `z` ([rows][n_v_heads·d_v]), the gate projections `alpha` and `b` ([rows][n_v_heads])
+/// with the layer's `dt_bias` and `a`, and the norm's weight (one head's d_v) and epsilon.
+pub struct GatedDeltaInputs<'a, O: Ops> {
+    pub qkv: &'a O::Buf,
+    pub z: &'a O::Buf,
+    pub alpha: &'a O::Buf,
+    pub b: &'a O::Buf,
+    pub dt_bias: &'a O::Vector,
+    pub a: &'a O::Vector,
+    pub norm: &'a O::Vector,
+    pub eps: f32,
+}
+
+/// [`Ops::gated_delta`] as its three ops, one after another.
+pub fn gated_delta_in_steps<O: Ops>(ops: &O, x: GatedDeltaInputs<O>, heads: &DeltaRuleHeads, batch: &O::Batch, states: &mut [&mut O::Buf]) -> Result<O::Buf> {
+    let (g, beta) = ops.gdn_gates(x.alpha, x.b, x.dt_bias, x.a)?;
+    let core = ops.delta_rule(x.qkv, &g, &beta, heads, batch, states)?;
+    ops.gated_rms_norm(&core, x.z, x.norm, x.eps)
+}
+
 /// The op set over one backend's buffers. Every method validates shapes first and names what
 /// is wrong; the CPU forms are the reference the others are tested against.
 pub trait Ops: Send + Sync + Sized {
@@ -230,6 +251,13 @@ pub trait Ops: Send + Sync + Sized {
     ) -> Result<Self::Buf>;
     /// `rms(y)·w·silu(z)` per row of `w.len()` (one head), w shared by every head.
     fn gated_rms_norm(&self, y: &Self::Buf, z: &Self::Buf, w: &Self::Vector, eps: f32) -> Result<Self::Buf>;
+    /// A linear-attention layer's core from its projections: the gates from `alpha` and `b`
+    /// ([`Ops::gdn_gates`]), the delta rule over `qkv` ([`Ops::delta_rule`]) and its output
+    /// through the gated RMS norm with `z` ([`Ops::gated_rms_norm`]). A backend may do the
+    /// three in fewer passes, with the same results.
+    fn gated_delta(&self, x: GatedDeltaInputs<Self>, heads: &DeltaRuleHeads, batch: &Self::Batch, states: &mut [&mut Self::Buf]) -> Result<Self::Buf> {
+        gated_delta_in_steps(self, x, heads, batch, states)
+    }
     /// Appends each sequence's new k, v rows to its cache, then causal attention of its queries
     /// over the cache, times `sigmoid(gate)`; out [rows][q_heads·hd]. The batch's positions
     /// must start where each cache ends.

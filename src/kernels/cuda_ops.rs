@@ -13,15 +13,15 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use crate::cuda::{driver_err, CudaSlice, Gpu, KernelSource};
+use crate::cuda::{driver_err, CudaEvent, CudaSlice, Gpu, KernelSource};
 use crate::error::{Error, Result};
 use crate::formats::Matrix;
 use crate::kernels::activation::cuda::ActivationCuda;
 use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch, GpuKv, KvAttentionCuda};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{check_past, matrix_shape, GatedActivation, HeadOps, Ops, View};
+use crate::kernels::backend::{check_past, gated_delta_in_steps, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, View};
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
-use crate::kernels::gated_delta::cuda::{ChunkAccumulate, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, Rows};
+use crate::kernels::gated_delta::cuda::{ChunkAccumulate, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows, FUSED_MAX_DV};
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
 use crate::kernels::matmul::cuda::{Blas, GemvOutput, GpuMatrix, GpuMatrixTable, GEMV_MAX_ROWS};
 use crate::kernels::matmul::Weights;
@@ -53,11 +53,41 @@ pub const GRAPH_MAX_TOKENS: usize = 512;
 /// Recorded graphs kept per model (distinct batch shapes); the cache is cleared when full.
 const GRAPH_CACHE: usize = 64;
 
-/// A recorded step: its batch (whose ids and positions a replay rewrites) and output buffer.
+/// A recorded step: its batch (whose ids and positions a replay rewrites) and output buffer,
+/// and under TERN_CUDA_PROFILE=graph the event pairs recorded around each of its ops.
 struct Recorded {
     batch: CudaBatch,
     graph: cudarc::driver::CudaGraph,
     out: CudaSlice<f32>,
+    marks: Vec<OpMark>,
+    /// The address tables the graph reads (see [`Gpu::address_table`]).
+    _tables: Vec<Arc<CudaSlice<u64>>>,
+}
+
+/// One op inside a recorded step, between two timing events that are nodes of the graph.
+struct OpMark {
+    name: &'static str,
+    start: CudaEvent,
+    end: CudaEvent,
+}
+
+/// How TERN_CUDA_PROFILE times ops: `Drained` (any value but `graph`): each op alone, the
+/// stream drained before and after it, no graphs, so each op also pays a launch and a sync;
+/// `Graph`: inside recorded steps, between event nodes of the graph, so each op is timed in
+/// the company it runs in (the event nodes add a little to every op). Plain steps, such as the
+/// first of each shape, are not timed in that mode.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ProfileMode {
+    Drained,
+    Graph,
+}
+
+struct Profile {
+    mode: ProfileMode,
+    /// (calls, seconds) by op name.
+    totals: Mutex<HashMap<&'static str, (u64, f64)>>,
+    /// The marks of the step being recorded now.
+    recording: Mutex<Vec<OpMark>>,
 }
 
 // SAFETY: a Recorded is only touched under CudaOps::graphs' lock, by one thread at a time; the
@@ -151,26 +181,34 @@ pub struct CudaOps {
     /// Recorded steps by their keys (Err: recording failed, run plainly).
     graphs: Mutex<HashMap<Vec<u64>, std::result::Result<Recorded, String>>>,
     /// Per-op device time when TERN_CUDA_PROFILE is set (see [`CudaOps::take_op_profile`]).
-    profile: Option<Mutex<HashMap<&'static str, (u64, f64)>>>,
+    profile: Option<Profile>,
 }
 
-/// Times one op for the profile: the stream is drained when it starts and when it ends, so
-/// the host clock between covers exactly the op's device work (plus a launch and a sync).
+/// Times one op for the profile. Drained: the stream is drained when it starts and when it
+/// ends, so the host clock between covers exactly the op's device work (plus a launch and a
+/// sync). Graph: while a step is being recorded, an event node before and after the op.
 struct OpTimer<'a> {
     ops: &'a CudaOps,
     name: &'static str,
     start: Option<std::time::Instant>,
+    start_event: Option<CudaEvent>,
 }
 
 impl Drop for OpTimer<'_> {
     fn drop(&mut self) {
-        if let (Some(start), Some(profile)) = (self.start, &self.ops.profile) {
-            // A failed sync surfaces again at the op's next call; the profile only measures.
+        let Some(profile) = &self.ops.profile else { return };
+        // Failures below surface again at the op's next call; the profile only measures.
+        if let Some(start) = self.start {
             let _ = self.ops.gpu.synchronize();
-            let mut p = profile.lock().unwrap_or_else(|p| p.into_inner());
+            let mut p = profile.totals.lock().unwrap_or_else(|p| p.into_inner());
             let e = p.entry(self.name).or_insert((0, 0.0));
             e.0 += 1;
             e.1 += start.elapsed().as_secs_f64();
+        }
+        if let Some(start) = self.start_event.take() {
+            if let Ok(end) = self.ops.graph_event() {
+                profile.recording.lock().unwrap_or_else(|p| p.into_inner()).push(OpMark { name: self.name, start, end });
+            }
         }
     }
 }
@@ -192,28 +230,74 @@ impl CudaOps {
             weight_bytes: AtomicUsize::new(0),
             exclusive: Mutex::new(()),
             graphs: Mutex::new(HashMap::new()),
-            profile: std::env::var_os("TERN_CUDA_PROFILE").map(|_| Mutex::new(HashMap::new())),
+            profile: std::env::var_os("TERN_CUDA_PROFILE").map(|v| Profile {
+                mode: if v == "graph" { ProfileMode::Graph } else { ProfileMode::Drained },
+                totals: Mutex::new(HashMap::new()),
+                recording: Mutex::new(Vec::new()),
+            }),
         })
     }
 
-    /// With TERN_CUDA_PROFILE set, each op drains the stream before and after it runs (no step
-    /// is recorded as a graph then) and its time is summed by name: a development view of
-    /// where a forward pass spends its device time. Returns `(op, calls, seconds)` since the
-    /// last call, slowest first, and clears it (so that phases can be profiled one after
-    /// another); None when not profiling.
+    /// With TERN_CUDA_PROFILE set, each op's device time is summed by name (see
+    /// [`ProfileMode`]; `graph` also adds a `(step)` row, each replayed step whole, the sum the
+    /// ops' rows fall short of by the gaps between them): a development view of where a
+    /// forward pass spends its device time. Returns `(op, calls, seconds)` since the last call,
+    /// slowest first, and clears it (so that phases can be profiled one after another); None
+    /// when not profiling.
     pub fn take_op_profile(&self) -> Option<Vec<(&'static str, u64, f64)>> {
-        let mut p = self.profile.as_ref()?.lock().unwrap_or_else(|p| p.into_inner());
+        let mut p = self.profile.as_ref()?.totals.lock().unwrap_or_else(|p| p.into_inner());
         let mut v: Vec<_> = p.drain().map(|(k, (n, t))| (k, n, t)).collect();
         v.sort_by(|a, b| b.2.total_cmp(&a.2));
         Some(v)
     }
 
     fn op_timer(&self, name: &'static str) -> OpTimer<'_> {
-        let start = self.profile.as_ref().map(|_| {
-            let _ = self.gpu.synchronize();
-            std::time::Instant::now()
-        });
-        OpTimer { ops: self, name, start }
+        let mut timer = OpTimer { ops: self, name, start: None, start_event: None };
+        match self.profile.as_ref().map(|p| p.mode) {
+            Some(ProfileMode::Drained) => {
+                let _ = self.gpu.synchronize();
+                timer.start = Some(std::time::Instant::now());
+            }
+            Some(ProfileMode::Graph) if self.recording() => timer.start_event = self.graph_event().ok(),
+            _ => {}
+        }
+        timer
+    }
+
+    /// Whether the stream is recording a step now.
+    fn recording(&self) -> bool {
+        self.gpu.recording().unwrap_or(false)
+    }
+
+    /// A timing event recorded on the stream as a node of the graph being captured (an
+    /// "external" record: a plain one inside a capture only orders work, it keeps no time).
+    fn graph_event(&self) -> Result<CudaEvent> {
+        let event = self.gpu.event()?;
+        // SAFETY: the event and stream are live handles of this context.
+        let status = unsafe {
+            cudarc::driver::sys::cuEventRecordWithFlags(
+                event.cu_event(),
+                self.gpu.stream().cu_stream(),
+                cudarc::driver::sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32,
+            )
+        };
+        status.result().map_err(driver_err("recording a timing event in a graph"))?;
+        Ok(event)
+    }
+
+    /// Adds a replayed step's op times (TERN_CUDA_PROFILE=graph), after waiting for it.
+    fn add_step_profile(&self, marks: &[OpMark], step: (&CudaEvent, &CudaEvent)) -> Result<()> {
+        let Some(profile) = &self.profile else { return Ok(()) };
+        step.1.synchronize().map_err(driver_err("waiting for a profiled step"))?;
+        let mut p = profile.totals.lock().unwrap_or_else(|p| p.into_inner());
+        let rows = marks.iter().map(|m| (m.name, &m.start, &m.end)).chain([("(step)", step.0, step.1)]);
+        for (name, start, end) in rows {
+            let ms = start.elapsed_ms(end).map_err(driver_err("timing a profiled op"))?;
+            let e = p.entry(name).or_insert((0, 0.0));
+            e.0 += 1;
+            e.1 += ms as f64 * 1e-3;
+        }
+        Ok(())
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -318,32 +402,6 @@ impl CudaOps {
         let m = self.blas.matrix(&Weights::from(w), out, inp)?;
         self.count(m.bytes());
         Ok(m)
-    }
-
-    /// Runs `f` on one pool holding every sequence's state (slot s = sequence s). One sequence
-    /// runs on its own buffer; several are copied into a pool and back (the kernels index
-    /// states by slot).
-    fn with_pool(
-        &self,
-        states: &mut [&mut CudaSlice<f32>],
-        per: usize,
-        f: impl FnOnce(&mut CudaSlice<f32>) -> Result<()>,
-    ) -> Result<()> {
-        if let Some(s) = states.iter().find(|s| s.len() != per) {
-            return Err(Error::Shape(format!("state of {} elements where {per} are expected", s.len())));
-        }
-        if let [one] = states {
-            return f(one);
-        }
-        let mut pool = self.gpu.alloc::<f32>(states.len() * per)?;
-        for (i, s) in states.iter().enumerate() {
-            self.gpu.copy_range(s, 0, &mut pool, i * per, per)?;
-        }
-        f(&mut pool)?;
-        for (i, s) in states.iter_mut().enumerate() {
-            self.gpu.copy_range(&pool, i * per, s, 0, per)?;
-        }
-        Ok(())
     }
 }
 
@@ -475,7 +533,13 @@ impl Ops for CudaOps {
             self.to_host(&y)
         };
         let key = match key {
-            Some(k) if ids.len() <= GRAPH_MAX_TOKENS && self.profile.is_none() && std::env::var_os("TERN_NO_CUDA_GRAPHS").is_none() => k,
+            Some(k)
+                if ids.len() <= GRAPH_MAX_TOKENS
+                    && self.profile.as_ref().is_none_or(|p| p.mode == ProfileMode::Graph)
+                    && std::env::var_os("TERN_NO_CUDA_GRAPHS").is_none() =>
+            {
+                k
+            }
             _ => return plain(),
         };
         let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
@@ -487,7 +551,15 @@ impl Ops for CudaOps {
                 // The only inputs that change between steps of one key.
                 r.batch.ids.write(&self.gpu, ids)?;
                 self.gpu.write(&positions(segments, past), &mut r.batch.positions)?;
-                r.graph.launch().map_err(driver_err("launching a recorded step"))?;
+                if r.marks.is_empty() {
+                    r.graph.launch().map_err(driver_err("launching a recorded step"))?;
+                } else {
+                    let (start, end) = (self.gpu.event()?, self.gpu.event()?);
+                    start.record(self.gpu.stream()).map_err(driver_err("recording an event"))?;
+                    r.graph.launch().map_err(driver_err("launching a recorded step"))?;
+                    end.record(self.gpu.stream()).map_err(driver_err("recording an event"))?;
+                    self.add_step_profile(&r.marks, (&start, &end))?;
+                }
                 return self.to_host(&r.out);
             }
             Some(Err(_)) => {
@@ -508,6 +580,7 @@ impl Ops for CudaOps {
             graphs.clear();
         }
         let stream = self.gpu.stream();
+        self.gpu.take_recorded_tables();
         let recorded = stream
             .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver_err("starting a graph capture"))
@@ -517,8 +590,10 @@ impl Ops for CudaOps {
                 let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)).map_err(driver_err("ending a graph capture"));
                 queued.and(graph)
             });
+        let marks = self.profile.as_ref().map(|p| std::mem::take(&mut *p.recording.lock().unwrap_or_else(|p| p.into_inner()))).unwrap_or_default();
+        let tables = self.gpu.take_recorded_tables();
         let entry = match recorded {
-            Ok(Some(graph)) => Ok(Recorded { batch, graph, out }),
+            Ok(Some(graph)) => Ok(Recorded { batch, graph, out, marks, _tables: tables }),
             Ok(None) => Err("the capture recorded no graph".to_string()),
             Err(e) => Err(e.to_string()),
         };
@@ -679,7 +754,7 @@ impl Ops for CudaOps {
         check_len("conv1d_silu input", x.len(), batch.att.rows * channels)?;
         let gdn = &self.llm()?.gdn;
         let mut out = self.gpu.alloc::<f32>(x.len())?;
-        self.with_pool(states, channels * (kernel.max(1) - 1), |pool| gdn.conv1d_silu(x, w, kernel, &batch.gdn, pool, &mut out))?;
+        gdn.conv1d_silu(x, w, kernel, &batch.gdn, GpuStates::Each(states), &mut out)?;
         Ok(out)
     }
 
@@ -705,7 +780,7 @@ impl Ops for CudaOps {
         check_len("delta_rule qkv", qkv.len(), batch.att.rows * width)?;
         let gdn = &self.llm()?.gdn;
         let rows = |offset| Rows { buf: qkv, offset, stride: width };
-        let x = GpuDeltaRuleInputs { q: rows(0), k: rows(kd), v: rows(2 * kd), g, beta, normalize_qk: true };
+        let x = GpuDeltaRuleInputs { q: rows(0), k: rows(kd), v: rows(2 * kd), g, beta, normalize_qk: true, fused: None };
         let mut out = self.gpu.alloc::<f32>(batch.att.rows * vd)?;
         // As on the CPU: prefill takes the chunked form, decode and short runs the scan. The
         // scan keeps a state row in a warp's registers (d_k of 32 … 256) and the tensor-core
@@ -714,15 +789,51 @@ impl Ops for CudaOps {
         let long = batch.att.segments.iter().any(|s| s.len >= DELTA_RULE_CHUNK);
         let scan_fits = matches!(heads.d_k, 32 | 64 | 128 | 256);
         let fast_fits = [heads.d_k, heads.d_v].iter().all(|d| matches!(d, 64 | 128));
-        self.with_pool(states, heads.state_len(), |pool| {
-            if !long && scan_fits {
-                gdn.delta_rule(heads, &x, &batch.gdn, pool, &mut out)
-            } else if long && fast_fits && self.precision == Precision::Bf16 {
-                gdn.delta_rule_chunked_fast(heads, &x, &batch.gdn, pool, &mut out)
-            } else {
-                gdn.delta_rule_chunked(heads, &x, &batch.gdn, pool, &mut out, ChunkAccumulate::F64)
-            }
-        })?;
+        let states = GpuStates::Each(states);
+        if !long && scan_fits {
+            gdn.delta_rule(heads, &x, &batch.gdn, states, &mut out)?;
+        } else if long && fast_fits && self.precision == Precision::Bf16 {
+            gdn.delta_rule_chunked_fast(heads, &x, &batch.gdn, states, &mut out)?;
+        } else {
+            gdn.delta_rule_chunked(heads, &x, &batch.gdn, states, &mut out, ChunkAccumulate::F64)?;
+        }
+        Ok(out)
+    }
+
+    fn gated_delta(
+        &self,
+        x: GatedDeltaInputs<Self>,
+        heads: &DeltaRuleHeads,
+        batch: &CudaBatch,
+        states: &mut [&mut CudaSlice<f32>],
+    ) -> Result<CudaSlice<f32>> {
+        // Decode steps and short runs: gates, recurrence and norm in one launch (the fused
+        // recurrence, the same bits as the three ops); prefill: the three ops.
+        let long = batch.att.segments.iter().any(|s| s.len >= DELTA_RULE_CHUNK);
+        let fits = matches!(heads.d_k, 32 | 64 | 128 | 256) && heads.d_v <= FUSED_MAX_DV && x.norm.len() == heads.d_v;
+        if long || !fits {
+            return gated_delta_in_steps(self, x, heads, batch, states);
+        }
+        let _timer = self.op_timer("gated_delta (fused)");
+        let (kd, vd) = (heads.n_k_heads * heads.d_k, heads.n_v_heads * heads.d_v);
+        let width = 2 * kd + vd;
+        let rows = batch.att.rows;
+        check_len("gated_delta qkv", x.qkv.len(), rows * width)?;
+        check_len("gated_delta z", x.z.len(), rows * vd)?;
+        let gdn = &self.llm()?.gdn;
+        let at = |buf, offset, stride| Rows { buf, offset, stride };
+        let fused = FusedGatesNorm { dt_bias: x.dt_bias, a: x.a, z: at(x.z, 0, vd), norm: x.norm, eps: x.eps };
+        let inputs = GpuDeltaRuleInputs {
+            q: at(x.qkv, 0, width),
+            k: at(x.qkv, kd, width),
+            v: at(x.qkv, 2 * kd, width),
+            g: x.alpha,
+            beta: x.b,
+            normalize_qk: true,
+            fused: Some(fused),
+        };
+        let mut out = self.gpu.alloc::<f32>(rows * vd)?;
+        gdn.delta_rule(heads, &inputs, &batch.gdn, GpuStates::Each(states), &mut out)?;
         Ok(out)
     }
 

@@ -26,7 +26,7 @@ use crate::formats::gguf::GgufFile;
 use crate::formats::safetensors::SafetensorsWeights;
 use crate::formats::{Matrix, Tensor};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{CpuOps, GatedActivation, HeadOps, Ops, View};
+use crate::kernels::backend::{CpuOps, GatedActivation, GatedDeltaInputs, HeadOps, Ops, View};
 use crate::kernels::cuda_ops::CudaOps;
 use crate::models::Placement;
 use crate::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
@@ -797,7 +797,6 @@ impl<O: Ops> Qwen35<O> {
             .try_into()
             .map_err(|_| Error::Shape("linear attention: four input projections expected".into()))?;
         let qkv = ops.conv1d_silu(&mixed, conv_dim, &m.conv, c.conv_kernel, b, conv_states)?;
-        let (g, beta) = ops.gdn_gates(&alpha, &beta_in, &m.dt_bias, &m.a)?;
         let heads = DeltaRuleHeads {
             n_k_heads: c.lin_k_heads,
             n_v_heads: c.lin_v_heads,
@@ -805,8 +804,8 @@ impl<O: Ops> Qwen35<O> {
             d_v: c.lin_v_dim,
             key_head: c.key_head,
         };
-        let core = ops.delta_rule(&qkv, &g, &beta, &heads, b, rec_states)?;
-        let normed = ops.gated_rms_norm(&core, &z, &m.norm, c.eps)?;
+        let x = GatedDeltaInputs { qkv: &qkv, z: &z, alpha: &alpha, b: &beta_in, dt_bias: &m.dt_bias, a: &m.a, norm: &m.norm, eps: c.eps };
+        let normed = ops.gated_delta(x, &heads, b, rec_states)?;
         ops.linear(&normed, n, &m.out, None)
     }
 

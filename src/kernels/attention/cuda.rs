@@ -426,6 +426,12 @@ impl GpuKv {
     }
 }
 
+/// Each row's cache on the device: the addresses of its sequence's keys and values.
+struct RowTables {
+    k_at: Arc<CudaSlice<u64>>,
+    v_at: Arc<CudaSlice<u64>>,
+}
+
 /// Launchers of `kv.cu`.
 pub struct KvAttentionCuda {
     gpu: Arc<Gpu>,
@@ -479,8 +485,10 @@ impl KvAttentionCuda {
         check_len("kv prefill positions", positions.len(), batch.rows)?;
         flash.causal(q, k, v, batch, shape, NormOut { f32: Some(&mut *out), bf16: None }, tensor_cores)?;
         for (seg, cache) in batch.segments.iter().zip(caches.iter_mut()) {
-            self.append_rows(&k, &v, seg, 0, positions, cache)?;
+            cache.reserve(&self.gpu, 0, seg.len)?;
         }
+        let tables = self.row_tables(&batch.segments, caches, batch.rows)?;
+        self.append_rows(&k, &v, batch.rows, kw, positions, &tables)?;
         let g = &self.gpu;
         let (n, w) = (int_arg("gate rows", batch.rows)?, int_arg("gate width", qw)?);
         let (op, gp, g_off, g_ld) = (g.ptr(out), g.ptr(gate.buf), long_arg(gate.offset), long_arg(gate.stride));
@@ -494,28 +502,45 @@ impl KvAttentionCuda {
         Ok(())
     }
 
-    /// Writes a segment's rows of the k, v views into `cache` after its `past` rows (grown as
-    /// needed), each at its row's position on the device (`positions`, the batch's).
-    fn append_rows(&self, k: &View<CudaSlice<f32>>, v: &View<CudaSlice<f32>>, seg: &Segment, past: usize, positions: &CudaSlice<u32>, cache: &mut GpuKv) -> Result<()> {
-        if seg.len == 0 {
+    /// Device tables of each row's cache addresses, keys and values: row r of segment s
+    /// belongs to `caches[s]`.
+    fn row_tables(&self, segments: &[Segment], caches: &[&mut GpuKv], rows: usize) -> Result<RowTables> {
+        let g = &self.gpu;
+        let (mut k_at, mut v_at) = (vec![0u64; rows], vec![0u64; rows]);
+        for (seg, cache) in segments.iter().zip(caches) {
+            let span = seg.start..seg.start + seg.len;
+            if span.end > rows {
+                return Err(Error::Shape(format!("kv attention: a segment ends at row {} of {rows}", span.end)));
+            }
+            k_at[span.clone()].fill(g.ptr(&cache.keys));
+            v_at[span].fill(g.ptr(&cache.values));
+        }
+        // Every row has a cache: a row left out would make the kernels write through address 0.
+        if k_at.contains(&0) {
+            return Err(Error::Shape("kv attention: a row of the batch belongs to no sequence".into()));
+        }
+        Ok(RowTables { k_at: g.address_table(&k_at)?, v_at: g.address_table(&v_at)? })
+    }
+
+    /// Writes the `rows` rows of the k, v views into their sequences' caches (`tables`), each
+    /// at its row's position on the device (`positions`, the batch's). The caches must have
+    /// room (reserved by the caller).
+    #[allow(clippy::too_many_arguments)]
+    fn append_rows(&self, k: &View<CudaSlice<f32>>, v: &View<CudaSlice<f32>>, rows: usize, width: usize, positions: &CudaSlice<u32>, tables: &RowTables) -> Result<()> {
+        if rows == 0 {
             return Ok(());
         }
         let g = &self.gpu;
-        let kw = cache.width;
-        cache.reserve(g, past, past + seg.len)?;
-        let (kc, vc) = (g.ptr(&cache.keys), g.ptr(&cache.values));
-        let first = seg.start;
-        let pp = g.ptr(positions) + 4 * first as u64;
-        let (n, w) = (int_arg("kv rows", seg.len)?, int_arg("kv width", kw)?);
-        let (k_off, v_off) = (long_arg(k.offset + first * k.stride), long_arg(v.offset + first * v.stride));
+        let (n, w) = (int_arg("kv rows", rows)?, int_arg("kv width", width)?);
+        let (k_off, v_off) = (long_arg(k.offset), long_arg(v.offset));
         let (k_ld, v_ld) = (long_arg(k.stride), long_arg(v.stride));
         let (kp, vp) = (g.ptr(k.buf), g.ptr(v.buf));
         let mut l = g.launch_builder(&self.append);
-        l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&n).arg(&w).arg(&pp).arg(&kc).arg(&vc);
-        let blocks = crate::cuda::grid_for(seg.len * kw, 256)?.min(65_535);
-        // SAFETY: argument types match tern_kv_append; the views hold the segment's rows
-        // (checked by the callers), whose positions are past … past + len − 1 (the batch's), and
-        // the caches have room for them (reserved just above).
+        l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&n).arg(&w).buf(positions).buf(&*tables.k_at).buf(&*tables.v_at);
+        let blocks = crate::cuda::grid_for(rows * width, 256)?.min(65_535);
+        // SAFETY: argument types match tern_kv_append; the views hold the rows (checked by the
+        // callers), whose positions lie inside their caches' reserved rows (the callers
+        // reserved past + len rows for each sequence).
         unsafe { l.launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
             .map_err(driver_err("launching tern_kv_append"))?;
         Ok(())
@@ -564,29 +589,30 @@ impl KvAttentionCuda {
                     cache.rows, cache.width
                 )));
             }
-            if seg.len == 0 {
-                continue;
-            }
-            self.append_rows(&k, &v, seg, past, positions, cache)?;
-            let first = seg.start;
             int_arg("cache rows", past + seg.len)?;
-            let pp = g.ptr(positions) + 4 * first as u64;
-            let (q_off, g_off) = (long_arg(q.offset + first * q.stride), long_arg(gate.offset + first * gate.stride));
-            let (q_ld, g_ld) = (long_arg(q.stride), long_arg(gate.stride));
-            let (qp, gp, kc0, vc0) = (g.ptr(q.buf), g.ptr(gate.buf), g.ptr(&cache.keys), g.ptr(&cache.values));
-            let op = g.ptr(out) + 4 * (first * qw) as u64;
-            let mut l = g.launch_builder(&self.attend);
-            l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld).arg(&kc0).arg(&vc0).arg(&pp);
-            l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).arg(&op);
-            let grid_rows = u32::try_from(seg.len).ok().filter(|&r| r <= 65_535).ok_or_else(|| {
-                Error::Shape(format!("kv_attention: {} new rows of one sequence, at most 65535 per launch", seg.len))
-            })?;
-            let cfg = LaunchConfig { grid_dim: (q_heads as u32, grid_rows, 1), block_dim: (KV_BLOCK, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: argument types match tern_kv_attention; query row i (position past + i, the
-            // batch's) reads cache rows ≤ past + i, which the append above filled or reserved,
-            // and writes its own output row inside `out` (checked).
-            unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_kv_attention"))?;
+            cache.reserve(g, past, past + seg.len)?;
         }
+        if rows == 0 {
+            return Ok(());
+        }
+        // Every sequence's rows in one launch of each kernel, each row finding its cache in
+        // the tables.
+        let tables = self.row_tables(segments, caches, rows)?;
+        self.append_rows(&k, &v, rows, kw, positions, &tables)?;
+        let (q_off, g_off) = (long_arg(q.offset), long_arg(gate.offset));
+        let (q_ld, g_ld) = (long_arg(q.stride), long_arg(gate.stride));
+        let (qp, gp) = (g.ptr(q.buf), g.ptr(gate.buf));
+        let mut l = g.launch_builder(&self.attend);
+        l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld).buf(&*tables.k_at).buf(&*tables.v_at).buf(positions);
+        l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).buf(out);
+        let grid_rows = u32::try_from(rows).ok().filter(|&r| r <= 65_535).ok_or_else(|| {
+            Error::Shape(format!("kv_attention: {rows} new rows, at most 65535 per launch"))
+        })?;
+        let cfg = LaunchConfig { grid_dim: (q_heads as u32, grid_rows, 1), block_dim: (KV_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match tern_kv_attention; row i (position p_i, the batch's)
+        // reads rows ≤ p_i of its own cache, which the append above filled or earlier steps
+        // did, and writes its own output row inside `out` (checked).
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_kv_attention"))?;
         Ok(())
     }
 }

@@ -11,28 +11,32 @@
 
 // Positions come from device memory (the batch's, one per row), never from kernel arguments:
 // a decode step recorded as a CUDA graph replays with new positions and the same arguments.
+// So do the caches: row r's sequence keeps its keys at k_at[r] and values at v_at[r] (device
+// tables of addresses), so one launch serves every sequence of a batch.
 
 // Rows of k and v (strided views of the fused projection) appended to the caches: row r goes
-// to cache row positions[r].
+// to row positions[r] of its sequence's cache.
 extern "C" __global__ void tern_kv_append(const float* __restrict__ k, long long k_off, long long k_ld,
                                           const float* __restrict__ v, long long v_off, long long v_ld, int rows,
                                           int width, const unsigned* __restrict__ positions,
-                                          float* __restrict__ k_cache, float* __restrict__ v_cache) {
+                                          const unsigned long long* __restrict__ k_at,
+                                          const unsigned long long* __restrict__ v_at) {
     tern_await_prior_kernel();
     const size_t n = (size_t)rows * width;
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) {
         const size_t r = e / width, i = e % width;
         const size_t at = (size_t)positions[r] * width + i;
-        k_cache[at] = k[k_off + r * k_ld + i];
-        v_cache[at] = v[v_off + r * v_ld + i];
+        ((float*)k_at[r])[at] = k[k_off + r * k_ld + i];
+        ((float*)v_at[r])[at] = v[v_off + r * v_ld + i];
     }
 }
 
-// Query row i (blockIdx.y) of the segment sits at position positions[i] and sees cache rows
-// 0 ..= positions[i]. q and gate are strided views; out is the segment's first output row.
+// Query row i (blockIdx.y) of the batch sits at position positions[i] and sees rows
+// 0 ..= positions[i] of its sequence's cache. q and gate are strided views; out is [rows][q_heads·hd].
 extern "C" __global__ void tern_kv_attention(const float* __restrict__ q, long long q_off, long long q_ld,
                                              const float* __restrict__ gate, long long g_off, long long g_ld,
-                                             const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+                                             const unsigned long long* __restrict__ k_at,
+                                             const unsigned long long* __restrict__ v_at,
                                              const unsigned* __restrict__ positions, int q_heads, int kv_heads, int hd, float scale,
                                              float* __restrict__ out) {
     tern_await_prior_kernel();
@@ -41,6 +45,8 @@ extern "C" __global__ void tern_kv_attention(const float* __restrict__ q, long l
     const int kvh = h / (q_heads / kv_heads);
     const size_t kw = (size_t)kv_heads * hd;
     const int per = (hd + 31) / 32;
+    const float* __restrict__ k_cache = (const float*)k_at[i];
+    const float* __restrict__ v_cache = (const float*)v_at[i];
     __shared__ float qs[TERN_KV_MAX_HD];
     __shared__ float warp_max[TERN_KV_WARPS], warp_sum[TERN_KV_WARPS];
     __shared__ float warp_acc[TERN_KV_WARPS][TERN_KV_MAX_HD];

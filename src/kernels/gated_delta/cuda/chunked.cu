@@ -233,6 +233,7 @@ struct tern_gdn_state_args {
     float* out;
     const tern_gdn_u32* seg_chunk0; const tern_gdn_u32* seg_nchunks;
     const tern_gdn_u32* chunk_t0; const tern_gdn_u32* chunk_len; const tern_gdn_u32* slot;
+    const unsigned long long* state_at;  // each sequence's own state buffer, or null: slot of the pool
     int nk, nv, dk, dv, grouped, l2qk;
     float eps, q_scale;
 };
@@ -257,7 +258,7 @@ __device__ void tern_gdn_chunk_state_body(const tern_gdn_state_args& a) {
     float* Qk = Ds + C * (BV + 1);  // [C][C + 1]: the read-out weights
     float* Dec = Qk + C * (C + 1);  // [2C]: exp(G_r), exp(G_{L-1} - G_c)
 
-    float* state = a.states + ((size_t)a.slot[s] * nv + h) * dv * dk;
+    float* state = (a.state_at ? (float*)a.state_at[s] : a.states + (size_t)a.slot[s] * nv * dv * dk) + (size_t)h * dv * dk;
     for (int idx = tid; idx < BV * dk; idx += blockDim.x) {
         const int jj = idx / dk, i = idx % dk;
         Ss[jj * ld + i] = j0 + jj < dv ? state[(size_t)(j0 + jj) * dk + i] : 0.0f;

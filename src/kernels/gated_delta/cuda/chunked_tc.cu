@@ -358,6 +358,7 @@ struct tern_gdn_tc_state_args {
     const tern_gdn_bf16* qn_s; const tern_gdn_bf16* kn_s;
     const tern_gdn_u32* seg_chunk0; const tern_gdn_u32* seg_nchunks;
     const tern_gdn_u32* chunk_t0; const tern_gdn_u32* chunk_len; const tern_gdn_u32* slot;
+    const unsigned long long* state_at;  // each sequence's own state buffer, or null: slot of the pool
     int nk, nv, dv, grouped;
 };
 
@@ -421,7 +422,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
     // The [64][32] products: warp w owns chunk rows 16 (w / 2).. and value columns jn...
     const int mc = 16 * (warp >> 1), jn = 16 * (warp & 1);
 
-    float* state = a.states + ((size_t)a.slot[seq] * nv + h) * dv * DK + (size_t)j0 * DK;
+    float* state = (a.state_at ? (float*)a.state_at[seq] : a.states + (size_t)a.slot[seq] * nv * dv * DK) + (size_t)h * dv * DK + (size_t)j0 * DK;
     float s[NI][4];
 #pragma unroll
     for (int n = 0; n < NI; n++)

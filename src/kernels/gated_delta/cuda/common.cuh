@@ -10,6 +10,27 @@ typedef unsigned int tern_gdn_u32;
 // the divisor overflows to +inf and the result is -0, not NaN.
 __device__ __forceinline__ float tern_gdn_silu(float x) { return x / (1.0f + expf(-x)); }
 
+// log(1 + e^v). Guard at 20: exp overflows f32 above ~88.7, which would make g = -inf and
+// wipe the head's state; above 20, softplus(v) - v < 2.1e-9, below an ulp of v. For
+// x = e^v <= 1 the odd series of 2*atanh(x / (2 + x)) is free of the cancellation in
+// log(1 + x) that would bias the chunked prefill's cumulative sums of g toward zero.
+__device__ __forceinline__ float tern_gdn_softplus(float v) {
+    if (v > 20.0f) return v;
+    float x = expf(v);
+    if (x > 1.0f) return logf(1.0f + x);
+    float s = x / (2.0f + x);
+    float s2 = s * s;
+    float poly = 1.0f / 15.0f;
+    poly = poly * s2 + 1.0f / 13.0f;
+    poly = poly * s2 + 1.0f / 11.0f;
+    poly = poly * s2 + 1.0f / 9.0f;
+    poly = poly * s2 + 1.0f / 7.0f;
+    poly = poly * s2 + 1.0f / 5.0f;
+    poly = poly * s2 + 1.0f / 3.0f;
+    poly = poly * s2 + 1.0f;
+    return 2.0f * s * poly;
+}
+
 // The full-warp sum by butterfly exchange: after step m each lane holds the sum of its
 // 2^m-lane group, and since a + b == b + a in IEEE arithmetic every lane ends with the SAME
 // bits, so any lane may write the result and the order is fixed for a given input.

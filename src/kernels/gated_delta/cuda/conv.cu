@@ -17,7 +17,8 @@ template <int K>
 __device__ void tern_gdn_conv_body(const float* __restrict__ x, const float* __restrict__ weight,
                                    float* __restrict__ conv_states, float* __restrict__ out,
                                    const tern_gdn_u32* __restrict__ seg_start, const tern_gdn_u32* __restrict__ seg_len,
-                                   const tern_gdn_u32* __restrict__ slot, int channels, int chunk) {
+                                   const tern_gdn_u32* __restrict__ slot,
+                                   const unsigned long long* __restrict__ state_at, int channels, int chunk) {
     constexpr int T = K - 1;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int s = blockIdx.y;
@@ -31,7 +32,8 @@ __device__ void tern_gdn_conv_body(const float* __restrict__ x, const float* __r
 #pragma unroll
     for (int t = 0; t < K; t++) w[t] = weight[(size_t)c * K + t];
     float hist[T > 0 ? T : 1];
-    float* st = conv_states + ((size_t)slot[s] * channels + c) * T;
+    // The sequence's own state buffer (state_at), or its slot of a pool.
+    float* st = (state_at ? (float*)state_at[s] : conv_states + (size_t)slot[s] * channels * T) + (size_t)c * T;
 #pragma unroll
     for (int t = 0; t < T; t++) hist[t] = first ? st[t] : x[(p0 - T + t) * channels + c];
     for (size_t p = p0; p < p1; p++) {
@@ -56,8 +58,9 @@ __device__ void tern_gdn_conv_body(const float* __restrict__ x, const float* __r
     extern "C" __global__ void tern_gdn_conv_k##KW(const float* x, const float* weight, float* conv_states, \
                                                    float* out, const tern_gdn_u32* seg_start,           \
                                                    const tern_gdn_u32* seg_len, const tern_gdn_u32* slot, \
-                                                   int channels, int chunk) { tern_await_prior_kernel(); \
-        tern_gdn_conv_body<KW>(x, weight, conv_states, out, seg_start, seg_len, slot, channels, chunk); \
+                                                   const unsigned long long* state_at, int channels, int chunk) { \
+        tern_await_prior_kernel();                                                                     \
+        tern_gdn_conv_body<KW>(x, weight, conv_states, out, seg_start, seg_len, slot, state_at, channels, chunk); \
     }
 TERN_GDN_CONV(1)
 TERN_GDN_CONV(2)

@@ -196,7 +196,95 @@ pub struct GpuDeltaRuleInputs<'a> {
     /// q and k are raw: L2-normalise both (eps [`L2_NORM_EPS`]) and scale q by `1/√d_k` in the
     /// kernel, as [`crate::kernels::gated_delta::normalize_qk`] would beforehand.
     pub normalize_qk: bool,
+    /// The recurrence only ([`GatedDeltaCuda::delta_rule`]): `g` and `beta` hold the raw
+    /// projections alpha and b, the gates are formed inside the kernel and its output goes
+    /// through the gated RMS norm, one launch for what [`GatedDeltaCuda::gates`], the
+    /// recurrence and [`GatedDeltaCuda::gated_rms_norm`] do, with the same bits.
+    pub fused: Option<FusedGatesNorm<'a>>,
 }
+
+/// What the fused recurrence needs beyond the plain one: the gates' `dt_bias` and `a`
+/// ([n_v_heads]), the output gate `z` ([tokens][n_v_heads·d_v] rows) and the norm's weight
+/// ([d_v]) and epsilon.
+#[derive(Clone, Copy)]
+pub struct FusedGatesNorm<'a> {
+    pub dt_bias: &'a CudaSlice<f32>,
+    pub a: &'a CudaSlice<f32>,
+    pub z: Rows<'a>,
+    pub norm: &'a CudaSlice<f32>,
+    pub eps: f32,
+}
+
+/// Where each sequence of a batch keeps its state: a slot of one pool (the batch's slots), or
+/// a buffer of its own, which the kernels find through a device table of addresses
+/// ([`Gpu::address_table`]), so a batch of sequences needs no copies into a pool and back.
+pub enum GpuStates<'a, 'b> {
+    Pool(&'a mut CudaSlice<f32>),
+    Each(&'a mut [&'b mut CudaSlice<f32>]),
+}
+
+impl GpuStates<'_, '_> {
+    /// Checks the states against the batch (`per` elements a sequence) and returns the pool's
+    /// address (0 with a table) and the address table (with `Each`).
+    fn resolve(&mut self, gpu: &Gpu, what: &str, segs: &GpuSegments, per: usize) -> Result<(u64, Option<Arc<CudaSlice<u64>>>)> {
+        match self {
+            GpuStates::Pool(pool) => {
+                segs.check_pool(what, pool.len(), per)?;
+                Ok((gpu.ptr(pool), None))
+            }
+            GpuStates::Each(states) => {
+                if states.len() != segs.n_seqs() {
+                    return Err(Error::Shape(format!("{what}: {} states for {} sequences", states.len(), segs.n_seqs())));
+                }
+                if let Some(s) = states.iter().find(|s| s.len() != per) {
+                    return Err(Error::Shape(format!("{what}: a state of {} elements where {per} are expected", s.len())));
+                }
+                let addresses: Vec<u64> = states.iter().map(|s| gpu.ptr(&**s)).collect();
+                Ok((0, Some(gpu.address_table(&addresses)?)))
+            }
+        }
+    }
+}
+
+/// Mirrors `tern_gdn_recurrence_args` in recurrence.cu field for field (C layout).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RecurrenceArgs {
+    states: u64,
+    slot: u64,
+    state_at: u64,
+    q: u64,
+    q_stride: i64,
+    k: u64,
+    k_stride: i64,
+    v: u64,
+    v_stride: i64,
+    g: u64,
+    beta: u64,
+    out: u64,
+    seg_start: u64,
+    seg_len: u64,
+    dt_bias: u64,
+    a: u64,
+    z: u64,
+    z_stride: i64,
+    norm_w: u64,
+    norm_eps: f32,
+    nk: i32,
+    nv: i32,
+    dv: i32,
+    grouped: i32,
+    l2qk: i32,
+    eps: f32,
+    q_scale: f32,
+}
+// SAFETY: plain data, laid out as the kernel's struct.
+unsafe impl DeviceRepr for RecurrenceArgs {}
+
+/// The fused recurrence takes value heads of at most this many rows (TERN_GDN_FUSED_MAX_DV in
+/// recurrence.cu), 8 a warp, one block a head.
+pub const FUSED_MAX_DV: usize = 128;
+const FUSED_ROWS_PER_WARP: usize = 8;
 
 /// The family's kernels, loaded for one GPU.
 pub struct GatedDeltaCuda {
@@ -207,6 +295,7 @@ pub struct GatedDeltaCuda {
     gated_norm: CudaFunction,
     /// (d_k, (rows, groups) per warp, kernel).
     recurrence: Vec<(usize, (usize, usize), CudaFunction)>,
+    recurrence_fused: Vec<(usize, CudaFunction)>,
     recurrence_variant: (usize, usize),
     /// Chunk-prepare and chunk-state kernels with f32 and f64 accumulators.
     chunk_prepare: [CudaFunction; 2],
@@ -321,6 +410,7 @@ struct TcStateArgs {
     chunk_t0: u64,
     chunk_len: u64,
     slot: u64,
+    state_at: u64,
     nk: i32,
     nv: i32,
     dv: i32,
@@ -417,6 +507,7 @@ struct StateArgs {
     chunk_t0: u64,
     chunk_len: u64,
     slot: u64,
+    state_at: u64,
     nk: i32,
     nv: i32,
     dk: i32,
@@ -439,11 +530,12 @@ impl GatedDeltaCuda {
     /// Compiles (or takes from the cache) and loads every kernel of the family.
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
         let conv = (1..=MAX_CONV_WIDTH).map(|kw| gpu.function(&CONV, &format!("tern_gdn_conv_k{kw}"))).collect::<Result<_>>()?;
-        let mut recurrence = Vec::new();
+        let (mut recurrence, mut recurrence_fused) = (Vec::new(), Vec::new());
         for d in [32usize, 64, 128, 256] {
             for (r, g) in RECURRENCE_VARIANTS {
                 recurrence.push((d, (r, g), gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_dk{d}_r{r}_g{g}"))?));
             }
+            recurrence_fused.push((d, gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_fused_dk{d}"))?));
         }
         let with_smem = |src: &KernelSource, name: &str, smem: usize| -> Result<CudaFunction> {
             let f = gpu.function(src, name)?;
@@ -483,6 +575,7 @@ impl GatedDeltaCuda {
             gated_norm: gpu.function(&NORM, "tern_gdn_gated_rms_norm")?,
             conv,
             recurrence,
+            recurrence_fused,
             recurrence_variant: RECURRENCE_VARIANT,
             gpu,
         })
@@ -572,7 +665,7 @@ impl GatedDeltaCuda {
         weight: &CudaSlice<f32>,
         kernel_width: usize,
         segs: &GpuSegments,
-        conv_states: &mut CudaSlice<f32>,
+        mut conv_states: GpuStates,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
         if kernel_width == 0 || kernel_width > MAX_CONV_WIDTH || weight.is_empty() || weight.len() % kernel_width != 0 {
@@ -585,12 +678,11 @@ impl GatedDeltaCuda {
         check_len("conv1d_silu input", x.len(), segs.tokens * channels)?;
         check_len("conv1d_silu output", out.len(), x.len())?;
         let taps = kernel_width - 1;
-        if taps > 0 {
-            segs.check_pool("conv1d_silu conv states", conv_states.len(), channels * taps)?;
-        }
         if segs.n_seqs() == 0 {
             return Ok(());
         }
+        // Width 1 keeps no history: no state to check (the kernel reads none).
+        let (pool, table) = if taps > 0 { conv_states.resolve(&self.gpu, "conv1d_silu conv states", segs, channels * taps)? } else { (0, None) };
         let ch = i32_of("conv channels", channels)?;
         // Positions per thread: a prompt's positions spread over many threads (see conv.cu);
         // at least the history length, so a later chunk's history lies in its own sequence.
@@ -607,7 +699,8 @@ impl GatedDeltaCuda {
         let chunk_arg = chunk as i32;
         let f = &self.conv[kernel_width - 1];
         let mut l = self.gpu.launch_builder(f);
-        l.buf(x).buf(weight).buf(conv_states).buf(out).buf(&segs.start).buf(&segs.len).buf(&segs.slot).arg(&ch).arg(&chunk_arg);
+        let table_at = self.gpu.ptr_opt(table.as_deref());
+        l.buf(x).buf(weight).arg(&pool).buf(out).buf(&segs.start).buf(&segs.len).buf(&segs.slot).arg(&table_at).arg(&ch).arg(&chunk_arg);
         // SAFETY: argument types match tern_gdn_conv_k*; segments lie inside the rows and slots
         // inside the pool (checked), a chunk after the first reads the K - 1 rows before it in its
         // own segment (chunk >= MAX_CONV_WIDTH), only the first chunk's thread reads and writes
@@ -674,7 +767,7 @@ impl GatedDeltaCuda {
         Ok(())
     }
 
-    fn check_inputs(&self, what: &str, heads: &DeltaRuleHeads, x: &GpuDeltaRuleInputs, segs: &GpuSegments, states: &CudaSlice<f32>, out: &CudaSlice<f32>) -> Result<()> {
+    fn check_inputs(&self, what: &str, heads: &DeltaRuleHeads, x: &GpuDeltaRuleInputs, segs: &GpuSegments, out: &CudaSlice<f32>) -> Result<()> {
         heads.validate()?;
         let t = segs.tokens;
         x.q.check(&format!("{what} q"), t, heads.n_k_heads * heads.d_k)?;
@@ -683,8 +776,20 @@ impl GatedDeltaCuda {
         check_len(&format!("{what} g"), x.g.len(), t * heads.n_v_heads)?;
         check_len(&format!("{what} beta"), x.beta.len(), t * heads.n_v_heads)?;
         check_len(&format!("{what} output"), out.len(), t * heads.n_v_heads * heads.d_v)?;
-        segs.check_pool(&format!("{what} states"), states.len(), heads.state_len())?;
+        if let Some(f) = &x.fused {
+            check_len(&format!("{what} dt_bias"), f.dt_bias.len(), heads.n_v_heads)?;
+            check_len(&format!("{what} a"), f.a.len(), heads.n_v_heads)?;
+            check_len(&format!("{what} norm weight"), f.norm.len(), heads.d_v)?;
+            f.z.check(&format!("{what} z"), t, heads.n_v_heads * heads.d_v)?;
+        }
         Ok(())
+    }
+
+    fn unfused(what: &str, x: &GpuDeltaRuleInputs) -> Result<()> {
+        match x.fused {
+            Some(_) => Err(Error::Shape(format!("{what}: the fused gates and norm are the recurrence's alone"))),
+            None => Ok(()),
+        }
     }
 
     /// The delta-rule recurrence over a packed batch: the sequential scan, and with
@@ -697,37 +802,71 @@ impl GatedDeltaCuda {
         heads: &DeltaRuleHeads,
         x: &GpuDeltaRuleInputs,
         segs: &GpuSegments,
-        states: &mut CudaSlice<f32>,
+        mut states: GpuStates,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.check_inputs("delta_rule", heads, x, segs, states, out)?;
-        let (rows, per_warp) = self.recurrence_variant;
-        let f = self.recurrence.iter().find(|(d, v, _)| *d == heads.d_k && *v == (rows, per_warp)).map(|(_, _, f)| f).ok_or_else(|| {
-            Error::Shape(format!("delta_rule on CUDA: d_k = {} (supported: 32, 64, 128, 256)", heads.d_k))
-        })?;
+        self.check_inputs("delta_rule", heads, x, segs, out)?;
+        let (rows, per_warp) = match x.fused {
+            Some(_) => (FUSED_ROWS_PER_WARP, 1),
+            None => self.recurrence_variant,
+        };
+        let f = match x.fused {
+            Some(_) if heads.d_v <= FUSED_MAX_DV => self.recurrence_fused.iter().find(|(d, _)| *d == heads.d_k).map(|(_, f)| f),
+            Some(_) => return Err(Error::Shape(format!("delta_rule fused on CUDA: d_v = {} (at most {FUSED_MAX_DV})", heads.d_v))),
+            None => self.recurrence.iter().find(|(d, v, _)| *d == heads.d_k && *v == (rows, per_warp)).map(|(_, _, f)| f),
+        };
+        let f = f.ok_or_else(|| Error::Shape(format!("delta_rule on CUDA: d_k = {} (supported: 32, 64, 128, 256)", heads.d_k)))?;
         if segs.n_seqs() == 0 {
             return Ok(());
         }
-        let warps = (heads.n_v_heads * heads.d_v.div_ceil(rows)).div_ceil(per_warp);
-        let cfg = LaunchConfig {
-            grid_dim: (grid_1d(warps, ROW_WARPS)?, segs.n_seqs() as u32, 1),
-            block_dim: (32 * ROW_WARPS, 1, 1),
-            shared_mem_bytes: 0,
+        let (pool, table) = states.resolve(&self.gpu, "delta_rule states", segs, heads.state_len())?;
+        let groups = heads.d_v.div_ceil(rows);
+        let cfg = match x.fused {
+            // One block of `groups` warps per (head, sequence): the norm meets a head's rows.
+            Some(_) => LaunchConfig { grid_dim: (heads.n_v_heads as u32, segs.n_seqs() as u32, 1), block_dim: (32 * groups as u32, 1, 1), shared_mem_bytes: 0 },
+            None => LaunchConfig {
+                grid_dim: (grid_1d((heads.n_v_heads * groups).div_ceil(per_warp), ROW_WARPS)?, segs.n_seqs() as u32, 1),
+                block_dim: (32 * ROW_WARPS, 1, 1),
+                shared_mem_bytes: 0,
+            },
         };
-        let at = |r: &Rows| self.gpu.ptr(r.buf) + 4 * r.offset as u64;
-        let (qv, kv, vv) = (at(&x.q), at(&x.k), at(&x.v));
-        let (qs, ks, vs) = (x.q.stride as i64, x.k.stride as i64, x.v.stride as i64);
-        let nk = i32_of("key heads", heads.n_k_heads)?;
-        let nv = i32_of("value heads", heads.n_v_heads)?;
-        let dv = i32_of("d_v", heads.d_v)?;
-        let grouped = (heads.key_head == KeyHeadMap::Grouped) as i32;
-        let l2 = x.normalize_qk as i32;
-        let (eps, scale) = (L2_NORM_EPS, (1.0 / (heads.d_k as f64).sqrt()) as f32);
-        let mut l = self.gpu.launch_builder(f);
-        l.buf(states).arg(&qv).arg(&qs).arg(&kv).arg(&ks).arg(&vv).arg(&vs).buf(x.g).buf(x.beta).buf(out);
-        l.buf(&segs.start).buf(&segs.len).buf(&segs.slot).arg(&nk).arg(&nv).arg(&dv).arg(&grouped).arg(&l2).arg(&eps).arg(&scale);
-        // SAFETY: argument types match tern_gdn_recurrence_dk*; every row, slot and segment
-        // index lies inside its buffer (checked above).
+        let g = &self.gpu;
+        let at = |r: &Rows| g.ptr(r.buf) + 4 * r.offset as u64;
+        let fused = x.fused.as_ref();
+        let args = RecurrenceArgs {
+            states: pool,
+            slot: g.ptr(&segs.slot),
+            state_at: g.ptr_opt(table.as_deref()),
+            q: at(&x.q),
+            q_stride: x.q.stride as i64,
+            k: at(&x.k),
+            k_stride: x.k.stride as i64,
+            v: at(&x.v),
+            v_stride: x.v.stride as i64,
+            g: g.ptr(x.g),
+            beta: g.ptr(x.beta),
+            out: g.ptr(out),
+            seg_start: g.ptr(&segs.start),
+            seg_len: g.ptr(&segs.len),
+            dt_bias: g.ptr_opt(fused.map(|f| f.dt_bias)),
+            a: g.ptr_opt(fused.map(|f| f.a)),
+            z: fused.map_or(0, |f| at(&f.z)),
+            z_stride: fused.map_or(0, |f| f.z.stride as i64),
+            norm_w: g.ptr_opt(fused.map(|f| f.norm)),
+            norm_eps: fused.map_or(0.0, |f| f.eps),
+            nk: i32_of("key heads", heads.n_k_heads)?,
+            nv: i32_of("value heads", heads.n_v_heads)?,
+            dv: i32_of("d_v", heads.d_v)?,
+            grouped: (heads.key_head == KeyHeadMap::Grouped) as i32,
+            l2qk: x.normalize_qk as i32,
+            eps: L2_NORM_EPS,
+            q_scale: (1.0 / (heads.d_k as f64).sqrt()) as f32,
+        };
+        let mut l = g.launch_builder(f);
+        l.arg(&args);
+        // SAFETY: RecurrenceArgs mirrors tern_gdn_recurrence_args; every row, segment and slot
+        // lies inside its buffer and each sequence's state has its length (checked above); the
+        // address table stays alive in the device table cache after this returns.
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_recurrence"))?;
         Ok(())
     }
@@ -743,11 +882,13 @@ impl GatedDeltaCuda {
         heads: &DeltaRuleHeads,
         x: &GpuDeltaRuleInputs,
         segs: &GpuSegments,
-        states: &mut CudaSlice<f32>,
+        mut states: GpuStates,
         out: &mut CudaSlice<f32>,
         acc: ChunkAccumulate,
     ) -> Result<()> {
-        self.check_inputs("delta_rule_chunked", heads, x, segs, states, out)?;
+        self.check_inputs("delta_rule_chunked", heads, x, segs, out)?;
+        Self::unfused("delta_rule_chunked", x)?;
+        let (pool, state_table) = states.resolve(&self.gpu, "delta_rule_chunked states", segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
         if d_k > MAX_CHUNK_HEAD_DIM || d_v > MAX_CHUNK_HEAD_DIM {
             return Err(Error::Shape(format!("delta_rule_chunked on CUDA: d_k {d_k}, d_v {d_v} (at most {MAX_CHUNK_HEAD_DIM})")));
@@ -811,7 +952,7 @@ impl GatedDeltaCuda {
         }
 
         let args = StateArgs {
-            states: states.device_ptr_mut(stream).0,
+            states: pool,
             q: args.q,
             q_stride: args.q_stride,
             k: args.k,
@@ -826,6 +967,7 @@ impl GatedDeltaCuda {
             chunk_t0: args.chunk_t0,
             chunk_len: args.chunk_len,
             slot: segs.slot.device_ptr(stream).0,
+            state_at: self.gpu.ptr_opt(state_table.as_deref()),
             nk,
             nv,
             dk,
@@ -871,10 +1013,12 @@ impl GatedDeltaCuda {
         heads: &DeltaRuleHeads,
         x: &GpuDeltaRuleInputs,
         segs: &GpuSegments,
-        states: &mut CudaSlice<f32>,
+        mut states: GpuStates,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.check_inputs("delta_rule_chunked_fast", heads, x, segs, states, out)?;
+        self.check_inputs("delta_rule_chunked_fast", heads, x, segs, out)?;
+        Self::unfused("delta_rule_chunked_fast", x)?;
+        let (pool, state_table) = states.resolve(&self.gpu, "delta_rule_chunked_fast states", segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
         let (rows, stages) = self.fast_variant;
         let prepare = self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows)).map(|(_, f)| f);
@@ -947,7 +1091,7 @@ impl GatedDeltaCuda {
         }
 
         let args = TcStateArgs {
-            states: states.device_ptr_mut(stream).0,
+            states: pool,
             out: out.device_ptr_mut(stream).0,
             w_s,
             u_s,
@@ -960,6 +1104,7 @@ impl GatedDeltaCuda {
             chunk_t0,
             chunk_len,
             slot: segs.slot.device_ptr(stream).0,
+            state_at: self.gpu.ptr_opt(state_table.as_deref()),
             nk,
             nv,
             dv,

@@ -10,8 +10,9 @@
 //
 //   row *= exp(g);  delta = (v[j] - row.k) * beta;  row += k * delta;  out[j] = row.q
 //
-// two warp sums and nothing else: no shared memory, no barrier. The state slot of each
-// sequence comes from `slot`, so a batch can advance any subset of a pool of states.
+// two warp sums and nothing else: no shared memory, no barrier (but in the fused form below).
+// Each sequence's state is its own buffer (`state_at`) or a slot of a pool (`slot`), so a
+// batch can advance any set of sequences.
 //
 // Optional fusion (l2qk): q and k arrive raw (e.g. straight from the conv output, with row
 // strides) and are L2-normalised in registers, q also scaled, exactly as
@@ -64,6 +65,41 @@ __device__ __forceinline__ void tern_gdn_l2_regs(float (&x)[DK / 32], float eps,
     for (int e = 0; e < DK / 32; e++) x[e] = (x[e] * inv) * scale;
 }
 
+// The recurrence's arguments, mirrored field for field by RecurrenceArgs in mod.rs (C layout).
+// A sequence's state is state_at[s] when state_at is set (each sequence its own buffer: no
+// copies into a pool and back for a batch), else slot slot[s] of the pool `states`.
+struct tern_gdn_recurrence_args {
+    float* states;
+    const tern_gdn_u32* slot;
+    const unsigned long long* state_at;
+    const float* q;
+    long long q_stride;
+    const float* k;
+    long long k_stride;
+    const float* v;
+    long long v_stride;
+    // [tokens][nv]: the log-decay g and beta, or (fused) the raw projections alpha and b.
+    const float* g;
+    const float* beta;
+    float* out;
+    const tern_gdn_u32* seg_start;
+    const tern_gdn_u32* seg_len;
+    // Fused form only: the gates' dt_bias and a [nv], the output gate z (rows of z_stride,
+    // head h at h * dv) and the gated norm's weight [dv] and epsilon.
+    const float* dt_bias;
+    const float* a;
+    const float* z;
+    long long z_stride;
+    const float* norm_w;
+    float norm_eps;
+    int nk, nv, dv, grouped, l2qk;
+    float eps, q_scale;
+};
+
+// Value heads of at most this many rows take the fused form (one block per head, 8 rows per
+// warp, at most 16 warps).
+#define TERN_GDN_FUSED_MAX_DV 128
+
 // A warp advances ROWS consecutive rows of one head together: their loads are all in flight
 // before the first use (the state stream needs many bytes in flight per multiprocessor to
 // reach the memory bandwidth), and the token's k, q, g, beta and their normalisation are
@@ -71,24 +107,27 @@ __device__ __forceinline__ void tern_gdn_l2_regs(float (&x)[DK / 32], float eps,
 // has already requested before the current group's tokens, so its loads overlap this group's
 // arithmetic. Each row's arithmetic is exactly the one-row form's, so neither choice changes a
 // bit of the result.
-template <int DK, int ROWS, int GPW>
-__device__ void tern_gdn_recurrence_body(float* __restrict__ states, const float* __restrict__ q, long long q_stride,
-                                         const float* __restrict__ k, long long k_stride, const float* __restrict__ v,
-                                         long long v_stride, const float* __restrict__ g,
-                                         const float* __restrict__ beta, float* __restrict__ out,
-                                         const tern_gdn_u32* __restrict__ seg_start,
-                                         const tern_gdn_u32* __restrict__ seg_len, const tern_gdn_u32* __restrict__ slot,
-                                         int nk, int nv, int dv, int grouped, int l2qk, float eps, float q_scale) {
+//
+// FUSED (GPW = 1, one block of dv / ROWS warps per (sequence, head)): the gates are formed
+// from the raw projections as tern_gdn_gates forms them, and each token's output row of the
+// head goes through the gated RMS norm of tern_gdn_gated_rms_norm before it is written (the
+// block meets in shared memory once per token; the sum of squares runs in that kernel's
+// order), so a decode step's gates, recurrence and norm are one launch with the same bits as
+// three.
+template <int DK, int ROWS, int GPW, bool FUSED>
+__device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, float* o_smem) {
     constexpr int E = DK / 32;
     const int lane = threadIdx.x % 32;
+    const int nv = a.nv, dv = a.dv;
     const int groups = (dv + ROWS - 1) / ROWS;  // row groups per head
     const long long total = (long long)nv * groups;
     const long long first = ((long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * GPW;
-    // Uniform per warp, so an early exit never splits a warp before its shuffles.
+    // Uniform per warp, so an early exit never splits a warp before its shuffles (and in the
+    // fused form every warp of a block is inside its head, so none leaves its barriers).
     if (first >= total) return;
     const int s = blockIdx.y;
-    float* seq_state = states + (size_t)slot[s] * nv * dv * DK;
-    const size_t start = seg_start[s], end = start + seg_len[s];
+    float* seq_state = a.state_at ? (float*)a.state_at[s] : a.states + (size_t)a.slot[s] * nv * dv * DK;
+    const size_t start = a.seg_start[s], end = start + a.seg_len[s];
 
     float r[ROWS][E], next[ROWS][E];
     {
@@ -108,19 +147,25 @@ __device__ void tern_gdn_recurrence_body(float* __restrict__ states, const float
                 if (jn + m < dv) tern_gdn_load_row<DK>(seq_state + ((size_t)hn * dv + jn + m) * DK + lane * E, next[m]);
         }
         const int h = (int)(grp / groups), j0 = (int)(grp % groups) * ROWS;
-        const int kh = tern_gdn_key_head(h, nk, nv, grouped);
+        const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
         for (size_t t = start; t < end; t++) {
             float kk[E], qq[E];
-            tern_gdn_load_row<DK>(k + t * k_stride + (size_t)kh * DK + lane * E, kk);
-            tern_gdn_load_row<DK>(q + t * q_stride + (size_t)kh * DK + lane * E, qq);
-            const float decay = expf(g[t * nv + h]);
-            const float b = beta[t * nv + h];
+            tern_gdn_load_row<DK>(a.k + t * a.k_stride + (size_t)kh * DK + lane * E, kk);
+            tern_gdn_load_row<DK>(a.q + t * a.q_stride + (size_t)kh * DK + lane * E, qq);
+            float decay, b;
+            if constexpr (FUSED) {
+                decay = expf(a.a[h] * tern_gdn_softplus(a.g[t * nv + h] + a.dt_bias[h]));
+                b = 1.0f / (1.0f + expf(-a.beta[t * nv + h]));
+            } else {
+                decay = expf(a.g[t * nv + h]);
+                b = a.beta[t * nv + h];
+            }
             float vj[ROWS];
 #pragma unroll
-            for (int m = 0; m < ROWS; m++) vj[m] = j0 + m < dv ? v[t * v_stride + (size_t)h * dv + j0 + m] : 0.0f;
-            if (l2qk) {
-                tern_gdn_l2_regs<DK>(kk, eps, 1.0f);
-                tern_gdn_l2_regs<DK>(qq, eps, q_scale);
+            for (int m = 0; m < ROWS; m++) vj[m] = j0 + m < dv ? a.v[t * a.v_stride + (size_t)h * dv + j0 + m] : 0.0f;
+            if (a.l2qk) {
+                tern_gdn_l2_regs<DK>(kk, a.eps, 1.0f);
+                tern_gdn_l2_regs<DK>(qq, a.eps, a.q_scale);
             }
             float part[ROWS];
 #pragma unroll
@@ -144,9 +189,28 @@ __device__ void tern_gdn_recurrence_body(float* __restrict__ states, const float
                 }
             }
 #pragma unroll
-            for (int m = 0; m < ROWS; m++) {
-                o[m] = tern_gdn_warp_sum(o[m]);
-                if (lane == 0 && j0 + m < dv) out[(t * nv + h) * dv + j0 + m] = o[m];
+            for (int m = 0; m < ROWS; m++) o[m] = tern_gdn_warp_sum(o[m]);
+            float* row_out = a.out + (t * nv + h) * dv;
+            if constexpr (FUSED) {
+                // Two buffers by token parity: a warp writing token t + 1's row never meets one
+                // still reading token t's, which passed this barrier before it could.
+                float* head = o_smem + (t & 1) * TERN_GDN_FUSED_MAX_DV;
+#pragma unroll
+                for (int m = 0; m < ROWS; m++)
+                    if (lane == 0 && j0 + m < dv) head[j0 + m] = o[m];
+                __syncthreads();
+                float ss = 0.0f;
+                for (int i = lane; i < dv; i += 32) ss += head[i] * head[i];
+                const float inv = 1.0f / sqrtf(tern_gdn_warp_sum(ss) / (float)dv + a.norm_eps);
+                const float* zr = a.z + t * a.z_stride + (size_t)h * dv;
+#pragma unroll
+                for (int m = 0; m < ROWS; m++)
+                    if (lane == 0 && j0 + m < dv)
+                        row_out[j0 + m] = ((o[m] * inv) * a.norm_w[j0 + m]) * tern_gdn_silu(zr[j0 + m]);
+            } else {
+#pragma unroll
+                for (int m = 0; m < ROWS; m++)
+                    if (lane == 0 && j0 + m < dv) row_out[j0 + m] = o[m];
             }
         }
 #pragma unroll
@@ -160,22 +224,28 @@ __device__ void tern_gdn_recurrence_body(float* __restrict__ states, const float
 
 // One kernel per (d_k, rows per warp, row groups per warp). These only trade registers
 // against bytes in flight; the launcher's default is RECURRENCE_VARIANT in mod.rs.
-#define TERN_GDN_RECURRENCE(D, R, P)                                                                       \
-    extern "C" __global__ void __launch_bounds__(128) tern_gdn_recurrence_dk##D##_r##R##_g##P(              \
-        float* states, const float* q, long long q_stride, const float* k, long long k_stride, const float* v, \
-        long long v_stride, const float* g, const float* beta, float* out, const tern_gdn_u32* seg_start,  \
-        const tern_gdn_u32* seg_len, const tern_gdn_u32* slot, int nk, int nv, int dv, int grouped, int l2qk, \
-        float eps, float q_scale) { tern_await_prior_kernel();                                             \
-        tern_gdn_recurrence_body<D, R, P>(states, q, q_stride, k, k_stride, v, v_stride, g, beta, out,     \
-                                          seg_start, seg_len, slot, nk, nv, dv, grouped, l2qk, eps, q_scale); \
+#define TERN_GDN_RECURRENCE(D, R, P)                                                                     \
+    extern "C" __global__ void __launch_bounds__(128)                                                    \
+        tern_gdn_recurrence_dk##D##_r##R##_g##P(const tern_gdn_recurrence_args a) {                      \
+        tern_await_prior_kernel();                                                                       \
+        tern_gdn_recurrence_body<D, R, P, false>(a, nullptr);                                            \
+    }
+// The fused form: 8 rows per warp, a block of dv / 8 warps per (sequence, head).
+#define TERN_GDN_RECURRENCE_FUSED(D)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GDN_FUSED_MAX_DV / 8)                         \
+        tern_gdn_recurrence_fused_dk##D(const tern_gdn_recurrence_args a) {                              \
+        __shared__ float o_smem[2 * TERN_GDN_FUSED_MAX_DV];                                              \
+        tern_await_prior_kernel();                                                                       \
+        tern_gdn_recurrence_body<D, 8, 1, true>(a, o_smem);                                              \
     }
 #define TERN_GDN_RECURRENCE_D(D)                                                                          \
     TERN_GDN_RECURRENCE(D, 1, 1) TERN_GDN_RECURRENCE(D, 2, 1) TERN_GDN_RECURRENCE(D, 4, 1)              \
     TERN_GDN_RECURRENCE(D, 8, 1) TERN_GDN_RECURRENCE(D, 2, 2) TERN_GDN_RECURRENCE(D, 4, 2)              \
-    TERN_GDN_RECURRENCE(D, 2, 4) TERN_GDN_RECURRENCE(D, 4, 4)
+    TERN_GDN_RECURRENCE(D, 2, 4) TERN_GDN_RECURRENCE(D, 4, 4) TERN_GDN_RECURRENCE_FUSED(D)
 TERN_GDN_RECURRENCE_D(32)
 TERN_GDN_RECURRENCE_D(64)
 TERN_GDN_RECURRENCE_D(128)
 TERN_GDN_RECURRENCE_D(256)
 #undef TERN_GDN_RECURRENCE_D
+#undef TERN_GDN_RECURRENCE_FUSED
 #undef TERN_GDN_RECURRENCE

@@ -82,12 +82,25 @@ fn cuda_conv_matches_cpu_and_scan_equals_steps() {
         let (dx, dw) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap());
         let mut dpool = gpu.upload(&pool).unwrap();
         let mut dout = nan(&gpu, x.len());
-        k.conv1d_silu(&dx, &dw, kw, &segs, &mut dpool, &mut dout).unwrap();
+        k.conv1d_silu(&dx, &dw, kw, &segs, GpuStates::Pool(&mut dpool), &mut dout).unwrap();
         let scan_out = gpu.download(&dout).unwrap();
         let scan_pool = gpu.download(&dpool).unwrap();
         let eo = check("conv output", &scan_out, &cpu_out, BOUND);
         // The state holds raw inputs: exactly the CPU's values, and untouched slots unchanged.
         assert_bits_eq("conv states", &scan_pool, &cpu_pool);
+
+        // Each sequence's state in a buffer of its own (an address table): the same bits.
+        let per = channels * taps;
+        if per > 0 {
+            let mut own: Vec<CudaSlice<f32>> = slots.iter().map(|&s| gpu.upload(&pool[s * per..(s + 1) * per]).unwrap()).collect();
+            let mut refs: Vec<&mut CudaSlice<f32>> = own.iter_mut().collect();
+            let mut o = nan(&gpu, x.len());
+            k.conv1d_silu(&dx, &dw, kw, &segs, GpuStates::Each(&mut refs), &mut o).unwrap();
+            assert_bits_eq("conv, own state buffers (outputs)", &gpu.download(&o).unwrap(), &scan_out);
+            for (i, &s) in slots.iter().enumerate() {
+                assert_bits_eq("conv, own state buffers (states)", &gpu.download(&own[i]).unwrap(), &cpu_pool[s * per..(s + 1) * per]);
+            }
+        }
 
         // Decode: every position through one-token launches, sequences batched per step.
         let mut dpool = gpu.upload(&pool).unwrap();
@@ -98,7 +111,7 @@ fn cuda_conv_matches_cpu_and_scan_equals_steps() {
             let step_slots: Vec<usize> = active.iter().map(|&s| slots[s]).collect();
             let segs = GpuSegments::decode(&gpu, &step_slots).unwrap();
             let mut o = nan(&gpu, xs.len());
-            k.conv1d_silu(&gpu.upload(&xs).unwrap(), &dw, kw, &segs, &mut dpool, &mut o).unwrap();
+            k.conv1d_silu(&gpu.upload(&xs).unwrap(), &dw, kw, &segs, GpuStates::Pool(&mut dpool), &mut o).unwrap();
             let o = gpu.download(&o).unwrap();
             for (i, &s) in active.iter().enumerate() {
                 step_out[(segments[s].start + p) * channels..][..channels].copy_from_slice(&o[i * channels..(i + 1) * channels]);
@@ -111,9 +124,9 @@ fn cuda_conv_matches_cpu_and_scan_equals_steps() {
     let segs = GpuSegments::new(&gpu, &pack([2]), &[0], 2).unwrap();
     let (x, w) = (gpu.upload(&[0.0f32; 16]).unwrap(), gpu.upload(&[0.0f32; 32]).unwrap());
     let (mut st, mut out) = (nan(&gpu, 8 * 3), nan(&gpu, 16));
-    assert!(matches!(k.conv1d_silu(&x, &w, 9, &segs, &mut st, &mut out), Err(Error::Shape(_))));
+    assert!(matches!(k.conv1d_silu(&x, &w, 9, &segs, GpuStates::Pool(&mut st), &mut out), Err(Error::Shape(_))));
     let mut short = nan(&gpu, 20);
-    assert!(matches!(k.conv1d_silu(&x, &w, 4, &segs, &mut short, &mut out), Err(Error::Shape(_))));
+    assert!(matches!(k.conv1d_silu(&x, &w, 4, &segs, GpuStates::Pool(&mut short), &mut out), Err(Error::Shape(_))));
     assert!(matches!(GpuSegments::new(&gpu, &pack([1, 1]), &[3, 3], 2), Err(Error::Shape(_))));
 }
 
@@ -220,6 +233,7 @@ fn device_vs_cpu_scan(
             g: &dg,
             beta: &db,
             normalize_qk: true,
+            fused: None,
         };
         run_path(k, path, heads, &inputs, &segs, &mut dpool, &mut dout);
     } else {
@@ -231,6 +245,7 @@ fn device_vs_cpu_scan(
             g: &dg,
             beta: &db,
             normalize_qk: false,
+            fused: None,
         };
         run_path(k, path, heads, &inputs, &segs, &mut dpool, &mut dout);
     }
@@ -252,9 +267,9 @@ fn device_vs_cpu_scan(
 
 fn run_path(k: &GatedDeltaCuda, path: Path, heads: &DeltaRuleHeads, x: &GpuDeltaRuleInputs, segs: &GpuSegments, pool: &mut CudaSlice<f32>, out: &mut CudaSlice<f32>) {
     match path {
-        Path::Scan => k.delta_rule(heads, x, segs, pool, out).unwrap(),
-        Path::Chunked(acc) => k.delta_rule_chunked(heads, x, segs, pool, out, acc).unwrap(),
-        Path::Fast(_) => k.delta_rule_chunked_fast(heads, x, segs, pool, out).unwrap(),
+        Path::Scan => k.delta_rule(heads, x, segs, GpuStates::Pool(pool), out).unwrap(),
+        Path::Chunked(acc) => k.delta_rule_chunked(heads, x, segs, GpuStates::Pool(pool), out, acc).unwrap(),
+        Path::Fast(_) => k.delta_rule_chunked_fast(heads, x, segs, GpuStates::Pool(pool), out).unwrap(),
     }
 }
 
@@ -289,8 +304,8 @@ fn cuda_recurrence_matches_cpu_scan() {
     let one = nan(&gpu, 1);
     let mut st = nan(&gpu, 48 * 48);
     let mut out = nan(&gpu, 48);
-    let x = GpuDeltaRuleInputs { q: Rows::contiguous(&b, 48), k: Rows::contiguous(&b, 48), v: Rows::contiguous(&b, 48), g: &one, beta: &one, normalize_qk: false };
-    assert!(matches!(k.delta_rule(&heads, &x, &segs, &mut st, &mut out), Err(Error::Shape(_))));
+    let x = GpuDeltaRuleInputs { q: Rows::contiguous(&b, 48), k: Rows::contiguous(&b, 48), v: Rows::contiguous(&b, 48), g: &one, beta: &one, normalize_qk: false, fused: None };
+    assert!(matches!(k.delta_rule(&heads, &x, &segs, GpuStates::Pool(&mut st), &mut out), Err(Error::Shape(_))));
 }
 
 /// On the device too, n decode steps and one scan of n tokens agree bit for bit (outputs and
@@ -317,8 +332,8 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
         let (dq, dk, dv, dg, db) = (up(&x.q), up(&x.k), up(&x.v), up(&x.g), up(&x.beta));
         let mut scan_pool = up(&pool);
         let mut scan_out = nan(&gpu, tokens * v_row);
-        let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, qk_row), k: Rows::contiguous(&dk, qk_row), v: Rows::contiguous(&dv, v_row), g: &dg, beta: &db, normalize_qk: false };
-        k.delta_rule(&heads, &inputs, &segs, &mut scan_pool, &mut scan_out).unwrap();
+        let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, qk_row), k: Rows::contiguous(&dk, qk_row), v: Rows::contiguous(&dv, v_row), g: &dg, beta: &db, normalize_qk: false, fused: None };
+        k.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut scan_pool), &mut scan_out).unwrap();
         let scan_out = gpu.download(&scan_out).unwrap();
 
         let mut step_pool = up(&pool);
@@ -331,8 +346,8 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
             let step_slots: Vec<usize> = active.iter().map(|&s| slots[s]).collect();
             let segs = GpuSegments::decode(&gpu, &step_slots).unwrap();
             let mut o = nan(&gpu, rows.len() * v_row);
-            let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&sq, qk_row), k: Rows::contiguous(&sk, qk_row), v: Rows::contiguous(&sv, v_row), g: &sg, beta: &sb, normalize_qk: false };
-            k.delta_rule(&heads, &inputs, &segs, &mut step_pool, &mut o).unwrap();
+            let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&sq, qk_row), k: Rows::contiguous(&sk, qk_row), v: Rows::contiguous(&sv, v_row), g: &sg, beta: &sb, normalize_qk: false, fused: None };
+            k.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut step_pool), &mut o).unwrap();
             let o = gpu.download(&o).unwrap();
             for (i, &t) in rows.iter().enumerate() {
                 step_out[t * v_row..(t + 1) * v_row].copy_from_slice(&o[i * v_row..(i + 1) * v_row]);
@@ -347,7 +362,7 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
             kr.set_recurrence_variant(rows).unwrap();
             let mut p = up(&pool);
             let mut o = nan(&gpu, tokens * v_row);
-            kr.delta_rule(&heads, &inputs, &segs, &mut p, &mut o).unwrap();
+            kr.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut p), &mut o).unwrap();
             assert_bits_eq(&format!("variant {rows:?} (outputs)"), &gpu.download(&o).unwrap(), &scan_out);
             assert_bits_eq(&format!("variant {rows:?} (states)"), &gpu.download(&p).unwrap(), &scan_pool);
         }
@@ -408,12 +423,12 @@ fn cuda_chunked_matches_cpu_scan() {
     cpu::delta_rule_scan(&heads, x.inputs(), &pack([tokens]), &mut [&mut want_state[..]], &mut want).unwrap();
     let up = |v: &[f32]| gpu.upload(v).unwrap();
     let (dq, dk, dv, dg, db) = (up(&x.q), up(&x.k), up(&x.v), up(&x.g), up(&x.beta));
-    let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 64), k: Rows::contiguous(&dk, 64), v: Rows::contiguous(&dv, 128), g: &dg, beta: &db, normalize_qk: false };
+    let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 64), k: Rows::contiguous(&dk, 64), v: Rows::contiguous(&dv, 128), g: &dg, beta: &db, normalize_qk: false, fused: None };
     for acc in [ChunkAccumulate::F64, ChunkAccumulate::F32] {
         let mut st = up(&init);
         let mut out = nan(&gpu, tokens * 128);
         let segs = GpuSegments::new(&gpu, &pack([tokens]), &[0], tokens).unwrap();
-        k.delta_rule_chunked(&heads, &inputs, &segs, &mut st, &mut out, acc).unwrap();
+        k.delta_rule_chunked(&heads, &inputs, &segs, GpuStates::Pool(&mut st), &mut out, acc).unwrap();
         let (eo, es) = (rel_err(&gpu.download(&out).unwrap(), &want), rel_err(&gpu.download(&st).unwrap(), &want_state));
         eprintln!("chunked {acc:?} strong decay: output {eo:.2e}, state {es:.2e}");
         if !(eo <= BOUND && es <= BOUND) {
@@ -428,14 +443,14 @@ fn cuda_chunked_matches_cpu_scan() {
     let pool = rng.vec(3 * heads.state_len(), -0.5, 0.5);
     let segs = GpuSegments::new(&gpu, &pack(lengths), &[2, 0, 1], tokens).unwrap();
     let (dq, dk, dv, dg, db) = (up(&x.q), up(&x.k), up(&x.v), up(&x.g), up(&x.beta));
-    let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 256), k: Rows::contiguous(&dk, 256), v: Rows::contiguous(&dv, 512), g: &dg, beta: &db, normalize_qk: false };
+    let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 256), k: Rows::contiguous(&dk, 256), v: Rows::contiguous(&dv, 512), g: &dg, beta: &db, normalize_qk: false, fused: None };
     let mut k8 = GatedDeltaCuda::new(gpu.clone()).unwrap();
     k8.set_chunk_state_rows(8).unwrap();
     for acc in [ChunkAccumulate::F64, ChunkAccumulate::F32] {
         let (mut p16, mut p8) = (up(&pool), up(&pool));
         let (mut o16, mut o8) = (nan(&gpu, tokens * 512), nan(&gpu, tokens * 512));
-        k.delta_rule_chunked(&heads, &inputs, &segs, &mut p16, &mut o16, acc).unwrap();
-        k8.delta_rule_chunked(&heads, &inputs, &segs, &mut p8, &mut o8, acc).unwrap();
+        k.delta_rule_chunked(&heads, &inputs, &segs, GpuStates::Pool(&mut p16), &mut o16, acc).unwrap();
+        k8.delta_rule_chunked(&heads, &inputs, &segs, GpuStates::Pool(&mut p8), &mut o8, acc).unwrap();
         assert_bits_eq("8-row state pass (outputs)", &gpu.download(&o8).unwrap(), &gpu.download(&o16).unwrap());
         assert_bits_eq("8-row state pass (states)", &gpu.download(&p8).unwrap(), &gpu.download(&p16).unwrap());
     }
@@ -503,11 +518,11 @@ fn cuda_chunked_fast_matches_cpu_scan() {
     cpu::delta_rule_scan(&heads, x.inputs(), &pack([tokens]), &mut [&mut want_state[..]], &mut want).unwrap();
     let up = |v: &[f32]| gpu.upload(v).unwrap();
     let (dq, dk, dv, dg, db) = (up(&x.q), up(&x.k), up(&x.v), up(&x.g), up(&x.beta));
-    let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 64), k: Rows::contiguous(&dk, 64), v: Rows::contiguous(&dv, 128), g: &dg, beta: &db, normalize_qk: false };
+    let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 64), k: Rows::contiguous(&dk, 64), v: Rows::contiguous(&dv, 128), g: &dg, beta: &db, normalize_qk: false, fused: None };
     let mut st = up(&init);
     let mut out = nan(&gpu, tokens * 128);
     let segs = GpuSegments::new(&gpu, &pack([tokens]), &[0], tokens).unwrap();
-    k.delta_rule_chunked_fast(&heads, &inputs, &segs, &mut st, &mut out).unwrap();
+    k.delta_rule_chunked_fast(&heads, &inputs, &segs, GpuStates::Pool(&mut st), &mut out).unwrap();
     let (got, got_st) = (gpu.download(&out).unwrap(), gpu.download(&st).unwrap());
     let (eo, es) = (rel_err(&got, &want), rel_err(&got_st, &want_state));
     eprintln!("fast strong decay: output {eo:.2e}, state {es:.2e}");
@@ -523,14 +538,14 @@ fn cuda_chunked_fast_matches_cpu_scan() {
         let pool = rng.vec(3 * heads.state_len(), -0.5, 0.5);
         let segs = GpuSegments::new(&gpu, &pack(lengths), &[2, 0, 1], tokens).unwrap();
         let (dq, dk_, dv_, dg, db) = (up(&x.q), up(&x.k), up(&x.v), up(&x.g), up(&x.beta));
-        let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 2 * dk), k: Rows::contiguous(&dk_, 2 * dk), v: Rows::contiguous(&dv_, 4 * dv), g: &dg, beta: &db, normalize_qk: false };
+        let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 2 * dk), k: Rows::contiguous(&dk_, 2 * dk), v: Rows::contiguous(&dv_, 4 * dv), g: &dg, beta: &db, normalize_qk: false, fused: None };
         let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
         let mut kv = GatedDeltaCuda::new(gpu.clone()).unwrap();
         for v in FAST_VARIANTS {
             kv.set_fast_variant(v).unwrap();
             let mut p = up(&pool);
             let mut o = nan(&gpu, tokens * 4 * dv);
-            kv.delta_rule_chunked_fast(&heads, &inputs, &segs, &mut p, &mut o).unwrap();
+            kv.delta_rule_chunked_fast(&heads, &inputs, &segs, GpuStates::Pool(&mut p), &mut o).unwrap();
             let got = (gpu.download(&o).unwrap(), gpu.download(&p).unwrap());
             match &first {
                 None => first = Some(got),
@@ -548,7 +563,124 @@ fn cuda_chunked_fast_matches_cpu_scan() {
     let one = nan(&gpu, 1);
     let mut st = nan(&gpu, 256 * 256);
     let mut out = nan(&gpu, 256);
-    let x = GpuDeltaRuleInputs { q: Rows::contiguous(&b, 256), k: Rows::contiguous(&b, 256), v: Rows::contiguous(&b, 256), g: &one, beta: &one, normalize_qk: false };
-    assert!(matches!(k.delta_rule_chunked_fast(&heads, &x, &GpuSegments::new(&gpu, &pack([1]), &[0], 1).unwrap(), &mut st, &mut out), Err(Error::Shape(_))));
+    let x = GpuDeltaRuleInputs { q: Rows::contiguous(&b, 256), k: Rows::contiguous(&b, 256), v: Rows::contiguous(&b, 256), g: &one, beta: &one, normalize_qk: false, fused: None };
+    assert!(matches!(k.delta_rule_chunked_fast(&heads, &x, &GpuSegments::new(&gpu, &pack([1]), &[0], 1).unwrap(), GpuStates::Pool(&mut st), &mut out), Err(Error::Shape(_))));
     assert!(failures.is_empty(), "fast chunked prefill over the bound {FAST_BOUND:e}:\n{}", failures.join("\n"));
+}
+
+/// The fused recurrence (gates formed inside, output through the gated norm, each sequence's
+/// state in a buffer of its own) against the three device kernels it replaces on a pool, bit
+/// for bit (outputs and states), and against the CPU forms of the three within the f32
+/// bound; decode steps and short scans, row counts that leave a warp's last rows empty.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_fused_recurrence_equals_gates_recurrence_norm() {
+    let gpu = gpu();
+    let k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    let mut rng = rng("cuda_fused_recurrence_equals_gates_recurrence_norm");
+    use KeyHeadMap::{Grouped, Tiled};
+    let cases: &[(usize, usize, usize, usize, KeyHeadMap, &[usize])] = &[
+        (16, 16, 128, 128, Grouped, &[1]),
+        (16, 16, 128, 128, Tiled, &[1, 1, 1, 1, 1, 1, 1, 1]),
+        (2, 4, 64, 64, Grouped, &[1, 7, 63]),
+        (1, 3, 256, 20, Tiled, &[3, 1]),
+        (2, 2, 32, 48, Grouped, &[5, 2, 9]),
+    ];
+    for &(nk, nv, dk, dv, key_head, lengths) in cases {
+        let heads = DeltaRuleHeads { n_k_heads: nk, n_v_heads: nv, d_k: dk, d_v: dv, key_head };
+        let n = lengths.len();
+        let segments = pack(lengths.iter().copied());
+        let tokens: usize = lengths.iter().sum();
+        let slots = scattered_slots(n);
+        let (qk_row, v_row, sl) = (nk * dk, nv * dv, heads.state_len());
+        let row = 2 * qk_row + v_row;
+        let qkv = rng.vec(tokens * row, -1.0, 1.0);
+        let (alpha, b) = (rng.vec(tokens * nv, -6.0, 6.0), rng.vec(tokens * nv, -6.0, 6.0));
+        let dt = rng.vec(nv, -2.0, 2.0);
+        let a: Vec<f32> = (0..nv).map(|_| -rng.range(-3.0, 1.0).exp()).collect();
+        let z = rng.vec(tokens * v_row, -3.0, 3.0);
+        let w = rng.vec(dv, 0.5, 1.5);
+        let eps = 1e-6f32;
+        let pool = rng.vec((2 * n + 1) * sl, -0.5, 0.5);
+
+        // CPU: gates, normalised q and k, the scan, the gated norm.
+        let (mut g, mut beta) = (vec![0.0; alpha.len()], vec![0.0; b.len()]);
+        cpu::decay_gate(&alpha, &dt, &a, &mut g).unwrap();
+        cpu::beta_gate(&b, &mut beta).unwrap();
+        let split = |off: usize, width: usize| -> Vec<f32> { (0..tokens).flat_map(|t| qkv[t * row + off..][..width].iter().copied()).collect() };
+        let (mut q, mut kk, v) = (split(0, qk_row), split(qk_row, qk_row), split(2 * qk_row, v_row));
+        cpu::normalize_qk(&mut q, &mut kk, dk).unwrap();
+        let mut cpu_states: Vec<Vec<f32>> = slots.iter().map(|&s| pool[s * sl..(s + 1) * sl].to_vec()).collect();
+        let mut core = vec![f32::NAN; tokens * v_row];
+        {
+            let mut refs: Vec<&mut [f32]> = cpu_states.iter_mut().map(|v| &mut v[..]).collect();
+            let inputs = cpu::DeltaRuleInputs { q: &q, k: &kk, v: &v, g: &g, beta: &beta };
+            cpu::delta_rule_scan(&heads, inputs, &segments, &mut refs, &mut core).unwrap();
+        }
+        let mut want = vec![f32::NAN; core.len()];
+        cpu::gated_rms_norm(&core, &z, &w, eps, &mut want).unwrap();
+
+        // Device, three kernels on a pool.
+        let segs = GpuSegments::new(&gpu, &segments, &slots, tokens).unwrap();
+        let (dqkv, dalpha, db, ddt, da, dz, dw) = (
+            gpu.upload(&qkv).unwrap(),
+            gpu.upload(&alpha).unwrap(),
+            gpu.upload(&b).unwrap(),
+            gpu.upload(&dt).unwrap(),
+            gpu.upload(&a).unwrap(),
+            gpu.upload(&z).unwrap(),
+            gpu.upload(&w).unwrap(),
+        );
+        let rows = |off| Rows { buf: &dqkv, offset: off, stride: row };
+        let (mut dg, mut dbeta) = (nan(&gpu, alpha.len()), nan(&gpu, b.len()));
+        k.gates(&dalpha, &db, &ddt, &da, &mut dg, &mut dbeta).unwrap();
+        let plain = GpuDeltaRuleInputs { q: rows(0), k: rows(qk_row), v: rows(2 * qk_row), g: &dg, beta: &dbeta, normalize_qk: true, fused: None };
+        let mut dpool = gpu.upload(&pool).unwrap();
+        let mut dcore = nan(&gpu, tokens * v_row);
+        k.delta_rule(&heads, &plain, &segs, GpuStates::Pool(&mut dpool), &mut dcore).unwrap();
+        let mut three = nan(&gpu, tokens * v_row);
+        k.gated_rms_norm(&dcore, &dz, &dw, eps, &mut three).unwrap();
+        let (three, three_pool) = (gpu.download(&three).unwrap(), gpu.download(&dpool).unwrap());
+
+        // Device, fused, each sequence's state in its own buffer.
+        let fused = FusedGatesNorm { dt_bias: &ddt, a: &da, z: Rows::contiguous(&dz, v_row), norm: &dw, eps };
+        let x = GpuDeltaRuleInputs { g: &dalpha, beta: &db, fused: Some(fused), ..plain };
+        let mut own: Vec<CudaSlice<f32>> = slots.iter().map(|&s| gpu.upload(&pool[s * sl..(s + 1) * sl]).unwrap()).collect();
+        let mut out = nan(&gpu, tokens * v_row);
+        {
+            let mut refs: Vec<&mut CudaSlice<f32>> = own.iter_mut().collect();
+            k.delta_rule(&heads, &x, &segs, GpuStates::Each(&mut refs), &mut out).unwrap();
+        }
+        let got = gpu.download(&out).unwrap();
+        assert_bits_eq("fused recurrence vs three kernels (outputs)", &got, &three);
+        let mut es = 0.0f64;
+        for (i, &s) in slots.iter().enumerate() {
+            let st = gpu.download(&own[i]).unwrap();
+            assert_bits_eq("fused recurrence vs three kernels (states)", &st, &three_pool[s * sl..(s + 1) * sl]);
+            es = es.max(check("fused recurrence state vs CPU", &st, &cpu_states[i], BOUND));
+        }
+        let eo = check("fused recurrence vs CPU", &got, &want, BOUND);
+        eprintln!("fused recurrence nk {nk} nv {nv} dk {dk} dv {dv} {key_head:?} {lengths:?}: == three kernels; vs CPU output {eo:.2e}, state {es:.2e}");
+    }
+    // Shapes it cannot take are clear errors: value heads over FUSED_MAX_DV rows, fused inputs
+    // on the chunked form, a wrong norm weight, states of the wrong size.
+    let segs = GpuSegments::new(&gpu, &pack([1]), &[0], 1).unwrap();
+    let big = nan(&gpu, 4096);
+    let one = nan(&gpu, 1);
+    let (wrong, n256) = (nan(&gpu, 7), nan(&gpu, 256));
+    let heads = DeltaRuleHeads { n_k_heads: 1, n_v_heads: 1, d_k: 32, d_v: 256, key_head: Grouped };
+    let fused = FusedGatesNorm { dt_bias: &one, a: &one, z: Rows::contiguous(&big, 256), norm: &n256, eps: 1e-6 };
+    let x = GpuDeltaRuleInputs { q: Rows::contiguous(&big, 32), k: Rows::contiguous(&big, 32), v: Rows::contiguous(&big, 256), g: &one, beta: &one, normalize_qk: true, fused: Some(fused) };
+    let (mut st, mut out) = (nan(&gpu, 32 * 256), nan(&gpu, 256));
+    assert!(matches!(k.delta_rule(&heads, &x, &segs, GpuStates::Pool(&mut st), &mut out), Err(Error::Shape(_))));
+    assert!(matches!(k.delta_rule_chunked(&heads, &x, &segs, GpuStates::Pool(&mut st), &mut out, ChunkAccumulate::F32), Err(Error::Shape(_))));
+    let heads = DeltaRuleHeads { d_v: 64, ..heads };
+    let fused = FusedGatesNorm { norm: &wrong, z: Rows::contiguous(&big, 64), ..fused };
+    let x = GpuDeltaRuleInputs { v: Rows::contiguous(&big, 64), fused: Some(fused), ..x };
+    let (mut st, mut out) = (nan(&gpu, 32 * 64), nan(&gpu, 64));
+    assert!(matches!(k.delta_rule(&heads, &x, &segs, GpuStates::Pool(&mut st), &mut out), Err(Error::Shape(_))));
+    let mut small = nan(&gpu, 32 * 63);
+    let mut refs = vec![&mut small];
+    let x = GpuDeltaRuleInputs { fused: None, ..x };
+    assert!(matches!(k.delta_rule(&heads, &x, &segs, GpuStates::Each(&mut refs), &mut out), Err(Error::Shape(_))));
 }
