@@ -234,8 +234,8 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
 #define TERN_GDN_RECURRENCE_FUSED(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GDN_FUSED_MAX_DV / 8)                         \
         tern_gdn_recurrence_fused_dk##D(const tern_gdn_recurrence_args a) {                              \
-        __shared__ float o_smem[2 * TERN_GDN_FUSED_MAX_DV];                                              \
         tern_await_prior_kernel();                                                                       \
+        __shared__ float o_smem[2 * TERN_GDN_FUSED_MAX_DV];                                              \
         tern_gdn_recurrence_body<D, 8, 1, true>(a, o_smem);                                              \
     }
 #define TERN_GDN_RECURRENCE_D(D)                                                                          \
