@@ -347,10 +347,31 @@ impl Gpu {
     /// staging buffer of its own in pieces, several times slower than a direct copy into
     /// page-locked memory. Where page-locked memory cannot be had, the plain download.
     pub fn download_f32(&self, buf: &CudaSlice<f32>) -> Result<Vec<f32>> {
-        let n = buf.len();
-        if n < STAGED_MIN {
+        if buf.len() < STAGED_MIN {
             return self.download(buf);
         }
+        self.staged(buf, |host| host.to_vec())?.map_or_else(|| self.download(buf), Ok)
+    }
+
+    /// [`Gpu::download_f32`] as `rows` rows of equal length, copied once from the staging
+    /// buffer into the rows (a decode step's logits: one row a sequence).
+    pub fn download_f32_rows(&self, buf: &CudaSlice<f32>, rows: usize) -> Result<Vec<Vec<f32>>> {
+        if rows == 0 || buf.len() % rows != 0 {
+            return Err(Error::Shape(format!("{} values are not {rows} rows of one length", buf.len())));
+        }
+        let split = |host: &[f32]| host.chunks(buf.len() / rows).map(|r| r.to_vec()).collect::<Vec<_>>();
+        if buf.len() >= STAGED_MIN {
+            if let Some(v) = self.staged(buf, split)? {
+                return Ok(v);
+            }
+        }
+        Ok(split(&self.download(buf)?))
+    }
+
+    /// `read` over a host copy of `buf` made through the page-locked staging buffer; None
+    /// when page-locked memory cannot be had.
+    fn staged<T>(&self, buf: &CudaSlice<f32>, read: impl FnOnce(&[f32]) -> T) -> Result<Option<T>> {
+        let n = buf.len();
         self.not_recording("a copy to the host")?;
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         if staging.as_ref().is_none_or(|s| s.len() < n) {
@@ -358,7 +379,7 @@ impl Gpu {
             // SAFETY: the buffer is written by the copy below before it is read.
             match unsafe { self.ctx.alloc_pinned_with_flags::<f32>(n, 0) } {
                 Ok(s) => *staging = Some(s),
-                Err(_) => return self.download(buf),
+                Err(_) => return Ok(None),
             }
         }
         let host = staging.as_mut().expect("allocated above").as_mut_slice().map_err(driver_err("waiting for the staging buffer"))?;
@@ -368,7 +389,7 @@ impl Gpu {
         unsafe { cudarc::driver::result::memcpy_dtoh_async(host, self.ptr(buf), self.stream.cu_stream()) }
             .map_err(driver_err("copying from the device"))?;
         self.synchronize()?;
-        Ok(host.to_vec())
+        Ok(Some(read(host)))
     }
 
     /// The device address of `buf`, for a kernel argument that may be null (see [`Gpu::ptr_opt`]).

@@ -74,6 +74,14 @@ pub struct GatedDeltaInputs<'a, O: Ops> {
     pub eps: f32,
 }
 
+/// `v` as `rows` rows of equal length.
+pub fn split_rows(v: &[f32], rows: usize) -> Result<Vec<Vec<f32>>> {
+    if rows == 0 || v.len() % rows != 0 {
+        return Err(Error::Shape(format!("{} values are not {rows} rows of one length", v.len())));
+    }
+    Ok(v.chunks(v.len() / rows).map(|r| r.to_vec()).collect())
+}
+
 /// [`Ops::gated_delta`] as its three ops, one after another.
 pub fn gated_delta_in_steps<O: Ops>(ops: &O, x: GatedDeltaInputs<O>, heads: &DeltaRuleHeads, batch: &O::Batch, states: &mut [&mut O::Buf]) -> Result<O::Buf> {
     let (g, beta) = ops.gdn_gates(x.alpha, x.b, x.dt_bias, x.a)?;
@@ -127,7 +135,7 @@ pub trait Ops: Send + Sync + Sized {
     /// that outlives it; [`Ops::kv_attention`] refuses a cache reserved for another position.
     fn kv_reserve(&self, kv: &mut Self::Kv, filled: usize, need: usize) -> Result<()>;
     /// Runs one forward step `f` on the batch of `ids` (sequence s after `past[s]` positions)
-    /// and returns its result on the host. Given a `key`, a backend may record the work `f`
+    /// and returns its result on the host, one row a sequence. Given a `key`, a backend may record the work `f`
     /// queues and replay it for later steps of the same key (CUDA graphs). A replay changes only
     /// the batch's ids and positions, so the key must name everything else the work depends on:
     /// the batch's shape and every buffer the step reads or writes besides the weights (see
@@ -139,11 +147,11 @@ pub trait Ops: Send + Sync + Sized {
         past: &[usize],
         key: Option<&[u64]>,
         f: &mut dyn FnMut(&Self::Batch) -> Result<Self::Buf>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Vec<Vec<f32>>> {
         let _ = key;
         let batch = self.batch_at(segments, ids, past)?;
         let y = f(&batch)?;
-        self.to_host(&y)
+        self.to_host_rows(&y, segments.len())
     }
     /// A number that names a buffer in [`Ops::run_step`] keys (its address).
     fn buf_handle(&self, b: &Self::Buf) -> u64;
@@ -195,6 +203,26 @@ pub trait Ops: Send + Sync + Sized {
         next: &Self::Vector,
         out: &mut Self::Buf,
     ) -> Result<()>;
+    /// A sublayer's output projection and the sandwich-norm step after it: `y = linear(v, w)`,
+    /// then [`Ops::add_norm_next`] of `y`. A backend may do both in one pass, with the same
+    /// results.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_add_norm_next(
+        &self,
+        v: &Self::Buf,
+        rows: usize,
+        w: &Self::Mat,
+        h: &mut Self::Buf,
+        norm: &Self::Vector,
+        post: f32,
+        d: usize,
+        eps: f32,
+        next: &Self::Vector,
+        out: &mut Self::Buf,
+    ) -> Result<()> {
+        let y = self.linear(v, rows, w, None)?;
+        self.add_norm_next(h, &y, norm, post, d, eps, next, out)
+    }
     /// `gelu_tanh(g)·u` over `rows × width`, contiguous out.
     fn gelu_tanh_mul(&self, g: View<Self::Buf>, u: View<Self::Buf>, rows: usize, width: usize) -> Result<Self::Buf>;
     /// In place on the heads of `x`'s rows (row stride `stride`), at each row's position in
@@ -213,12 +241,34 @@ pub trait Ops: Send + Sync + Sized {
     /// Mean of each sequence's rows, [sequences][d].
     fn mean_pool(&self, h: &Self::Buf, d: usize, batch: &Self::Batch) -> Result<Self::Buf>;
     fn to_host(&self, x: &Self::Buf) -> Result<Vec<f32>>;
+    /// [`Ops::to_host`] as `rows` rows of equal length (a step's output, one row a sequence).
+    fn to_host_rows(&self, x: &Self::Buf, rows: usize) -> Result<Vec<Vec<f32>>> {
+        split_rows(&self.to_host(x)?, rows)
+    }
 
     // The LLM's ops (Qwen3.5).
 
     /// `x += y`, then `out = rms(x)·w` per row of `d` (pre-norm residual stream).
     #[allow(clippy::too_many_arguments)]
     fn residual_norm(&self, x: &mut Self::Buf, y: &Self::Buf, w: &Self::Vector, d: usize, eps: f32, out: &mut Self::Buf) -> Result<()>;
+    /// A sublayer's output projection and the residual step after it: `x += linear(v, w)`,
+    /// then `out = rms(x)·norm` per row of `d` ([`Ops::linear`], then [`Ops::residual_norm`]).
+    /// A backend may do both in one pass, with the same results.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_residual_norm(
+        &self,
+        v: &Self::Buf,
+        rows: usize,
+        w: &Self::Mat,
+        x: &mut Self::Buf,
+        norm: &Self::Vector,
+        d: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) -> Result<()> {
+        let y = self.linear(v, rows, w, None)?;
+        self.residual_norm(x, &y, norm, d, eps, out)
+    }
     /// `silu(g)·u` over `rows × width`, contiguous out.
     fn silu_mul(&self, g: View<Self::Buf>, u: View<Self::Buf>, rows: usize, width: usize) -> Result<Self::Buf>;
     /// Each sequence's last row of `x` (rows of `d`), [sequences][d].
@@ -504,6 +554,10 @@ impl Ops for CpuOps {
         Ok(x.clone())
     }
 
+    fn to_host_rows(&self, x: &Vec<f32>, rows: usize) -> Result<Vec<Vec<f32>>> {
+        split_rows(x, rows)
+    }
+
     fn residual_norm(&self, x: &mut Vec<f32>, y: &Vec<f32>, w: &Vec<f32>, d: usize, eps: f32, out: &mut Vec<f32>) -> Result<()> {
         residual_norm(x, y, w, d, eps, out)
     }
@@ -647,6 +701,15 @@ pub fn matrix_shape(w: &Matrix) -> Result<(usize, usize)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn split_rows_gives_equal_rows_or_an_error() {
+        let v: Vec<f32> = (0..6).map(|i| i as f32).collect();
+        assert_eq!(split_rows(&v, 3).unwrap(), vec![vec![0.0, 1.0], vec![2.0, 3.0], vec![4.0, 5.0]]);
+        assert_eq!(split_rows(&v, 1).unwrap(), vec![v.clone()]);
+        assert!(matches!(split_rows(&v, 4), Err(Error::Shape(_))));
+        assert!(matches!(split_rows(&v, 0), Err(Error::Shape(_))));
+    }
 
     #[test]
     fn views_check_their_bounds() {

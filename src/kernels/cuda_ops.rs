@@ -526,11 +526,12 @@ impl Ops for CudaOps {
         past: &[usize],
         key: Option<&[u64]>,
         f: &mut dyn FnMut(&CudaBatch) -> Result<CudaSlice<f32>>,
-    ) -> Result<Vec<f32>> {
-        let mut plain = || -> Result<Vec<f32>> {
+    ) -> Result<Vec<Vec<f32>>> {
+        let rows = segments.len();
+        let mut plain = || -> Result<Vec<Vec<f32>>> {
             let batch = self.batch_at(segments, ids, past)?;
             let y = f(&batch)?;
-            self.to_host(&y)
+            self.to_host_rows(&y, rows)
         };
         let key = match key {
             Some(k)
@@ -560,7 +561,7 @@ impl Ops for CudaOps {
                     end.record(self.gpu.stream()).map_err(driver_err("recording an event"))?;
                     self.add_step_profile(&r.marks, (&start, &end))?;
                 }
-                return self.to_host(&r.out);
+                return self.to_host_rows(&r.out, rows);
             }
             Some(Err(_)) => {
                 drop(graphs);
@@ -573,7 +574,7 @@ impl Ops for CudaOps {
         // queues nothing that runs now, so the step's effects on its buffers happen once.
         let batch = self.batch_at(segments, ids, past)?;
         let y = f(&batch)?;
-        let host = self.to_host(&y)?;
+        let host = self.to_host_rows(&y, rows)?;
         let mut out = self.gpu.alloc::<f32>(y.len())?;
         drop(y);
         if graphs.len() >= GRAPH_CACHE {
@@ -677,6 +678,31 @@ impl Ops for CudaOps {
         self.norm.add_norm(h, y, w, post, d, eps, Some((next, Self::out(out))))
     }
 
+    fn linear_add_norm_next(
+        &self,
+        v: &CudaSlice<f32>,
+        rows: usize,
+        w: &GpuMatrix,
+        h: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        post: f32,
+        d: usize,
+        eps: f32,
+        next: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        // Few rows: one GEMV launch whose last block normalises (the same bits as the two).
+        if w.out == d {
+            let _timer = self.op_timer("linear_add_norm (gemv)");
+            let mut y = self.gpu.alloc::<f32>(rows * w.out)?;
+            if self.blas.linear_add_norm_next(v, rows, w, &mut y, h, norm, post, eps, next, out)? {
+                return Ok(());
+            }
+        }
+        let y = self.linear(v, rows, w, None)?;
+        self.add_norm_next(h, &y, norm, post, d, eps, next, out)
+    }
+
     fn gelu_tanh_mul(&self, g: View<CudaSlice<f32>>, u: View<CudaSlice<f32>>, rows: usize, width: usize) -> Result<CudaSlice<f32>> {
         let _timer = self.op_timer("gelu_tanh_mul");
         let mut out = self.gpu.alloc::<f32>(rows * width)?;
@@ -721,9 +747,35 @@ impl Ops for CudaOps {
         self.gpu.download_f32(x)
     }
 
+    fn to_host_rows(&self, x: &CudaSlice<f32>, rows: usize) -> Result<Vec<Vec<f32>>> {
+        self.gpu.download_f32_rows(x, rows)
+    }
+
     fn residual_norm(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, w: &CudaSlice<f32>, d: usize, eps: f32, out: &mut CudaSlice<f32>) -> Result<()> {
         let _timer = self.op_timer("residual_norm");
         self.norm.residual_norm(x, y, w, d, eps, Self::out(out))
+    }
+
+    fn linear_residual_norm(
+        &self,
+        v: &CudaSlice<f32>,
+        rows: usize,
+        w: &GpuMatrix,
+        x: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        d: usize,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        // Few rows: one GEMV launch whose last block normalises (the same bits as the two).
+        if w.out == d {
+            let _timer = self.op_timer("linear_residual_norm (gemv)");
+            if self.blas.linear_residual_norm(v, rows, w, x, norm, eps, out)? {
+                return Ok(());
+            }
+        }
+        let y = self.linear(v, rows, w, None)?;
+        self.residual_norm(x, &y, norm, d, eps, out)
     }
 
     fn silu_mul(&self, g: View<CudaSlice<f32>>, u: View<CudaSlice<f32>>, rows: usize, width: usize) -> Result<CudaSlice<f32>> {

@@ -16,7 +16,7 @@ use crate::kernels::cuda_ops::Precision;
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::test_util::rel_err;
 use crate::kernels::matmul::cuda::{Blas, GEMV_MAX_ROWS};
-use crate::kernels::matmul::Weights;
+use crate::kernels::matmul::{quantize_q8_0, Weights};
 use crate::kernels::norm::cuda::{NormCuda, NormOut};
 use crate::kernels::pool::cuda::PoolCuda;
 use crate::kernels::rope::cuda::{GpuHeadPrep, GpuRope, RopeCuda};
@@ -429,16 +429,155 @@ fn cuda_fused_products_match_cpu() {
     assert!(blas.glu(&dx2, 2, &ma, GemvOutput::Plain, &mut nan(&gpu, 2 * 16), |_, _| Ok(())).is_err());
 }
 
-/// Q8_0 blocks of `w` (an f16 scale max|w|/127, then the rounded quants), as GGUF writes them.
-fn quantize_q8_0(w: &[f32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(w.len() / 32 * 34);
-    for b in w.chunks_exact(32) {
-        let d = half::f16::from_f32(b.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0);
-        out.extend_from_slice(&d.to_le_bytes());
-        let inv = if d.to_f32() > 0.0 { 1.0 / d.to_f32() } else { 0.0 };
-        out.extend(b.iter().map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
+/// A matrix in each stored type the GEMV reads: f32, bf16, and Q8_0 where its rows are whole
+/// blocks of 32.
+struct StoredForms {
+    f32: Vec<f32>,
+    bf16: Vec<u16>,
+    q8: Option<Vec<u8>>,
+}
+
+impl StoredForms {
+    fn new(w: Vec<f32>, in_f: usize) -> Self {
+        let bf16 = w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let q8 = (in_f % 32 == 0).then(|| quantize_q8_0(&w));
+        StoredForms { f32: w, bf16, q8 }
     }
-    out
+
+    fn all(&self) -> Vec<(&'static str, Weights<'_>)> {
+        let mut v = vec![("f32", Weights::F32(&self.f32)), ("bf16", Weights::Bf16(&self.bf16))];
+        v.extend(self.q8.as_deref().map(|q| ("q8_0", Weights::Q8_0(q))));
+        v
+    }
+}
+
+/// GEMVs over few output features and long rows split each row over several warps (the
+/// decode step's output projections): against the CPU for every stored type, plain and gated,
+/// and a row's result the same bits alone as among 8 rows (the split depends on the matrix only).
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_split_gemv_matches_cpu_and_is_row_invariant() {
+    use crate::kernels::activation::silu_mul_views;
+    use crate::kernels::matmul::cuda::GemvOutput;
+    let gpu = gpu();
+    let mut rng = rng("cuda_split_gemv_matches_cpu_and_is_row_invariant");
+    let blas = Blas::new(gpu.clone(), false).unwrap();
+    // 1024 x 2048 and 1024 x 3584 (a Qwen3.5-0.8B layer's output projections), 100 x 4096 (the
+    // deepest split), 40 x 1056 (a row not of whole steps).
+    for &(out_f, in_f) in &[(1024usize, 2048usize), (1024, 3584), (100, 4096), (40, 1056)] {
+        let forms = StoredForms::new(rng.vec(out_f * in_f, -0.1, 0.1), in_f);
+        let stored = forms.all();
+        let x = rng.vec(8 * in_f, -1.0, 1.0);
+        for (name, sw) in &stored {
+            let m = blas.matrix(sw, out_f, in_f).unwrap();
+            let run = |rows: usize, from: usize| -> Vec<f32> {
+                let mut y = nan(&gpu, rows * out_f);
+                blas.linear(&gpu.upload(&x[from * in_f..(from + rows) * in_f]).unwrap(), rows, &m, &mut y).unwrap();
+                gpu.download(&y).unwrap()
+            };
+            let all = run(8, 0);
+            let want = super::matmul::linear_w(&x, 8, *sw, out_f, in_f).unwrap();
+            let e = check(&format!("split gemv {name} {out_f}x{in_f}"), &all, &want, BOUND);
+            for r in [0usize, 5] {
+                assert_eq!(run(1, r), all[r * out_f..(r + 1) * out_f], "split gemv {name} {out_f}x{in_f}: row {r} alone vs in 8 rows");
+            }
+            assert_eq!(run(3, 2)[..out_f], all[2 * out_f..3 * out_f], "split gemv {name} {out_f}x{in_f}: row 2 in 3 rows vs in 8");
+            // Gated: the matrix as a gate [out/2][in] over an up [out/2][in].
+            let h = out_f / 2;
+            let gu = super::matmul::linear_w(&x, 8, *sw, out_f, in_f).unwrap();
+            let want = silu_mul_views((&gu[..], 0, out_f), (&gu[..], h, out_f), 8, h).unwrap();
+            let mut y = nan(&gpu, 8 * h);
+            blas.glu(&gpu.upload(&x).unwrap(), 8, &m, GemvOutput::Silu, &mut y, |_, _| unreachable!("8 rows take the GEMV")).unwrap();
+            let eg = check(&format!("split glu {name} {out_f}x{in_f}"), &gpu.download(&y).unwrap(), &want, BOUND);
+            eprintln!("split gemv {name} {out_f}x{in_f}: {e:.2e}, gated {eg:.2e}; rows alone == in a batch");
+        }
+    }
+}
+
+/// The GEMVs ending in a norm formed by the launch's last block — a product added to the
+/// residual stream, then its RMS norm (Qwen3.5), and a product, then the sandwich-norm step
+/// (EmbeddingGemma) — for one row (a decode step; more rows are refused, the caller then runs
+/// two launches) against the product and the norm kernel in two launches, bit for bit, and
+/// against the CPU; launches back to back (the arrival counter resets).
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_residual_gemv_equals_product_then_norm() {
+    let gpu = gpu();
+    let mut rng = rng("cuda_residual_gemv_equals_product_then_norm");
+    let blas = Blas::new(gpu.clone(), false).unwrap();
+    let norm = NormCuda::new(gpu.clone()).unwrap();
+    let eps = 1e-6f32;
+    for &(out_f, in_f) in &[(1024usize, 2048usize), (768, 256), (300, 1056), (1024, 3584)] {
+        let forms = StoredForms::new(rng.vec(out_f * in_f, -0.1, 0.1), in_f);
+        let stored = forms.all();
+        let (nw, next) = (rng.vec(out_f, 0.5, 1.5), rng.vec(out_f, 0.5, 1.5));
+        let (dnw, dnext) = (gpu.upload(&nw).unwrap(), gpu.upload(&next).unwrap());
+        for (name, sw) in &stored {
+            let m = blas.matrix(sw, out_f, in_f).unwrap();
+            // One row fuses (a decode step); more rows run the two launches (Ok(false)).
+            for rows in [2usize, 8] {
+                let dv = gpu.upload(&rng.vec(rows * in_f, -1.0, 1.0)).unwrap();
+                let (mut x, mut a, mut y) = (nan(&gpu, rows * out_f), nan(&gpu, rows * out_f), nan(&gpu, rows * out_f));
+                assert!(!blas.linear_residual_norm(&dv, rows, &m, &mut x, &dnw, eps, &mut a).unwrap(), "{rows} rows: not fused");
+                assert!(!blas.linear_add_norm_next(&dv, rows, &m, &mut y, &mut x, &dnw, 1.0, eps, &dnext, &mut a).unwrap(), "{rows} rows: not fused");
+            }
+            {
+                let rows = 1;
+                let v = rng.vec(rows * in_f, -1.0, 1.0);
+                let x0 = rng.vec(rows * out_f, -2.0, 2.0);
+                let dv = gpu.upload(&v).unwrap();
+                // CPU: the product, then the residual step.
+                let y = super::matmul::linear_w(&v, rows, *sw, out_f, in_f).unwrap();
+                let (mut want_x, mut want_a) = (x0.clone(), vec![f32::NAN; x0.len()]);
+                super::norm::residual_norm(&mut want_x, &y, &nw, out_f, eps, &mut want_a).unwrap();
+                // Device, two launches.
+                let mut dy = nan(&gpu, rows * out_f);
+                blas.linear(&dv, rows, &m, &mut dy).unwrap();
+                let (mut x2, mut a2) = (gpu.upload(&x0).unwrap(), nan(&gpu, x0.len()));
+                norm.residual_norm(&mut x2, &dy, &dnw, out_f, eps, NormOut { f32: Some(&mut a2), bf16: None }).unwrap();
+                let (x2, a2) = (gpu.download(&x2).unwrap(), gpu.download(&a2).unwrap());
+                // Device, one launch, twice over (the second on fresh copies).
+                for pass in 0..2 {
+                    let (mut x1, mut a1) = (gpu.upload(&x0).unwrap(), nan(&gpu, x0.len()));
+                    assert!(blas.linear_residual_norm(&dv, rows, &m, &mut x1, &dnw, eps, &mut a1).unwrap(), "one row takes the GEMV");
+                    let (x1, a1) = (gpu.download(&x1).unwrap(), gpu.download(&a1).unwrap());
+                    assert_eq!(x1, x2, "residual gemv {name} {out_f}x{in_f} {rows} rows pass {pass}: stream");
+                    assert_eq!(a1, a2, "residual gemv {name} {out_f}x{in_f} {rows} rows pass {pass}: norm");
+                }
+                let ex = check(&format!("residual gemv {name} stream"), &x2, &want_x, BOUND);
+                let ea = check(&format!("residual gemv {name} norm"), &a2, &want_a, BOUND);
+
+                // The sandwich-norm form: h = (h + rms(y)·w)·post, a = rms(h)·w2.
+                let (mut want_h, mut want_a) = (x0.clone(), vec![f32::NAN; x0.len()]);
+                let post = 0.75;
+                super::norm::add_norm(&mut want_h, &y, &nw, post, out_f, eps, Some((&next, &mut want_a))).unwrap();
+                let (mut h2, mut a2) = (gpu.upload(&x0).unwrap(), nan(&gpu, x0.len()));
+                norm.add_norm(&mut h2, &dy, &dnw, post, out_f, eps, Some((&dnext, NormOut { f32: Some(&mut a2), bf16: None }))).unwrap();
+                let (h2, a2) = (gpu.download(&h2).unwrap(), gpu.download(&a2).unwrap());
+                for pass in 0..2 {
+                    let (mut h1, mut a1, mut y1) = (gpu.upload(&x0).unwrap(), nan(&gpu, x0.len()), nan(&gpu, x0.len()));
+                    assert!(blas.linear_add_norm_next(&dv, rows, &m, &mut y1, &mut h1, &dnw, post, eps, &dnext, &mut a1).unwrap());
+                    assert_eq!(gpu.download(&h1).unwrap(), h2, "add-norm gemv {name} {out_f}x{in_f} {rows} rows pass {pass}: stream");
+                    assert_eq!(gpu.download(&a1).unwrap(), a2, "add-norm gemv {name} {out_f}x{in_f} {rows} rows pass {pass}: norm");
+                }
+                let eh = check(&format!("add-norm gemv {name} stream"), &h2, &want_h, BOUND);
+                let ea2 = check(&format!("add-norm gemv {name} norm"), &a2, &want_a, BOUND);
+                {
+                    eprintln!(
+                        "residual gemv {name} {out_f}x{in_f}: == product + norm kernel; vs CPU stream {ex:.2e}, norm {ea:.2e}; add-norm form {eh:.2e}, {ea2:.2e}"
+                    );
+                }
+            }
+        }
+    }
+    // Wrong lengths fail.
+    let w = rng.vec(64 * 64, -0.1, 0.1);
+    let m = blas.matrix(&Weights::F32(&w), 64, 64).unwrap();
+    let dv = gpu.upload(&rng.vec(64, -1.0, 1.0)).unwrap();
+    let (mut x, mut a) = (nan(&gpu, 64), nan(&gpu, 64));
+    let short = gpu.upload(&[1.0f32; 63]).unwrap();
+    assert!(blas.linear_residual_norm(&dv, 1, &m, &mut x, &short, eps, &mut a).is_err());
+    assert!(blas.linear_residual_norm(&dv, 1, &m, &mut nan(&gpu, 65), &short, eps, &mut a).is_err());
 }
 
 fn fixture(name: &str) -> PathBuf {

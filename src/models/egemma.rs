@@ -518,15 +518,14 @@ impl<O: Ops> Encoder<O> {
         };
         let att = ops.attention(View::new(&qkv, 0, ld), View::new(&qkv, qw, ld), View::new(&qkv, qw + kw, ld), batch, &shape)?;
         drop(qkv);
-        let o = ops.linear(&att, t, &layer.wo, None)?;
+        ops.linear_add_norm_next(&att, t, &layer.wo, x, &layer.post_attn_norm, 1.0, h, cfg.eps, &layer.pre_ff_norm, a)?;
         drop(att);
-        ops.add_norm_next(x, &o, &layer.post_attn_norm, 1.0, h, cfg.eps, &layer.pre_ff_norm, a)?;
         let i = cfg.intermediate;
         let g = ops.glu(a, t, &layer.gate_up, i, GatedActivation::GeluTanh)?;
-        let m = ops.linear(&g, t, &layer.down, None)?;
-        drop(g);
         match (&layer.ple, ple) {
             (Some(block), Some(ple)) => {
+                let m = ops.linear(&g, t, &layer.down, None)?;
+                drop(g);
                 ops.add_norm(x, &m, &layer.post_ff_norm, 1.0, h, cfg.eps)?;
                 let (pd, nl) = (cfg.ple_dim, cfg.layers.len());
                 let pg = ops.linear(x, t, &block.gate, None)?;
@@ -534,7 +533,7 @@ impl<O: Ops> Encoder<O> {
                 let p = ops.linear(&pg, t, &block.proj, None)?;
                 ops.add_norm_next(x, &p, &block.post_norm, layer.layer_scalar, h, cfg.eps, next_norm, a)
             }
-            _ => ops.add_norm_next(x, &m, &layer.post_ff_norm, 1.0, h, cfg.eps, next_norm, a),
+            _ => ops.linear_add_norm_next(&g, t, &layer.down, x, &layer.post_ff_norm, 1.0, h, cfg.eps, next_norm, a),
         }
     }
 }

@@ -714,10 +714,7 @@ impl<O: Ops> Qwen35<O> {
         for (ids, state) in batch.iter_mut() {
             state.position += ids.len();
         }
-        if batch.len() == 1 {
-            return Ok(vec![logits]);
-        }
-        Ok(logits.chunks(c.vocab_size).map(|r| r.to_vec()).collect())
+        Ok(logits)
     }
 
     /// The forward pass of one step over the packed batch `b` of `n` rows: each sequence's
@@ -730,7 +727,8 @@ impl<O: Ops> Qwen35<O> {
         let mut a = ops.rms_norm(&x, h, Some(first_norm), 1.0, c.eps)?;
         let (mut lin_i, mut full_i) = (0, 0);
         for (i, layer) in self.layers.iter().enumerate() {
-            let mixed = match &layer.mixer {
+            // The mixer's output before its projection, and that projection.
+            let (mixed, out) = match &layer.mixer {
                 Mixer::Linear(m) => {
                     let (mut convs, mut recs): (Vec<&mut O::Buf>, Vec<&mut O::Buf>) = batch
                         .iter_mut()
@@ -740,19 +738,27 @@ impl<O: Ops> Qwen35<O> {
                         })
                         .unzip();
                     lin_i += 1;
-                    self.linear_attention(m, &a, n, b, &mut convs, &mut recs)?
+                    (self.linear_attention(m, &a, n, b, &mut convs, &mut recs)?, &m.out)
                 }
                 Mixer::Full(m) => {
                     let mut caches: Vec<&mut O::Kv> = batch.iter_mut().map(|(_, s)| &mut s.kv[full_i]).collect();
                     full_i += 1;
-                    self.full_attention(m, &a, n, b, &mut caches)?
+                    (self.full_attention(m, &a, n, b, &mut caches)?, &m.o)
                 }
             };
-            ops.residual_norm(&mut x, &mixed, &layer.post_norm, h, c.eps, &mut a)?;
-            let m = self.ffn(&layer.ffn, &a, n)?;
+            ops.linear_residual_norm(&mixed, n, out, &mut x, &layer.post_norm, h, c.eps, &mut a)?;
             // The next layer's pre-norm, or after the last layer the final norm.
             let next = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
-            ops.residual_norm(&mut x, &m, next, h, c.eps, &mut a)?;
+            match &layer.ffn {
+                Ffn::Dense(m) => {
+                    let act = ops.glu(&a, n, &m.gate_up, m.width, GatedActivation::Silu)?;
+                    ops.linear_residual_norm(&act, n, &m.down, &mut x, next, h, c.eps, &mut a)?;
+                }
+                moe => {
+                    let m = self.ffn(moe, &a, n)?;
+                    ops.residual_norm(&mut x, &m, next, h, c.eps, &mut a)?;
+                }
+            }
         }
         let last = ops.last_rows(&a, h, b)?;
         ops.linear(&last, batch.len(), &self.head, None)
@@ -780,6 +786,9 @@ impl<O: Ops> Qwen35<O> {
         }
     }
 
+    /// The gated delta rule of the packed rows, each sequence on its own conv and recurrent
+    /// state: the normed output before the layer's out projection (which `step` fuses with
+    /// the residual step).
     fn linear_attention(
         &self,
         m: &LinearAttention<O>,
@@ -805,11 +814,11 @@ impl<O: Ops> Qwen35<O> {
             key_head: c.key_head,
         };
         let x = GatedDeltaInputs { qkv: &qkv, z: &z, alpha: &alpha, b: &beta_in, dt_bias: &m.dt_bias, a: &m.a, norm: &m.norm, eps: c.eps };
-        let normed = ops.gated_delta(x, &heads, b, rec_states)?;
-        ops.linear(&normed, n, &m.out, None)
+        ops.gated_delta(x, &heads, b, rec_states)
     }
 
-    /// Gated attention for the packed rows of every sequence, each attending to its own cache.
+    /// Gated attention for the packed rows of every sequence, each attending to its own cache:
+    /// the output before the o projection (which `step` fuses with the residual step).
     fn full_attention(&self, m: &FullAttention<O>, a: &O::Buf, n: usize, b: &O::Batch, caches: &mut [&mut O::Kv]) -> Result<O::Buf> {
         let (c, ops) = (&self.cfg, &self.ops);
         let hd = c.head_dim;
@@ -821,8 +830,7 @@ impl<O: Ops> Qwen35<O> {
         ops.head_prep(&mut y, stride, b, &[(0, q_prep), (2 * qw, k_prep)])?;
         let shape = AttentionShape { q_heads: c.q_heads, kv_heads: c.kv_heads, hd, scale: (hd as f32).powf(-0.5), max_distance: None };
         let view = |offset| View::new(&y, offset, stride);
-        let att = ops.kv_attention(view(0), view(2 * qw), view(2 * qw + kw), view(qw), b, caches, &shape)?;
-        ops.linear(&att, n, &m.o, None)
+        ops.kv_attention(view(0), view(2 * qw), view(2 * qw + kw), view(qw), b, caches, &shape)
     }
 }
 

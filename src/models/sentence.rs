@@ -57,13 +57,14 @@ impl<O: Ops> Stack<O> {
         let _one_at_a_time = ops.serialize();
         // The encoder's work depends on nothing but the segments' lengths.
         let key: Vec<u64> = segments.iter().map(|s| s.len as u64).collect();
-        ops.run_step(segments, &ids, &vec![0; segments.len()], Some(&key), &mut |batch| {
+        let rows = ops.run_step(segments, &ids, &vec![0; segments.len()], Some(&key), &mut |batch| {
             let mut x = self.encoder.forward_batch(batch)?;
             for d in &self.dense {
                 x = ops.linear(&x, segments.len(), &d.weight, d.bias.as_ref())?;
             }
             Ok(x)
-        })
+        })?;
+        Ok(rows.concat())
     }
 }
 

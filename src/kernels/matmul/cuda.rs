@@ -102,6 +102,10 @@ pub enum GemvOutput {
     Plain,
     Silu,
     GeluTanh,
+    /// Added to the residual stream, then its RMS norm ([`Blas::linear_residual_norm`]).
+    Residual,
+    /// Written, then the sandwich-norm step after it ([`Blas::linear_add_norm_next`]).
+    AddNorm,
 }
 
 impl GemvOutput {
@@ -110,15 +114,21 @@ impl GemvOutput {
             GemvOutput::Plain => 0,
             GemvOutput::Silu => 1,
             GemvOutput::GeluTanh => 2,
+            GemvOutput::Residual => 3,
+            GemvOutput::AddNorm => 4,
         }
+    }
+
+    fn gated(self) -> bool {
+        matches!(self, GemvOutput::Silu | GemvOutput::GeluTanh)
     }
 
     /// Output features of a product with `w` in this mode.
     fn features(self, w: &GpuMatrix) -> usize {
-        if self == GemvOutput::Plain {
-            w.out
-        } else {
+        if self.gated() {
             w.out / 2
+        } else {
+            w.out
         }
     }
 }
@@ -136,13 +146,21 @@ struct GemvParts {
     out: [i32; GEMV_PARTS],
     block0: [i32; GEMV_PARTS + 1],
     n: i32,
+    ks: i32,
+    norm_w: u64,
+    norm_out: u64,
+    counter: u64,
+    eps: f32,
+    stream: u64,
+    next_w: u64,
+    post: f32,
 }
 // SAFETY: plain integers in the kernel's C layout.
 unsafe impl DeviceRepr for GemvParts {}
 
 /// The GEMV kernels: [output kind][weight type: f32, bf16, Q8_0][row bound R: 1, 2, 4, 8]
 /// [wide, narrow] (see [`gemv_outputs_per_warp`]).
-struct GemvKernels([[[[CudaFunction; 2]; 4]; 3]; 3]);
+struct GemvKernels([[[[CudaFunction; 2]; 4]; 3]; 5]);
 
 impl GemvKernels {
     fn new(gpu: &Gpu) -> Result<Self> {
@@ -158,7 +176,7 @@ impl GemvKernels {
             };
             Ok([rows("f32")?, rows("bf16")?, rows("q8")?])
         };
-        Ok(GemvKernels([by_type("")?, by_type("silu_")?, by_type("gelu_")?]))
+        Ok(GemvKernels([by_type("")?, by_type("silu_")?, by_type("gelu_")?, by_type("res_")?, by_type("addnorm_")?]))
     }
 
     fn get(&self, output: GemvOutput, w: &GpuMatrix, rows: usize, narrow: bool) -> &CudaFunction {
@@ -183,11 +201,42 @@ fn gemv_outputs_per_warp(rows: usize, output: GemvOutput, narrow: bool) -> usize
         2 => 2,
         _ => 4,
     };
-    match (narrow, output) {
+    match (narrow, output.gated()) {
         (true, _) => 1,
-        (false, GemvOutput::Plain) => plain,
-        (false, _) => (plain / 2).max(1),
+        (false, false) => plain,
+        (false, true) => (plain / 2).max(1),
     }
+}
+
+/// Warps per output feature of a GEMV launch over `features` features of `inp` inputs (the
+/// kernels' ks, see gemv.cu): a launch of few features takes more warps per row, until the
+/// launch has [`GEMV_SPLIT_WARPS`] warps per multiprocessor, each keeping at least two of its
+/// row's 256-weight steps. A function of the matrices alone: rows of x never change a result.
+fn gemv_split(features: usize, inp: usize, multiprocessors: usize) -> usize {
+    let mut ks = 1;
+    while 2 * ks <= GEMV_WARPS && features * ks < GEMV_SPLIT_WARPS * multiprocessors && inp >= 2 * 256 * (2 * ks) {
+        ks *= 2;
+    }
+    ks
+}
+
+/// Rows up to which a product fuses the norm after it (see [`Blas::norm_tail_fits`]).
+pub const NORM_TAIL_MAX_ROWS: usize = 1;
+
+/// Warps per multiprocessor a split GEMV launch aims at (a full one holds 64; 32 with their
+/// loads in flight cover the memory latency, measured on the H200).
+const GEMV_SPLIT_WARPS: usize = 32;
+
+/// The operands of the norm a GEMV's last block forms (see `tern_gemv_parts`).
+#[derive(Clone, Copy)]
+struct NormTail {
+    norm_w: u64,
+    norm_out: u64,
+    counter: u64,
+    eps: f32,
+    stream: u64,
+    next_w: u64,
+    post: f32,
 }
 
 /// A cuBLAS handle on the GPU's stream, and the helper kernels.
@@ -204,6 +253,12 @@ pub struct Blas {
     /// Products of at most this many rows take the GEMV: [`GEMV_MAX_ROWS`], or fewer where
     /// TERN_GEMV_MAX_ROWS says so (to measure the GEMV against cuBLAS on the same run).
     gemv_max_rows: usize,
+    /// Whether few-feature matrices split each row over several warps (see [`gemv_split`]);
+    /// TERN_GEMV_SPLIT=0 turns it off, to measure the two forms on the same run.
+    gemv_split: bool,
+    /// The arrival counter of the blocks of a GEMV ending in a norm (zero between launches;
+    /// launches on the one stream never overlap).
+    residual_counter: CudaSlice<u32>,
     /// The routed GEMV: [plain, silu-gated output][f32, bf16, Q8_0].
     routed: [[CudaFunction; 3]; 2],
     expand_bf16_f32: CudaFunction,
@@ -237,6 +292,8 @@ impl Blas {
             gemv: GemvKernels::new(&gpu)?,
             multiprocessors: gpu.multiprocessors()?,
             gemv_max_rows: std::env::var("TERN_GEMV_MAX_ROWS").ok().and_then(|v| v.parse().ok()).map_or(GEMV_MAX_ROWS, |n: usize| n.min(GEMV_MAX_ROWS)),
+            gemv_split: std::env::var("TERN_GEMV_SPLIT").map_or(true, |v| v != "0"),
+            residual_counter: gpu.zeros::<u32>(1)?,
             routed: [
                 [f("tern_gemv_routed_f32")?, f("tern_gemv_routed_bf16")?, f("tern_gemv_routed_q8")?],
                 [f("tern_gemv_routed_silu_f32")?, f("tern_gemv_routed_silu_bf16")?, f("tern_gemv_routed_silu_q8")?],
@@ -418,6 +475,14 @@ impl Blas {
         rows <= self.gemv_max_rows && w.inp % 8 == 0
     }
 
+    /// Whether a product of `rows` rows with `w` takes a GEMV ending in a norm: one row (a
+    /// decode step of one sequence). The last block normalises the rows one after another,
+    /// which at 8 rows cost more than the launch it saves (an 8-token EmbeddingGemma 300M query
+    /// took 2.7 ms against 1.4 ms in two launches, H200).
+    fn norm_tail_fits(&self, rows: usize, w: &GpuMatrix) -> bool {
+        rows <= NORM_TAIL_MAX_ROWS && self.gemv_fits(rows, w)
+    }
+
     /// Several products of the same `rows` rows of x, `Y_i = X·W_iᵀ` for each `(W_i, Y_i)`:
     /// one GEMV launch when they fit it (few rows, at most [`GEMV_PARTS`] matrices of one
     /// stored type), else one [`Blas::linear`] each. CPU twin: [`super::linear_w`] per matrix.
@@ -451,7 +516,7 @@ impl Blas {
         y: &mut CudaSlice<f32>,
         activate: impl FnOnce(&CudaSlice<f32>, &mut CudaSlice<f32>) -> Result<()>,
     ) -> Result<()> {
-        if output == GemvOutput::Plain || w.out % 2 != 0 {
+        if !output.gated() || w.out % 2 != 0 {
             return Err(Error::Shape(format!("glu: a gated activation over {} stacked rows", w.out)));
         }
         check_len("glu input", x.len(), rows * w.inp)?;
@@ -467,16 +532,108 @@ impl Blas {
         activate(&gu, y)
     }
 
+    /// A pre-norm residual step after a product: `x += V·Wᵀ`, then `a = rms(x)·norm` per row
+    /// of `w.out` — one GEMV launch (the last block normalises) for one row, the same bits as
+    /// [`Blas::linear`] and the residual norm kernel; `Ok(false)` for more rows (the caller
+    /// runs the two). CPU twin: [`super::linear_w`], then
+    /// [`crate::kernels::norm::residual_norm`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_residual_norm(
+        &self,
+        v: &CudaSlice<f32>,
+        rows: usize,
+        w: &GpuMatrix,
+        x: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        a: &mut CudaSlice<f32>,
+    ) -> Result<bool> {
+        if !self.norm_tail_fits(rows, w) {
+            return Ok(false);
+        }
+        check_len("linear_residual_norm input", v.len(), rows * w.inp)?;
+        check_len("linear_residual_norm residual", x.len(), rows * w.out)?;
+        check_len("linear_residual_norm weight", norm.len(), w.out)?;
+        check_len("linear_residual_norm output", a.len(), rows * w.out)?;
+        if rows > 0 {
+            let g = &self.gpu;
+            let tail = NormTail { norm_w: g.ptr(norm), norm_out: g.ptr(a), counter: g.ptr(&self.residual_counter), eps, stream: 0, next_w: 0, post: 1.0 };
+            self.gemv_with(v, GemvOutput::Residual, rows, &mut [(w, x)], Some(tail))?;
+        }
+        Ok(true)
+    }
+
+    /// EmbeddingGemma's sandwich-norm step after a product: `y = V·Wᵀ` (into `y`), then
+    /// `h = (h + rms(y)·norm)·post` and `a = rms(h)·next` per row of `w.out` — one GEMV launch
+    /// (the last block normalises) for one row, the same bits as [`Blas::linear`] and the
+    /// add-norm kernel; `Ok(false)` for more rows. CPU twin:
+    /// [`super::linear_w`], then [`crate::kernels::norm::add_norm`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_add_norm_next(
+        &self,
+        v: &CudaSlice<f32>,
+        rows: usize,
+        w: &GpuMatrix,
+        y: &mut CudaSlice<f32>,
+        h: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        post: f32,
+        eps: f32,
+        next: &CudaSlice<f32>,
+        a: &mut CudaSlice<f32>,
+    ) -> Result<bool> {
+        if !self.norm_tail_fits(rows, w) {
+            return Ok(false);
+        }
+        check_len("linear_add_norm_next input", v.len(), rows * w.inp)?;
+        for (what, len) in [("product", y.len()), ("residual", h.len()), ("output", a.len())] {
+            check_len(&format!("linear_add_norm_next {what}"), len, rows * w.out)?;
+        }
+        check_len("linear_add_norm_next weight", norm.len(), w.out)?;
+        check_len("linear_add_norm_next next weight", next.len(), w.out)?;
+        if rows > 0 {
+            let g = &self.gpu;
+            let counter = g.ptr(&self.residual_counter);
+            let tail = NormTail { norm_w: g.ptr(norm), norm_out: g.ptr(a), counter, eps, stream: g.ptr(h), next_w: g.ptr(next), post };
+            self.gemv_with(v, GemvOutput::AddNorm, rows, &mut [(w, y)], Some(tail))?;
+        }
+        Ok(true)
+    }
+
     /// One GEMV launch over `parts` (at most [`GEMV_PARTS`], one stored type, shapes checked
     /// by the caller), for at most [`GEMV_MAX_ROWS`] rows; `in` % 8 == 0.
     fn gemv(&self, x: &CudaSlice<f32>, output: GemvOutput, rows: usize, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)]) -> Result<()> {
+        self.gemv_with(x, output, rows, parts, None)
+    }
+
+    /// [`Blas::gemv`], with the residual norm's operands for [`GemvOutput::Residual`] (one part).
+    fn gemv_with(
+        &self,
+        x: &CudaSlice<f32>,
+        output: GemvOutput,
+        rows: usize,
+        parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)],
+        tail: Option<NormTail>,
+    ) -> Result<()> {
+        let tailed = matches!(output, GemvOutput::Residual | GemvOutput::AddNorm);
+        if tailed != (tail.is_some() && parts.len() == 1) {
+            return Err(Error::Shape("gemv: a norm after the product takes one product and its operands".into()));
+        }
         let g = &self.gpu;
         let first = parts.first().map(|(w, _)| *w).ok_or_else(|| Error::Shape("gemv: no product".into()))?;
         let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", first.inp)?);
-        let mut p = GemvParts { n: parts.len() as i32, ..Default::default() };
+        let features: usize = parts.iter().map(|(w, _)| output.features(w)).sum();
+        let ks = if self.gemv_split { gemv_split(features, first.inp, self.multiprocessors) } else { 1 };
+        let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, ..Default::default() };
+        if let Some(t) = tail {
+            (p.norm_w, p.norm_out, p.counter, p.eps) = (t.norm_w, t.norm_out, t.counter, t.eps);
+            (p.stream, p.next_w, p.post) = (t.stream, t.next_w, t.post);
+        }
+        // Features a block covers: its warps' feature groups (ks warps each) times the
+        // features a warp holds.
+        let per_block = |narrow| GEMV_WARPS / ks * gemv_outputs_per_warp(rows, output, narrow);
         // The wide form unless its blocks would not cover every multiprocessor twice.
-        let wide_blocks: usize =
-            parts.iter().map(|(w, _)| output.features(w).div_ceil(GEMV_WARPS * gemv_outputs_per_warp(rows, output, false))).sum();
+        let wide_blocks: usize = parts.iter().map(|(w, _)| output.features(w).div_ceil(per_block(false))).sum();
         let narrow = wide_blocks < 2 * self.multiprocessors;
         let mut blocks = 0u32;
         for (i, (w, y)) in parts.iter().enumerate() {
@@ -487,7 +644,7 @@ impl Blas {
             let features = output.features(w);
             p.out[i] = int_arg("gemv out", features)?;
             p.block0[i] = blocks as i32;
-            blocks += grid_for(features, (GEMV_WARPS * gemv_outputs_per_warp(rows, output, narrow)) as u32)?;
+            blocks += grid_for(features, per_block(narrow) as u32)?;
         }
         p.block0[parts.len()] = int_arg("gemv blocks", blocks as usize)?;
         let xp = g.ptr(x);
@@ -579,5 +736,48 @@ impl Blas {
         // scales) and dst n operands (allocated by the caller).
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_expand"))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The host's count of features per warp (block counts, output ranges) must be the one each
+    /// kernel is compiled with: a warp covering more features than the host counted writes past
+    /// its output.
+    #[test]
+    fn host_features_per_warp_match_the_compiled_kernels() {
+        let src = include_str!("gemv.cu");
+        let mut seen = 0;
+        for line in src.lines().filter(|l| l.starts_with("TERN_GEMV_KERNELS(")) {
+            let args: Vec<&str> = line["TERN_GEMV_KERNELS(".len()..].trim_end_matches(')').split(',').map(str::trim).collect();
+            let (suffix, r, opw, opw_gated): (&str, usize, usize, usize) =
+                (args[0], args[1].parse().unwrap(), args[2].parse().unwrap(), args[3].parse().unwrap());
+            let narrow = suffix.ends_with('n');
+            // The row counts that take this R (GemvKernels::get).
+            let rows: Vec<usize> = (1..=GEMV_MAX_ROWS).filter(|&n| n.next_power_of_two() == r).collect();
+            for n in rows {
+                for output in [GemvOutput::Plain, GemvOutput::Residual, GemvOutput::AddNorm] {
+                    assert_eq!(gemv_outputs_per_warp(n, output, narrow), if narrow { 1 } else { opw }, "{suffix} {output:?} {n} rows");
+                }
+                for output in [GemvOutput::Silu, GemvOutput::GeluTanh] {
+                    assert_eq!(gemv_outputs_per_warp(n, output, narrow), if narrow { 1 } else { opw_gated }, "{suffix} {output:?} {n} rows");
+                }
+                seen += 1;
+            }
+        }
+        assert!(seen >= 8 + 7, "every row count of both forms checked ({seen})");
+    }
+
+    #[test]
+    fn split_depends_on_the_matrix_and_keeps_two_steps_a_warp() {
+        // A Qwen3.5-0.8B output projection on 132 multiprocessors: 4 warps a feature.
+        assert_eq!(gemv_split(1024, 2048, 132), 4);
+        assert_eq!(gemv_split(1024, 3584, 132), 4);
+        // Wide matrices and short rows are not split.
+        assert_eq!(gemv_split(248_320, 1024, 132), 1);
+        assert_eq!(gemv_split(1024, 768, 132), 1);
+        assert_eq!(gemv_split(100, 1 << 16, 132), GEMV_WARPS);
     }
 }

@@ -7,10 +7,16 @@
 // 11-bit by 8-bit product), as on the CPU.
 //
 // A decode step is bound by the bytes of the weights: each warp owns one output feature and
-// streams its row once, 8 weights per lane per step (16-byte loads of bf16, 8-byte of Q8_0),
+// streams its row once, a step of STEP weights per lane (16-byte loads of bf16, 8-byte of Q8_0),
 // multiplying them into up to R rows of x (R a compile-time bound, rows <= R at run time) that
 // every warp of the GPU reads and the L1/L2 caches hold. The row's partial sums meet in a
 // butterfly warp sum (fixed order for a given input).
+//
+// A matrix of few output features (a layer's 1024-feature output projection) has too few
+// rows to keep every multiprocessor's loads in flight, one warp a row: there `ks` warps of a
+// block share each feature, warp slice s taking the warp's steps s, s + ks, ... of the
+// row, and the slices' sums meet in shared memory, added in slice order. `ks` depends on the
+// matrix only (never on the rows of x), so a row's result is the same alone and in a batch.
 //
 // A decode step is also a chain of small launches, so one launch does more than one product:
 // - up to TERN_GEMV_PARTS matrices that read the same x (a layer's input projections), each
@@ -33,6 +39,17 @@ struct tern_gemv_parts {
     int out[TERN_GEMV_PARTS];
     int block0[TERN_GEMV_PARTS + 1];
     int n;
+    int ks;  // warps per output feature (1, 2, 4 or 8): see tern_gemv_rows
+    // TERN_Y_RESIDUAL and TERN_Y_ADD_NORM only (one part): the norm's weight [out], the
+    // normalised output a [rows][out], epsilon, and the launch's arrival counter (0 between
+    // launches); TERN_Y_ADD_NORM also the residual stream h, the next norm's weight and `post`.
+    unsigned long long norm_w;
+    unsigned long long norm_out;
+    unsigned long long counter;
+    float eps;
+    unsigned long long stream;
+    unsigned long long next_w;
+    float post;
 };
 
 __device__ __forceinline__ float tern_f16_to_f32(unsigned short h) {
@@ -41,10 +58,14 @@ __device__ __forceinline__ float tern_f16_to_f32(unsigned short h) {
     return f;
 }
 
+// Each weight type loads STEP consecutive weights of a row per lane and step: 32 bytes of f32,
+// 16 of bf16, 8 of Q8_0 quants. (16 Q8_0 weights a lane, one 16-byte load, measured slower on
+// the H200: 2.7 µs more on a 1024 x 2048 product, 55 µs more on the 248 320-row head.)
 struct TernWeightsF32 {
+    static constexpr int STEP = 8;
     const float* w;
     __device__ TernWeightsF32(unsigned long long wp, unsigned long long) : w((const float*)wp) {}
-    __device__ __forceinline__ void load8(size_t at, float* v) const {
+    __device__ __forceinline__ void load(size_t at, float* v) const {
         const float4 a = *reinterpret_cast<const float4*>(w + at);
         const float4 b = *reinterpret_cast<const float4*>(w + at + 4);
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
@@ -53,9 +74,10 @@ struct TernWeightsF32 {
 };
 
 struct TernWeightsBf16 {
+    static constexpr int STEP = 8;
     const tern_bf16* w;
     __device__ TernWeightsBf16(unsigned long long wp, unsigned long long) : w((const tern_bf16*)wp) {}
-    __device__ __forceinline__ void load8(size_t at, float* v) const {
+    __device__ __forceinline__ void load(size_t at, float* v) const {
         const uint4 u = *reinterpret_cast<const uint4*>(w + at);
         const unsigned q[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
@@ -67,11 +89,12 @@ struct TernWeightsBf16 {
 };
 
 struct TernWeightsQ8 {
+    static constexpr int STEP = 8;
     const signed char* q;
     const unsigned short* d;
     __device__ TernWeightsQ8(unsigned long long wp, unsigned long long sp)
         : q((const signed char*)wp), d((const unsigned short*)sp) {}
-    __device__ __forceinline__ void load8(size_t at, float* v) const {
+    __device__ __forceinline__ void load(size_t at, float* v) const {
         const uint2 u = *reinterpret_cast<const uint2*>(q + at);
         const float s = tern_f16_to_f32(d[at / 32]);
         const unsigned p[2] = {u.x, u.y};
@@ -88,73 +111,169 @@ struct TernWeightsQ8 {
 #define TERN_Y_PLAIN 0
 #define TERN_Y_SILU 1
 #define TERN_Y_GELU 2
+// TERN_Y_RESIDUAL: a pre-norm layer's output projection and the residual step after it in one
+// launch. y is the residual stream x, to which each feature adds its product (x + W·v, as
+// tern_residual_norm adds); the last block to finish then writes a = rms(x)·w for the rows,
+// the next sublayer's input, as tern_residual_norm forms it (same block size and order: the
+// same bits as the product and that kernel in two launches).
+#define TERN_Y_RESIDUAL 3
+// TERN_Y_ADD_NORM: the sandwich-norm step of EmbeddingGemma after a product: y is written as
+// TERN_Y_PLAIN writes it, then the last block forms h = (h + rms(y)·w)·post and a = rms(h)·w2
+// as tern_add_norm does (same block size and order: the same bits as the two launches).
+#define TERN_Y_ADD_NORM 4
 
 // One warp's OPW consecutive output features o0 .. o0 + OPW - 1 (those below `out`: the
 // matrix's rows, or `half` of them for a gated product) for rows r < rows <= R of x (rows of
 // `in`), written to y[r·out + o]; in % 8 == 0. Each x value a lane loads serves every weight
 // row the warp holds: with several rows of x (a batch of decode steps, a short query) the x
 // reads, which come from L1, would otherwise outweigh the weights.
+//
+// With ks > 1 (split), the warp is slice `slice` of ks and every warp of the block calls this
+// (the slices meet at a barrier), those past `out` included.
 template <int R, int OPW, int OMODE, typename W>
 __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restrict__ x, int rows, int in, int o0, int out,
-                                               float* __restrict__ y) {
-    constexpr int NW = OMODE == TERN_Y_PLAIN ? OPW : 2 * OPW;  // weight rows held
+                                               float* __restrict__ y, int ks = 1, int slice = 0) {
+    constexpr bool GATED = OMODE == TERN_Y_SILU || OMODE == TERN_Y_GELU;
+    constexpr int NW = GATED ? 2 * OPW : OPW;  // weight rows held
+    constexpr int S = W::STEP;                 // weights a lane takes per step
     const int lane = threadIdx.x % 32;
     float acc[NW][R];
 #pragma unroll
     for (int j = 0; j < NW; ++j)
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[j][r] = 0.0f;
+    const int c0 = o0 < out ? lane * S + 32 * S * slice : in;  // a warp past `out` loads nothing
 #pragma unroll 4
-    for (int c = lane * 8; c < in; c += 256) {
-        float v[NW][8];
+    for (int c = c0; c < in; c += 32 * S * ks) {
+        float v[NW][S];
 #pragma unroll
         for (int j = 0; j < NW; ++j) {
             // Gated: rows o (gate) for j < OPW, then o + out (up).
             const int o = o0 + j % OPW;
             if (o < out) {
-                w.load8((size_t)(j < OPW ? o : o + out) * in + c, v[j]);
+                w.load((size_t)(j < OPW ? o : o + out) * in + c, v[j]);
             } else {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) v[j][i] = 0.0f;
+                for (int i = 0; i < S; ++i) v[j][i] = 0.0f;
             }
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             if (r < rows) {
-                const float4 a = *reinterpret_cast<const float4*>(x + (size_t)r * in + c);
-                const float4 b = *reinterpret_cast<const float4*>(x + (size_t)r * in + c + 4);
 #pragma unroll
-                for (int j = 0; j < NW; ++j) {
-                    float s = acc[j][r];
-                    s = fmaf(a.x, v[j][0], s); s = fmaf(a.y, v[j][1], s); s = fmaf(a.z, v[j][2], s); s = fmaf(a.w, v[j][3], s);
-                    s = fmaf(b.x, v[j][4], s); s = fmaf(b.y, v[j][5], s); s = fmaf(b.z, v[j][6], s); s = fmaf(b.w, v[j][7], s);
-                    acc[j][r] = s;
+                for (int q = 0; q < S; q += 4) {
+                    const float4 a = *reinterpret_cast<const float4*>(x + (size_t)r * in + c + q);
+#pragma unroll
+                    for (int j = 0; j < NW; ++j) {
+                        float s = acc[j][r];
+                        s = fmaf(a.x, v[j][q], s); s = fmaf(a.y, v[j][q + 1], s); s = fmaf(a.z, v[j][q + 2], s); s = fmaf(a.w, v[j][q + 3], s);
+                        acc[j][r] = s;
+                    }
                 }
             }
         }
     }
 #pragma unroll
+    for (int j = 0; j < NW; ++j)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[j][r] = tern_warp_sum(acc[j][r]);
+    if (ks > 1) {
+        // Slice sums of the block's warps, [warp][j][r]; slice 0 adds the others in order.
+        __shared__ float part[TERN_GEMV_WARPS][NW][R];
+        const int warp = threadIdx.x / 32;
+        if (lane == 0)
+#pragma unroll
+            for (int j = 0; j < NW; ++j)
+#pragma unroll
+                for (int r = 0; r < R; ++r) part[warp][j][r] = acc[j][r];
+        __syncthreads();
+        if (slice != 0) return;
+        for (int t = 1; t < ks; ++t)
+#pragma unroll
+            for (int j = 0; j < NW; ++j)
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[j][r] += part[warp + t][j][r];
+    }
+#pragma unroll
     for (int j = 0; j < OPW; ++j)
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            float s = tern_warp_sum(acc[j][r]);
-            if (OMODE != TERN_Y_PLAIN) {
-                const float u = tern_warp_sum(acc[j + OPW][r]);
-                s = (OMODE == TERN_Y_SILU ? tern_silu(s) : tern_gelu_tanh(s)) * u;
+            float s = acc[j][r];
+            if constexpr (GATED) s = (OMODE == TERN_Y_SILU ? tern_silu(s) : tern_gelu_tanh(s)) * acc[j + OPW][r];
+            if (lane == 0 && r < rows && o0 + j < out) {
+                float* at = y + (size_t)r * out + o0 + j;
+                *at = OMODE == TERN_Y_RESIDUAL ? *at + s : s;
             }
-            if (lane == 0 && r < rows && o0 + j < out) y[(size_t)r * out + o0 + j] = s;
         }
 }
 
+// The end of TERN_Y_RESIDUAL and TERN_Y_ADD_NORM: every block, once its warps have written
+// their features, signals; the last one (which then sees every block's writes: each fenced
+// them before its signal) forms the rows' norms and resets the counter for the next launch.
+// What other blocks wrote is read through L2 (__ldcg): this multiprocessor's L1 may hold
+// lines of it from before they wrote.
+__device__ __forceinline__ double tern_gemv_sum_squares(const float* v, int d, double* scratch) {
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const double e = (double)(__ldcg(v + i) * 1.0f);
+        ss += e * e;
+    }
+    return tern_block_sum_d(ss, scratch);
+}
+
+template <int OMODE>
+__device__ __forceinline__ void tern_gemv_norm_tail(const tern_gemv_parts& p, int rows) {
+    __shared__ int last;
+    __shared__ double scratch[32];
+    // Every writer fences its own writes before the block signals.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd((unsigned*)p.counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int d = p.out[0];
+    const float* w = (const float*)p.norm_w;
+    float* a = (float*)p.norm_out;
+    for (int r = 0; r < rows; ++r) {
+        const size_t off = (size_t)r * d;
+        // RESIDUAL: the stream is y, already x + W·v. ADD_NORM: y is the product, h the stream.
+        float* h = OMODE == TERN_Y_RESIDUAL ? (float*)p.y[0] + off : (float*)p.stream + off;
+        const float* w_out = w;
+        if (OMODE == TERN_Y_ADD_NORM) {
+            const float* y = (const float*)p.y[0] + off;
+            const float inv = (float)(1.0 / sqrt(tern_gemv_sum_squares(y, d, scratch) / (double)d + (double)p.eps));
+            for (int i = threadIdx.x; i < d; i += blockDim.x) {
+                float v = h[i] + (__ldcg(y + i) * inv) * w[i];
+                if (p.post != 1.0f) v *= p.post;
+                h[i] = v;
+            }
+            w_out = (const float*)p.next_w;
+        }
+        // Each thread re-reads only the entries of h it wrote itself (ADD_NORM), or reads
+        // through L2 what other blocks wrote (RESIDUAL).
+        const float inv = (float)(1.0 / sqrt(tern_gemv_sum_squares(h, d, scratch) / (double)d + (double)p.eps));
+        for (int i = threadIdx.x; i < d; i += blockDim.x) a[off + i] = (__ldcg(h + i) * inv) * w_out[i];
+    }
+    if (threadIdx.x == 0) *(unsigned*)p.counter = 0u;
+}
+
 // y_part[r][o] for r < rows <= R, o < out[part] (see tern_gemv_rows); a block covers
-// TERN_GEMV_WARPS · OPW output features of its part.
+// TERN_GEMV_WARPS / ks · OPW output features of its part, warp w slice w % ks of its feature
+// group w / ks.
 template <int R, int OPW, int OMODE, typename W>
 __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
     int part = 0;
     while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
-    const int o0 = (((int)blockIdx.x - p.block0[part]) * TERN_GEMV_WARPS + threadIdx.x / 32) * OPW;
-    if (o0 >= p.out[part]) return;
-    tern_gemv_rows<R, OPW, OMODE>(W(p.w[part], p.scales[part]), x, rows, in, o0, p.out[part], (float*)p.y[part]);
+    const int ks = p.ks, warp = threadIdx.x / 32;
+    const int o0 = (((int)blockIdx.x - p.block0[part]) * (TERN_GEMV_WARPS / ks) + warp / ks) * OPW;
+    // Unsplit, a warp past the features leaves; split (or ending in the residual norm), it
+    // still meets its block's barriers.
+    constexpr bool tail = OMODE == TERN_Y_RESIDUAL || OMODE == TERN_Y_ADD_NORM;
+    if (ks == 1 && !tail && o0 >= p.out[part]) return;
+    tern_gemv_rows<R, OPW, OMODE>(W(p.w[part], p.scales[part]), x, rows, in, o0, p.out[part], (float*)p.y[part], ks,
+                                  warp % ks);
+    if constexpr (tail) tern_gemv_norm_tail<OMODE>(p, rows);
 }
 
 // Routed experts (a mixture-of-experts layer's few rows, routed on the device): slot s =
@@ -193,7 +312,13 @@ __device__ __forceinline__ void tern_gemv_routed(const unsigned long long* __res
     TERN_GEMV_KERNEL(tern_gemv_silu_q8_##SUFFIX, R, OPW_GATED, TernWeightsQ8, TERN_Y_SILU)                       \
     TERN_GEMV_KERNEL(tern_gemv_gelu_f32_##SUFFIX, R, OPW_GATED, TernWeightsF32, TERN_Y_GELU)                     \
     TERN_GEMV_KERNEL(tern_gemv_gelu_bf16_##SUFFIX, R, OPW_GATED, TernWeightsBf16, TERN_Y_GELU)                   \
-    TERN_GEMV_KERNEL(tern_gemv_gelu_q8_##SUFFIX, R, OPW_GATED, TernWeightsQ8, TERN_Y_GELU)
+    TERN_GEMV_KERNEL(tern_gemv_gelu_q8_##SUFFIX, R, OPW_GATED, TernWeightsQ8, TERN_Y_GELU)                       \
+    TERN_GEMV_KERNEL(tern_gemv_res_f32_##SUFFIX, R, OPW, TernWeightsF32, TERN_Y_RESIDUAL)                        \
+    TERN_GEMV_KERNEL(tern_gemv_res_bf16_##SUFFIX, R, OPW, TernWeightsBf16, TERN_Y_RESIDUAL)                      \
+    TERN_GEMV_KERNEL(tern_gemv_res_q8_##SUFFIX, R, OPW, TernWeightsQ8, TERN_Y_RESIDUAL)                          \
+    TERN_GEMV_KERNEL(tern_gemv_addnorm_f32_##SUFFIX, R, OPW, TernWeightsF32, TERN_Y_ADD_NORM)                    \
+    TERN_GEMV_KERNEL(tern_gemv_addnorm_bf16_##SUFFIX, R, OPW, TernWeightsBf16, TERN_Y_ADD_NORM)                  \
+    TERN_GEMV_KERNEL(tern_gemv_addnorm_q8_##SUFFIX, R, OPW, TernWeightsQ8, TERN_Y_ADD_NORM)
 
 TERN_GEMV_KERNELS(1, 1, 1, 1)
 TERN_GEMV_KERNELS(2, 2, 2, 1)

@@ -101,6 +101,20 @@ impl Weights<'_> {
     }
 }
 
+/// Q8_0 blocks of `w` (an f16 scale max|w|/127, then the rounded quants), as GGUF writes them:
+/// test and benchmark weights in the stored type the decode kernels read. `w.len()` is a
+/// multiple of 32 (a shorter tail is dropped).
+pub fn quantize_q8_0(w: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(w.len() / 32 * 34);
+    for b in w.chunks_exact(32) {
+        let d = half::f16::from_f32(b.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0);
+        out.extend_from_slice(&d.to_le_bytes());
+        let inv = if d.to_f32() > 0.0 { 1.0 / d.to_f32() } else { 0.0 };
+        out.extend(b.iter().map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
+    }
+    out
+}
+
 /// [`linear`] over weights of any stored dtype.
 pub fn linear_w(x: &[f32], rows: usize, w: Weights, out_features: usize, in_features: usize) -> Result<Vec<f32>> {
     let mut y = vec![0.0f32; rows * out_features];
