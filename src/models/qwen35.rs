@@ -749,16 +749,7 @@ impl<O: Ops> Qwen35<O> {
             ops.linear_residual_norm(&mixed, n, out, &mut x, &layer.post_norm, h, c.eps, &mut a)?;
             // The next layer's pre-norm, or after the last layer the final norm.
             let next = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
-            match &layer.ffn {
-                Ffn::Dense(m) => {
-                    let act = ops.glu(&a, n, &m.gate_up, m.width, GatedActivation::Silu)?;
-                    ops.linear_residual_norm(&act, n, &m.down, &mut x, next, h, c.eps, &mut a)?;
-                }
-                moe => {
-                    let m = self.ffn(moe, &a, n)?;
-                    ops.residual_norm(&mut x, &m, next, h, c.eps, &mut a)?;
-                }
-            }
+            self.ffn_residual(&layer.ffn, &mut a, n, &mut x, next)?;
         }
         let last = ops.last_rows(&a, h, b)?;
         ops.linear(&last, batch.len(), &self.head, None)
@@ -770,18 +761,23 @@ impl<O: Ops> Qwen35<O> {
         ops.linear(&act, n, &m.down, None)
     }
 
-    fn ffn(&self, f: &Ffn<O>, a: &O::Buf, n: usize) -> Result<O::Buf> {
-        let ops = &self.ops;
+    /// A layer's FFN and the residual step after it: `x += ffn(a)`, then `a = rms(x)·next`.
+    /// The dense FFN's down projection and that step are one op (fused for a decode step).
+    fn ffn_residual(&self, f: &Ffn<O>, a: &mut O::Buf, n: usize, x: &mut O::Buf, next: &O::Vector) -> Result<()> {
+        let (c, ops) = (&self.cfg, &self.ops);
+        let h = c.hidden;
         match f {
-            Ffn::Dense(m) => self.mlp(m, a, n),
+            Ffn::Dense(m) => {
+                let act = ops.glu(a, n, &m.gate_up, m.width, GatedActivation::Silu)?;
+                ops.linear_residual_norm(&act, n, &m.down, x, next, h, c.eps, a)
+            }
             Ffn::Moe { router, experts, top_k, shared, shared_gate } => {
-                let h = self.cfg.hidden;
                 let logits = ops.linear(a, n, router, None)?;
                 let mut out = ops.moe(a, h, &logits, experts, *top_k)?;
                 let s = self.mlp(shared, a, n)?;
                 let gate = ops.linear(a, n, shared_gate, None)?;
                 ops.add_sigmoid_gated(&mut out, &s, &gate, h)?;
-                Ok(out)
+                ops.residual_norm(x, &out, next, h, c.eps, a)
             }
         }
     }
