@@ -168,9 +168,13 @@ struct AddressTables {
     recorded: Vec<Arc<CudaSlice<u64>>>,
 }
 
-/// Tables kept before the cache is cleared: a decode step of a hybrid model needs a few dozen,
-/// and the tables of retired sequences are never asked for again.
+/// Tables kept before the cache is cleared (at a step's start, [`Gpu::trim_address_tables`]): a
+/// decode step of a hybrid model needs a few dozen, and the tables of retired sequences are never
+/// asked for again.
 const ADDRESS_TABLES_KEPT: usize = 4096;
+/// Longer tables are uploaded each time and not kept: only steps of few rows are recorded, and a
+/// prompt's per-row tables would hold memory they never use again.
+const ADDRESS_TABLE_KEPT_LEN: usize = 1024;
 
 /// Downloads of at least this many floats go through the page-locked staging buffer.
 const STAGED_MIN: usize = 1 << 16;
@@ -222,17 +226,17 @@ impl Gpu {
     /// A device table holding `addresses`, uploaded the first time these contents are asked
     /// for and reused afterwards, recorded steps included (see [`AddressTables`]).
     pub fn address_table(&self, addresses: &[u64]) -> Result<Arc<CudaSlice<u64>>> {
+        if addresses.len() > ADDRESS_TABLE_KEPT_LEN {
+            return Ok(Arc::new(self.upload(addresses)?));
+        }
         let recording = self.recording()?;
         let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
         let table = match t.by_contents.get(addresses) {
             Some(table) => table.clone(),
             None => {
-                // Never while recording: the step's plain run, just before, cleared nothing
-                // after uploading its tables, so a recording only misses a table it cannot
-                // upload anyway (and then fails as a whole, see `not_recording`).
-                if !recording && t.by_contents.len() >= ADDRESS_TABLES_KEPT {
-                    t.by_contents.clear();
-                }
+                // A recording finds here every table the step's plain run uploaded just before
+                // (nothing clears the cache inside a step); one it cannot find it cannot upload
+                // either, and the recording then fails as a whole (see `not_recording`).
                 let table = Arc::new(self.upload(addresses)?);
                 t.by_contents.insert(addresses.to_vec(), table.clone());
                 table
@@ -242,6 +246,16 @@ impl Gpu {
             t.recorded.push(table.clone());
         }
         Ok(table)
+    }
+
+    /// Clears the table cache when it has grown past [`ADDRESS_TABLES_KEPT`]: called between
+    /// steps, so that a step's plain run and its recording see the same tables. Graphs keep
+    /// the tables they read (see [`AddressTables`]).
+    pub fn trim_address_tables(&self) {
+        let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        if t.by_contents.len() >= ADDRESS_TABLES_KEPT {
+            t.by_contents.clear();
+        }
     }
 
     /// The tables handed out since the last call while a step was being recorded: the
@@ -356,6 +370,9 @@ impl Gpu {
     /// [`Gpu::download_f32`] as `rows` rows of equal length, copied once from the staging
     /// buffer into the rows (a decode step's logits: one row a sequence).
     pub fn download_f32_rows(&self, buf: &CudaSlice<f32>, rows: usize) -> Result<Vec<Vec<f32>>> {
+        if buf.is_empty() {
+            return Ok(vec![Vec::new(); rows]);
+        }
         if rows == 0 || buf.len() % rows != 0 {
             return Err(Error::Shape(format!("{} values are not {rows} rows of one length", buf.len())));
         }

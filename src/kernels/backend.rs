@@ -76,6 +76,9 @@ pub struct GatedDeltaInputs<'a, O: Ops> {
 
 /// `v` as `rows` rows of equal length.
 pub fn split_rows(v: &[f32], rows: usize) -> Result<Vec<Vec<f32>>> {
+    if v.is_empty() {
+        return Ok(vec![Vec::new(); rows]);
+    }
     if rows == 0 || v.len() % rows != 0 {
         return Err(Error::Shape(format!("{} values are not {rows} rows of one length", v.len())));
     }
@@ -709,6 +712,8 @@ mod tests {
         assert_eq!(split_rows(&v, 1).unwrap(), vec![v.clone()]);
         assert!(matches!(split_rows(&v, 4), Err(Error::Shape(_))));
         assert!(matches!(split_rows(&v, 0), Err(Error::Shape(_))));
+        assert_eq!(split_rows(&[], 2).unwrap(), vec![Vec::<f32>::new(); 2]);
+        assert!(split_rows(&[], 0).unwrap().is_empty());
     }
 
     #[test]

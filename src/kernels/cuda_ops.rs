@@ -528,6 +528,8 @@ impl Ops for CudaOps {
         f: &mut dyn FnMut(&CudaBatch) -> Result<CudaSlice<f32>>,
     ) -> Result<Vec<Vec<f32>>> {
         let rows = segments.len();
+        // Between steps: a plain run and the recording after it must see the same tables.
+        self.gpu.trim_address_tables();
         let mut plain = || -> Result<Vec<Vec<f32>>> {
             let batch = self.batch_at(segments, ids, past)?;
             let y = f(&batch)?;
@@ -691,8 +693,8 @@ impl Ops for CudaOps {
         next: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        // Few rows: one GEMV launch whose last block normalises (the same bits as the two).
-        if w.out == d {
+        // One row: one GEMV launch whose last block normalises (the same bits as the two).
+        if w.out == d && self.blas.norm_tail_fits(rows, w) {
             let _timer = self.op_timer("linear_add_norm (gemv)");
             let mut y = self.gpu.alloc::<f32>(rows * w.out)?;
             if self.blas.linear_add_norm_next(v, rows, w, &mut y, h, norm, post, eps, next, out)? {
@@ -767,8 +769,8 @@ impl Ops for CudaOps {
         eps: f32,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        // Few rows: one GEMV launch whose last block normalises (the same bits as the two).
-        if w.out == d {
+        // One row: one GEMV launch whose last block normalises (the same bits as the two).
+        if w.out == d && self.blas.norm_tail_fits(rows, w) {
             let _timer = self.op_timer("linear_residual_norm (gemv)");
             if self.blas.linear_residual_norm(v, rows, w, x, norm, eps, out)? {
                 return Ok(());

@@ -208,10 +208,11 @@ fn gemv_outputs_per_warp(rows: usize, output: GemvOutput, narrow: bool) -> usize
     }
 }
 
-/// Warps per output feature of a GEMV launch over `features` features of `inp` inputs (the
-/// kernels' ks, see gemv.cu): a launch of few features takes more warps per row, until the
-/// launch has [`GEMV_SPLIT_WARPS`] warps per multiprocessor, each keeping at least two of its
-/// row's 256-weight steps. A function of the matrices alone: rows of x never change a result.
+/// Warps per output feature of a GEMV launch over `features` features (all its matrices) of
+/// `inp` inputs (the kernels' ks, see gemv.cu): a launch of few features takes more warps per
+/// row, until the launch has [`GEMV_SPLIT_WARPS`] warps per multiprocessor, each keeping at
+/// least two of its row's 256-weight steps. A function of the launch's matrices and the GPU,
+/// never of the rows of x: a row's result is the same alone and in a batch.
 fn gemv_split(features: usize, inp: usize, multiprocessors: usize) -> usize {
     let mut ks = 1;
     while 2 * ks <= GEMV_WARPS && features * ks < GEMV_SPLIT_WARPS * multiprocessors && inp >= 2 * 256 * (2 * ks) {
@@ -479,7 +480,7 @@ impl Blas {
     /// decode step of one sequence). The last block normalises the rows one after another,
     /// which at 8 rows cost more than the launch it saves (an 8-token EmbeddingGemma 300M query
     /// took 2.7 ms against 1.4 ms in two launches, H200).
-    fn norm_tail_fits(&self, rows: usize, w: &GpuMatrix) -> bool {
+    pub fn norm_tail_fits(&self, rows: usize, w: &GpuMatrix) -> bool {
         rows <= NORM_TAIL_MAX_ROWS && self.gemv_fits(rows, w)
     }
 
@@ -606,7 +607,8 @@ impl Blas {
         self.gemv_with(x, output, rows, parts, None)
     }
 
-    /// [`Blas::gemv`], with the residual norm's operands for [`GemvOutput::Residual`] (one part).
+    /// [`Blas::gemv`], with the norm's operands for [`GemvOutput::Residual`] and
+    /// [`GemvOutput::AddNorm`] (one part).
     fn gemv_with(
         &self,
         x: &CudaSlice<f32>,

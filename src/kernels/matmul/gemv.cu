@@ -16,7 +16,8 @@
 // rows to keep every multiprocessor's loads in flight, one warp a row: there `ks` warps of a
 // block share each feature, warp slice s taking the warp's steps s, s + ks, ... of the
 // row, and the slices' sums meet in shared memory, added in slice order. `ks` depends on the
-// matrix only (never on the rows of x), so a row's result is the same alone and in a batch.
+// launch's matrices and the GPU (never on the rows of x), so a row's result is the same alone
+// and in a batch.
 //
 // A decode step is also a chain of small launches, so one launch does more than one product:
 // - up to TERN_GEMV_PARTS matrices that read the same x (a layer's input projections), each
