@@ -361,33 +361,26 @@ impl Gpu {
     /// staging buffer of its own in pieces, several times slower than a direct copy into
     /// page-locked memory. Where page-locked memory cannot be had, the plain download.
     pub fn download_f32(&self, buf: &CudaSlice<f32>) -> Result<Vec<f32>> {
-        if buf.len() < STAGED_MIN {
-            return self.download(buf);
-        }
-        self.staged(buf, |host| host.to_vec())?.map_or_else(|| self.download(buf), Ok)
+        self.read_f32(buf, |host| host.to_vec())
     }
 
-    /// [`Gpu::download_f32`] as `rows` rows of equal length, copied once from the staging
-    /// buffer into the rows (a decode step's logits: one row a sequence).
-    pub fn download_f32_rows(&self, buf: &CudaSlice<f32>, rows: usize) -> Result<Vec<Vec<f32>>> {
-        if buf.is_empty() {
-            return Ok(vec![Vec::new(); rows]);
-        }
-        if rows == 0 || buf.len() % rows != 0 {
-            return Err(Error::Shape(format!("{} values are not {rows} rows of one length", buf.len())));
-        }
-        let split = |host: &[f32]| host.chunks(buf.len() / rows).map(|r| r.to_vec()).collect::<Vec<_>>();
+    /// `read` over a host copy of `buf`, made as [`Gpu::download_f32`] makes it: a caller that
+    /// turns the values into something else (a decode step's logits into one row a sequence)
+    /// copies them once, from the staging buffer.
+    pub fn read_f32<T>(&self, buf: &CudaSlice<f32>, read: impl FnOnce(&[f32]) -> T) -> Result<T> {
         if buf.len() >= STAGED_MIN {
-            if let Some(v) = self.staged(buf, split)? {
-                return Ok(v);
+            // `read` comes back unused when page-locked memory cannot be had.
+            match self.staged(buf, read)? {
+                Ok(v) => return Ok(v),
+                Err(read) => return Ok(read(&self.download(buf)?)),
             }
         }
-        Ok(split(&self.download(buf)?))
+        Ok(read(&self.download(buf)?))
     }
 
-    /// `read` over a host copy of `buf` made through the page-locked staging buffer; None
-    /// when page-locked memory cannot be had.
-    fn staged<T>(&self, buf: &CudaSlice<f32>, read: impl FnOnce(&[f32]) -> T) -> Result<Option<T>> {
+    /// `read` over a host copy of `buf` made through the page-locked staging buffer; `read`
+    /// itself back, unused, when page-locked memory cannot be had.
+    fn staged<T, F: FnOnce(&[f32]) -> T>(&self, buf: &CudaSlice<f32>, read: F) -> Result<std::result::Result<T, F>> {
         let n = buf.len();
         self.not_recording("a copy to the host")?;
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
@@ -396,7 +389,7 @@ impl Gpu {
             // SAFETY: the buffer is written by the copy below before it is read.
             match unsafe { self.ctx.alloc_pinned_with_flags::<f32>(n, 0) } {
                 Ok(s) => *staging = Some(s),
-                Err(_) => return Ok(None),
+                Err(_) => return Ok(Err(read)),
             }
         }
         let host = staging.as_mut().expect("allocated above").as_mut_slice().map_err(driver_err("waiting for the staging buffer"))?;
@@ -406,7 +399,7 @@ impl Gpu {
         unsafe { cudarc::driver::result::memcpy_dtoh_async(host, self.ptr(buf), self.stream.cu_stream()) }
             .map_err(driver_err("copying from the device"))?;
         self.synchronize()?;
-        Ok(Some(read(host)))
+        Ok(Ok(read(host)))
     }
 
     /// The device address of `buf`, for a kernel argument that may be null (see [`Gpu::ptr_opt`]).

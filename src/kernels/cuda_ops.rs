@@ -19,7 +19,7 @@ use crate::formats::Matrix;
 use crate::kernels::activation::cuda::ActivationCuda;
 use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch, GpuKv, KvAttentionCuda};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{check_past, gated_delta_in_steps, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, View};
+use crate::kernels::backend::{check_past, gated_delta_in_steps, split_rows, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, View};
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::cuda::{ChunkAccumulate, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows, FUSED_MAX_DV};
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
@@ -750,7 +750,7 @@ impl Ops for CudaOps {
     }
 
     fn to_host_rows(&self, x: &CudaSlice<f32>, rows: usize) -> Result<Vec<Vec<f32>>> {
-        self.gpu.download_f32_rows(x, rows)
+        self.gpu.read_f32(x, |host| split_rows(host, rows))?
     }
 
     fn residual_norm(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, w: &CudaSlice<f32>, d: usize, eps: f32, out: &mut CudaSlice<f32>) -> Result<()> {
