@@ -147,13 +147,9 @@ struct GemvParts {
     block0: [i32; GEMV_PARTS + 1],
     n: i32,
     ks: i32,
-    norm_w: u64,
-    norm_out: u64,
-    counter: u64,
-    eps: f32,
-    stream: u64,
-    next_w: u64,
-    post: f32,
+    /// The kernel's norm_w .. post fields (same offsets: the nested struct is 8-aligned as its
+    /// first field, which follows `ks` at the same padded offset).
+    tail: NormTail,
 }
 // SAFETY: plain integers in the kernel's C layout.
 unsafe impl DeviceRepr for GemvParts {}
@@ -228,8 +224,10 @@ pub const NORM_TAIL_MAX_ROWS: usize = 1;
 /// loads in flight cover the memory latency, measured on the H200).
 const GEMV_SPLIT_WARPS: usize = 32;
 
-/// The operands of the norm a GEMV's last block forms (see `tern_gemv_parts`).
-#[derive(Clone, Copy)]
+/// The operands of the norm a GEMV's last block forms (the norm_w .. post fields of
+/// `tern_gemv_parts`; zero for the other outputs).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
 struct NormTail {
     norm_w: u64,
     norm_out: u64,
@@ -626,11 +624,7 @@ impl Blas {
         let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", first.inp)?);
         let features: usize = parts.iter().map(|(w, _)| output.features(w)).sum();
         let ks = if self.gemv_split { gemv_split(features, first.inp, self.multiprocessors) } else { 1 };
-        let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, ..Default::default() };
-        if let Some(t) = tail {
-            (p.norm_w, p.norm_out, p.counter, p.eps) = (t.norm_w, t.norm_out, t.counter, t.eps);
-            (p.stream, p.next_w, p.post) = (t.stream, t.next_w, t.post);
-        }
+        let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, tail: tail.unwrap_or_default(), ..Default::default() };
         // Features a block covers: its warps' feature groups (ks warps each) times the
         // features a warp holds.
         let per_block = |narrow| GEMV_WARPS / ks * gemv_outputs_per_warp(rows, output, narrow);
@@ -770,6 +764,19 @@ mod tests {
             }
         }
         assert!(seen >= 8 + 7, "every row count of both forms checked ({seen})");
+    }
+
+    /// GemvParts mirrors tern_gemv_parts (4 parts): 12 addresses, 4 + 5 + 2 ints, then the norm
+    /// operands from byte 144 (norm_w, norm_out, counter, eps, stream at 176, next_w, post),
+    /// 200 bytes in all, as the C compiler lays the kernel's struct out.
+    #[test]
+    fn gemv_parts_keep_the_kernels_layout() {
+        assert_eq!(std::mem::offset_of!(GemvParts, ks), 136);
+        assert_eq!(std::mem::offset_of!(GemvParts, tail), 144);
+        assert_eq!(std::mem::offset_of!(NormTail, eps), 24);
+        assert_eq!(std::mem::offset_of!(NormTail, stream), 32);
+        assert_eq!(std::mem::offset_of!(NormTail, post), 48);
+        assert_eq!(std::mem::size_of::<GemvParts>(), 200);
     }
 
     #[test]

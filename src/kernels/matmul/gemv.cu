@@ -52,6 +52,9 @@ struct tern_gemv_parts {
     unsigned long long next_w;
     float post;
 };
+// The host's GemvParts mirrors this layout; its test (matmul/cuda.rs) checks the same size and
+// the field offsets this order gives.
+static_assert(sizeof(tern_gemv_parts) == 200, "tern_gemv_parts: 200 bytes, as GemvParts");
 
 __device__ __forceinline__ float tern_f16_to_f32(unsigned short h) {
     float f;
