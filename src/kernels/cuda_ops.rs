@@ -405,6 +405,35 @@ impl CudaOps {
     }
 }
 
+/// Whether the delta rule of `batch` takes the sequential scan (the recurrence kernel): no
+/// segment as long as a chunk (decode steps, short runs; as on the CPU, prefill takes the
+/// chunked form) and a d_k the scan keeps in a warp's registers.
+fn takes_scan(heads: &DeltaRuleHeads, batch: &CudaBatch) -> bool {
+    short(batch) && matches!(heads.d_k, 32 | 64 | 128 | 256)
+}
+
+/// No segment of the batch is as long as a delta-rule chunk.
+fn short(batch: &CudaBatch) -> bool {
+    batch.att.segments.iter().all(|s| s.len < DELTA_RULE_CHUNK)
+}
+
+/// The delta rule's q, k, v as views of the conv output `qkv` (`[rows][q | k | v]`, q and k
+/// raw: normalised in the kernels), with the gates (or, `fused`, their raw projections).
+fn delta_rule_inputs<'a>(
+    qkv: &'a CudaSlice<f32>,
+    g: &'a CudaSlice<f32>,
+    beta: &'a CudaSlice<f32>,
+    heads: &DeltaRuleHeads,
+    rows: usize,
+    fused: Option<FusedGatesNorm<'a>>,
+) -> Result<GpuDeltaRuleInputs<'a>> {
+    let kd = heads.n_k_heads * heads.d_k;
+    let width = 2 * kd + heads.n_v_heads * heads.d_v;
+    check_len("delta_rule qkv", qkv.len(), rows * width)?;
+    let at = |offset| Rows { buf: qkv, offset, stride: width };
+    Ok(GpuDeltaRuleInputs { q: at(0), k: at(kd), v: at(2 * kd), g, beta, normalize_qk: true, fused })
+}
+
 /// Each row's position: sequence s's rows follow its `past[s]`.
 fn positions(segments: &[Segment], past: &[usize]) -> Vec<u32> {
     segments.iter().zip(past).flat_map(|(s, &p)| (p..p + s.len).map(|v| v as u32)).collect()
@@ -829,24 +858,17 @@ impl Ops for CudaOps {
         states: &mut [&mut CudaSlice<f32>],
     ) -> Result<CudaSlice<f32>> {
         let _timer = self.op_timer("delta_rule");
-        let (kd, vd) = (heads.n_k_heads * heads.d_k, heads.n_v_heads * heads.d_v);
-        let width = 2 * kd + vd;
-        check_len("delta_rule qkv", qkv.len(), batch.att.rows * width)?;
+        let x = delta_rule_inputs(qkv, g, beta, heads, batch.att.rows, None)?;
         let gdn = &self.llm()?.gdn;
-        let rows = |offset| Rows { buf: qkv, offset, stride: width };
-        let x = GpuDeltaRuleInputs { q: rows(0), k: rows(kd), v: rows(2 * kd), g, beta, normalize_qk: true, fused: None };
-        let mut out = self.gpu.alloc::<f32>(batch.att.rows * vd)?;
-        // As on the CPU: prefill takes the chunked form, decode and short runs the scan. The
-        // scan keeps a state row in a warp's registers (d_k of 32 … 256) and the tensor-core
-        // form takes head sizes of 64 or 128; other sizes (the tiny test checkpoints' 16) take
-        // the f32 chunked form, which equals the scan to f32 rounding at any length.
-        let long = batch.att.segments.iter().any(|s| s.len >= DELTA_RULE_CHUNK);
-        let scan_fits = matches!(heads.d_k, 32 | 64 | 128 | 256);
+        let mut out = self.gpu.alloc::<f32>(batch.att.rows * heads.n_v_heads * heads.d_v)?;
+        // The tensor-core form takes head sizes of 64 or 128; other prefills (the tiny test
+        // checkpoints' 16) take the f32 chunked form, which equals the scan to f32 rounding at
+        // any length.
         let fast_fits = [heads.d_k, heads.d_v].iter().all(|d| matches!(d, 64 | 128));
         let states = GpuStates::Each(states);
-        if !long && scan_fits {
+        if takes_scan(heads, batch) {
             gdn.delta_rule(heads, &x, &batch.gdn, states, &mut out)?;
-        } else if long && fast_fits && self.precision == Precision::Bf16 {
+        } else if fast_fits && self.precision == Precision::Bf16 && !short(batch) {
             gdn.delta_rule_chunked_fast(heads, &x, &batch.gdn, states, &mut out)?;
         } else {
             gdn.delta_rule_chunked(heads, &x, &batch.gdn, states, &mut out, ChunkAccumulate::F64)?;
@@ -861,31 +883,17 @@ impl Ops for CudaOps {
         batch: &CudaBatch,
         states: &mut [&mut CudaSlice<f32>],
     ) -> Result<CudaSlice<f32>> {
-        // Decode steps and short runs: gates, recurrence and norm in one launch (the fused
-        // recurrence, the same bits as the three ops); prefill: the three ops.
-        let long = batch.att.segments.iter().any(|s| s.len >= DELTA_RULE_CHUNK);
-        let fits = matches!(heads.d_k, 32 | 64 | 128 | 256) && heads.d_v <= FUSED_MAX_DV && x.norm.len() == heads.d_v;
-        if long || !fits {
+        // Where the scan runs (decode steps, short runs): gates, recurrence and norm in one
+        // launch (the fused recurrence, the same bits as the three ops); prefill: the three ops.
+        if !takes_scan(heads, batch) || heads.d_v > FUSED_MAX_DV || x.norm.len() != heads.d_v {
             return gated_delta_in_steps(self, x, heads, batch, states);
         }
         let _timer = self.op_timer("gated_delta (fused)");
-        let (kd, vd) = (heads.n_k_heads * heads.d_k, heads.n_v_heads * heads.d_v);
-        let width = 2 * kd + vd;
-        let rows = batch.att.rows;
-        check_len("gated_delta qkv", x.qkv.len(), rows * width)?;
+        let (rows, vd) = (batch.att.rows, heads.n_v_heads * heads.d_v);
         check_len("gated_delta z", x.z.len(), rows * vd)?;
+        let fused = FusedGatesNorm { dt_bias: x.dt_bias, a: x.a, z: Rows::contiguous(x.z, vd), norm: x.norm, eps: x.eps };
+        let inputs = delta_rule_inputs(x.qkv, x.alpha, x.b, heads, rows, Some(fused))?;
         let gdn = &self.llm()?.gdn;
-        let at = |buf, offset, stride| Rows { buf, offset, stride };
-        let fused = FusedGatesNorm { dt_bias: x.dt_bias, a: x.a, z: at(x.z, 0, vd), norm: x.norm, eps: x.eps };
-        let inputs = GpuDeltaRuleInputs {
-            q: at(x.qkv, 0, width),
-            k: at(x.qkv, kd, width),
-            v: at(x.qkv, 2 * kd, width),
-            g: x.alpha,
-            beta: x.b,
-            normalize_qk: true,
-            fused: Some(fused),
-        };
         let mut out = self.gpu.alloc::<f32>(rows * vd)?;
         gdn.delta_rule(heads, &inputs, &batch.gdn, GpuStates::Each(states), &mut out)?;
         Ok(out)
