@@ -73,6 +73,14 @@ impl GpuMatrix {
         }
     }
 
+    /// Weights of a row one GEMV warp step takes (32 lanes × the kernel's STEP for the type,
+    /// 8 for each today: see gemv.cu).
+    fn step_weights(&self) -> usize {
+        match &self.w {
+            GpuWeights::F32(_) | GpuWeights::Bf16(_) | GpuWeights::Q8 { .. } => 32 * 8,
+        }
+    }
+
     /// Device bytes of the weights (what a decode step reads).
     pub fn bytes(&self) -> usize {
         match &self.w {
@@ -189,7 +197,8 @@ impl GemvKernels {
 /// Output features each warp of a GEMV computes for `rows` rows of x (the kernels' OPW and
 /// OPW_GATED; one in the narrow forms): one for a single row; for more, several, so that each
 /// x value loaded serves several weight rows. A gated feature holds two weight rows (gate and
-/// up), so half as many. A launch whose wide form would leave multiprocessors idle (small
+/// up), so half as many. (Two for a single row measured a wash on the H200: the 5–8k-feature
+/// products 0.1–0.5 µs faster, the 248 320-row head 6–10 µs slower.) A launch whose wide form would leave multiprocessors idle (small
 /// matrices: an embedding model's few-token query) takes the narrow form instead.
 fn gemv_outputs_per_warp(rows: usize, output: GemvOutput, narrow: bool) -> usize {
     let plain = match rows {
@@ -207,11 +216,12 @@ fn gemv_outputs_per_warp(rows: usize, output: GemvOutput, narrow: bool) -> usize
 /// Warps per output feature of a GEMV launch over `features` features (all its matrices) of
 /// `inp` inputs (the kernels' ks, see gemv.cu): a launch of few features takes more warps per
 /// row, until the launch has [`GEMV_SPLIT_WARPS`] warps per multiprocessor, each keeping at
-/// least two of its row's 256-weight steps. A function of the launch's matrices and the GPU,
-/// never of the rows of x: a row's result is the same alone and in a batch.
-fn gemv_split(features: usize, inp: usize, multiprocessors: usize) -> usize {
+/// least two of its row's warp steps (`step` weights, [`GpuMatrix::step_weights`]). A function
+/// of the launch's matrices and the GPU, never of the rows of x: a row's result is the same
+/// alone and in a batch.
+fn gemv_split(features: usize, inp: usize, step: usize, multiprocessors: usize) -> usize {
     let mut ks = 1;
-    while 2 * ks <= GEMV_WARPS && features * ks < GEMV_SPLIT_WARPS * multiprocessors && inp >= 2 * 256 * (2 * ks) {
+    while 2 * ks <= GEMV_WARPS && features * ks < GEMV_SPLIT_WARPS * multiprocessors && inp >= 2 * step * (2 * ks) {
         ks *= 2;
     }
     ks
@@ -469,7 +479,8 @@ impl Blas {
     }
 
     /// Whether a product of `rows` rows with `w` takes the GEMV kernel (few rows; rows of
-    /// whole 8-weight steps, which keep its vector loads aligned).
+    /// whole steps of a lane (8 f32 or bf16 weights; Q8_0 rows are whole 32-weight blocks),
+    /// which keep its vector loads aligned).
     fn gemv_fits(&self, rows: usize, w: &GpuMatrix) -> bool {
         rows <= self.gemv_max_rows && w.inp % 8 == 0
     }
@@ -623,7 +634,7 @@ impl Blas {
         let first = parts.first().map(|(w, _)| *w).ok_or_else(|| Error::Shape("gemv: no product".into()))?;
         let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", first.inp)?);
         let features: usize = parts.iter().map(|(w, _)| output.features(w)).sum();
-        let ks = if self.gemv_split { gemv_split(features, first.inp, self.multiprocessors) } else { 1 };
+        let ks = if self.gemv_split { gemv_split(features, first.inp, first.step_weights(), self.multiprocessors) } else { 1 };
         let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, tail: tail.unwrap_or_default(), ..Default::default() };
         // Features a block covers: its warps' feature groups (ks warps each) times the
         // features a warp holds.
@@ -781,12 +792,14 @@ mod tests {
 
     #[test]
     fn split_depends_on_the_matrix_and_keeps_two_steps_a_warp() {
-        // A Qwen3.5-0.8B output projection on 132 multiprocessors: 4 warps a feature.
-        assert_eq!(gemv_split(1024, 2048, 132), 4);
-        assert_eq!(gemv_split(1024, 3584, 132), 4);
+        // A Qwen3.5-0.8B output projection on 132 multiprocessors: 4 warps a feature; with
+        // warp steps twice as long, its 2048-weight rows would split in 2.
+        assert_eq!(gemv_split(1024, 2048, 256, 132), 4);
+        assert_eq!(gemv_split(1024, 3584, 256, 132), 4);
+        assert_eq!(gemv_split(1024, 2048, 512, 132), 2);
         // Wide matrices and short rows are not split.
-        assert_eq!(gemv_split(248_320, 1024, 132), 1);
-        assert_eq!(gemv_split(1024, 768, 132), 1);
-        assert_eq!(gemv_split(100, 1 << 16, 132), GEMV_WARPS);
+        assert_eq!(gemv_split(248_320, 1024, 256, 132), 1);
+        assert_eq!(gemv_split(1024, 768, 256, 132), 1);
+        assert_eq!(gemv_split(100, 1 << 16, 256, 132), GEMV_WARPS);
     }
 }

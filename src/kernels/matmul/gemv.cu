@@ -62,9 +62,25 @@ __device__ __forceinline__ float tern_f16_to_f32(unsigned short h) {
     return f;
 }
 
+// Byte `i` of `word`, a signed 8-bit integer, as a float. Not cvt.rn.f32.s32: integer to float
+// conversions issue at 16 a clock per multiprocessor on the H200 (a quarter of the integer and
+// an eighth of the float rate), as many quants as its memory can deliver a clock, so a Q8_0
+// product at full bandwidth would pay in conversions what it saves in bytes. Instead the byte,
+// biased to unsigned (b + 128), becomes the low mantissa byte of 2^23 (one byte permute) and
+// the float subtraction of 2^23 + 128 leaves b: exact, as the conversion is. (At the rates the
+// decode products reach today the two measured the same.)
+__device__ __forceinline__ float tern_i8_to_f32(unsigned word, int i) {
+    const unsigned biased = word ^ 0x80808080u;
+    // Result bytes: byte i of `biased`, then bytes 4, 5, 7 of the pair (0x00, 0x00, 0x4b).
+    const unsigned bits = __byte_perm(biased, 0x4b000000u, 0x7540u | (unsigned)i);
+    return __uint_as_float(bits) - 8388736.0f;
+}
+
 // Each weight type loads STEP consecutive weights of a row per lane and step: 32 bytes of f32,
-// 16 of bf16, 8 of Q8_0 quants. (16 Q8_0 weights a lane, one 16-byte load, measured slower on
-// the H200: 2.7 µs more on a 1024 x 2048 product, 55 µs more on the 248 320-row head.)
+// 16 of bf16, 8 of Q8_0 quants. (16 Q8_0 quants a lane, one 16-byte load, measured slower on
+// the H200 twice: a 1024-weight row is then two steps a warp, fewer than the loop's unroll,
+// and the head product took 168 µs against 115.) The host's split rule (gemv_split in
+// matmul/cuda.rs) counts in these steps: GpuMatrix::step_weights there is 32 * STEP.
 struct TernWeightsF32 {
     static constexpr int STEP = 8;
     const float* w;
@@ -92,6 +108,7 @@ struct TernWeightsBf16 {
     }
 };
 
+// The 8 quants of a lane lie in one 32-weight block (at % 8 == 0), so they share one scale.
 struct TernWeightsQ8 {
     static constexpr int STEP = 8;
     const signed char* q;
@@ -103,7 +120,7 @@ struct TernWeightsQ8 {
         const float s = tern_f16_to_f32(d[at / 32]);
         const unsigned p[2] = {u.x, u.y};
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = s * (float)(signed char)((p[i / 4] >> (8 * (i % 4))) & 0xffu);
+        for (int i = 0; i < 8; ++i) v[i] = s * tern_i8_to_f32(p[i / 4], i % 4);
     }
 };
 
@@ -128,9 +145,10 @@ struct TernWeightsQ8 {
 
 // One warp's OPW consecutive output features o0 .. o0 + OPW - 1 (those below `out`: the
 // matrix's rows, or `half` of them for a gated product) for rows r < rows <= R of x (rows of
-// `in`), written to y[r·out + o]; in % 8 == 0. Each x value a lane loads serves every weight
-// row the warp holds: with several rows of x (a batch of decode steps, a short query) the x
-// reads, which come from L1, would otherwise outweigh the weights.
+// `in`), written to y[r·out + o]; in % STEP == 0 (Q8_0 rows are whole 32-weight blocks). Each
+// x value a lane loads serves every weight row the warp holds: with several rows of x (a batch
+// of decode steps, a short query) the x reads, which come from L1, would otherwise outweigh
+// the weights.
 //
 // With ks > 1 (split), the warp is slice `slice` of ks and every warp of the block calls this
 // (the slices meet at a barrier), those past `out` included.
