@@ -11,9 +11,10 @@ use tern::formats::npy;
 use tern::runtime::embed::{EmbedOptions, Embedder, Embeddings, LoadOptions};
 use tern::runtime::generate::{ChatSession, GenerateOptions, Llm};
 use tern::runtime::resolve::{resolve_model, resolve_model_or_file};
-use tern::runtime::sampler::SamplingOptions;
+use tern::runtime::sampler::{Sampler, SamplingOptions};
 use tern::cuda::DeviceSpec;
 use tern::kernels::cuda_ops::Precision;
+use tern::kernels::sample::{LogitsWant, StepLogits};
 
 #[derive(Parser)]
 #[command(name = "tern", version, about = "Embeddings (EmbeddingGemma) and Qwen3.5 generation, on CPU and NVIDIA GPUs")]
@@ -255,6 +256,11 @@ struct BenchGenerateArgs {
     /// sequence after a 16-token prompt).
     #[arg(long, value_delimiter = ',')]
     concurrent: Vec<usize>,
+    /// Copy every step's whole logits row to the host and take the greedy token there (what a
+    /// sampler with penalties or a request that keeps its logits costs), instead of asking the
+    /// step for its best entry as a greedy generation does.
+    #[arg(long)]
+    full_logits: bool,
 }
 
 #[derive(Args)]
@@ -808,7 +814,10 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             v.sort_by(|a, b| a.total_cmp(b));
             v[v.len() / 2]
         };
-        let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32);
+        // Each step's token as a greedy generation takes it (the sampler reads the step's
+        // best entry, or with --full-logits the whole row).
+        let want = if args.full_logits { LogitsWant::Full } else { Sampler::new(SamplingOptions::greedy())?.wants() };
+        let greedy = |l: StepLogits| -> Result<u32> { Ok(Sampler::new(SamplingOptions::greedy())?.sample_step(l, &[], &[])) };
 
         // Prefill: the whole prompt in one forward from an empty state.
         let mut prefill_times = Vec::new();
@@ -836,9 +845,9 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             let t_run = Instant::now();
             for _ in 0..args.gen_tokens {
                 let t = Instant::now();
-                let logits = model.forward(&[tok], &mut st)?;
+                let logits = model.forward_batch_wants(&mut [(&[tok][..], &mut st)], &[want])?;
                 let dt = t.elapsed().as_secs_f64();
-                tok = argmax(&logits);
+                tok = greedy(logits.into_iter().next().ok_or_else(|| Error::Input("no logits".into()))?)?;
                 if i > 0 {
                     per_token.push(dt);
                 }
@@ -863,12 +872,12 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             for step in 0..args.gen_tokens {
                 let mut batch: Vec<(&[u32], &mut PlacedState)> = toks.iter().map(|t| t.as_slice()).zip(states.iter_mut()).collect();
                 let t = Instant::now();
-                let logits = model.forward_batch(&mut batch)?;
+                let logits = model.forward_batch_wants(&mut batch, &vec![want; b])?;
                 if step > 0 {
                     rounds.push(t.elapsed().as_secs_f64());
                 }
-                for (t, l) in toks.iter_mut().zip(&logits) {
-                    t[0] = argmax(l);
+                for (t, l) in toks.iter_mut().zip(logits) {
+                    t[0] = greedy(l)?;
                 }
             }
             let round = if rounds.is_empty() { f64::NAN } else { median(&mut rounds) };
@@ -911,6 +920,7 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             "prefill_tokens_per_s": args.prompt_tokens as f64 / prefill_s,
             "decode_tokens_per_s": 1.0 / decode_s,
             "decode_tokens_per_s_mean": 1.0 / decode_mean_s,
+            "decode_logits": if args.full_logits { "whole rows to the host" } else { "greedy token's entry" },
             "concurrent_decode": concurrent,
             "cuda_graphs": graphs,
             "op_profile": {"prefill": prefill_profile, "decode": decode_profile, "concurrent": concurrent_profile},

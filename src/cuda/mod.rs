@@ -426,6 +426,15 @@ impl Gpu {
         self.stream.alloc_zeros(n).map_err(driver_err(&format!("allocating {n} elements")))
     }
 
+    /// Fills `buf` with 0xff bytes (NaN as f32, u32::MAX as u32): outputs a kernel must
+    /// overwrite, so that one it leaves unwritten is seen.
+    pub fn poison<T: DeviceRepr>(&self, buf: &mut CudaSlice<T>) -> Result<()> {
+        let bytes = buf.len() * std::mem::size_of::<T>();
+        // SAFETY: the range is the buffer's own bytes; the stream orders the fill.
+        unsafe { cudarc::driver::result::memset_d8_async(self.ptr(buf), 0xff, bytes, self.stream.cu_stream()) }
+            .map_err(driver_err("filling a device buffer"))
+    }
+
     /// Device-to-device copy of `src` into `dst` (same length), queued on the stream.
     pub fn copy<T: DeviceRepr>(&self, src: &CudaSlice<T>, dst: &mut CudaSlice<T>) -> Result<()> {
         if src.len() != dst.len() {

@@ -21,6 +21,7 @@ use crate::kernels::moe::{moe_experts, Expert};
 use crate::kernels::norm::{add_norm, residual_norm, rms_norm};
 use crate::kernels::pool::mean_pool;
 use crate::kernels::rope::{head_prep_view, HeadPrep, RopeTable};
+use crate::kernels::sample::{select_rows, LogitsWant, StepLogits};
 use crate::kernels::{check_len, Segment};
 
 /// Rows of a buffer: row r is `width` elements at `offset + r·stride` (width known to the op).
@@ -138,23 +139,25 @@ pub trait Ops: Send + Sync + Sized {
     /// that outlives it; [`Ops::kv_attention`] refuses a cache reserved for another position.
     fn kv_reserve(&self, kv: &mut Self::Kv, filled: usize, need: usize) -> Result<()>;
     /// Runs one forward step `f` on the batch of `ids` (sequence s after `past[s]` positions)
-    /// and returns its result on the host, one row a sequence. Given a `key`, a backend may record the work `f`
-    /// queues and replay it for later steps of the same key (CUDA graphs). A replay changes only
+    /// and returns what `read` makes of its result (the host's copy of it, or a part). Given a
+    /// `key`, a backend may record the work `f` queues and replay it for later steps of the
+    /// same key (CUDA graphs; `read` runs after the replay, outside it). A replay changes only
     /// the batch's ids and positions, so the key must name everything else the work depends on:
     /// the batch's shape and every buffer the step reads or writes besides the weights (see
     /// [`Ops::buf_handle`]); and `f` must queue the same work for equal keys.
-    fn run_step(
+    fn run_step<R>(
         &self,
         segments: &[Segment],
         ids: &[u32],
         past: &[usize],
         key: Option<&[u64]>,
         f: &mut dyn FnMut(&Self::Batch) -> Result<Self::Buf>,
-    ) -> Result<Vec<Vec<f32>>> {
+        read: &dyn Fn(&Self::Buf) -> Result<R>,
+    ) -> Result<R> {
         let _ = key;
         let batch = self.batch_at(segments, ids, past)?;
         let y = f(&batch)?;
-        self.to_host_rows(&y, segments.len())
+        read(&y)
     }
     /// A number that names a buffer in [`Ops::run_step`] keys (its address).
     fn buf_handle(&self, b: &Self::Buf) -> u64;
@@ -247,6 +250,12 @@ pub trait Ops: Send + Sync + Sized {
     /// [`Ops::to_host`] as `rows` rows of equal length (a step's output, one row a sequence).
     fn to_host_rows(&self, x: &Self::Buf, rows: usize) -> Result<Vec<Vec<f32>>> {
         split_rows(&self.to_host(x)?, rows)
+    }
+    /// Each sequence's next-token logits from `logits` ([wants.len()][vocab]) as `wants[s]`
+    /// asks: the whole row, or its best entries (kernels/sample). A GPU picks the best entries
+    /// where the logits are, so that only they are copied.
+    fn select_logits(&self, logits: &Self::Buf, vocab: usize, wants: &[LogitsWant]) -> Result<Vec<StepLogits>> {
+        select_rows(self.to_host_rows(logits, wants.len())?, vocab, wants)
     }
 
     // The LLM's ops (Qwen3.5).

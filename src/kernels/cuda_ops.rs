@@ -30,6 +30,8 @@ use crate::kernels::norm::cuda::{NormCuda, NormOut};
 use crate::kernels::pool::cuda::PoolCuda;
 use crate::kernels::rope::cuda::{GpuHeadPrep, GpuRope, RopeCuda};
 use crate::kernels::rope::RopeTable;
+use crate::kernels::sample::cuda::SelectCuda;
+use crate::kernels::sample::{select_rows, LogitsWant, StepLogits};
 use crate::kernels::{check_len, Segment};
 
 /// The CUDA translation units of the op set outside the gated-delta family (which lists its own).
@@ -44,6 +46,7 @@ pub const SOURCES: &[KernelSource] = &[
     crate::kernels::matmul::cuda::SOURCE,
     crate::kernels::attention::cuda::SOURCE_KV,
     crate::kernels::moe::cuda::SOURCE,
+    crate::kernels::sample::cuda::SOURCE,
 ];
 
 /// Batches of at most this many tokens run as CUDA graphs: at these sizes a forward pass is a
@@ -161,6 +164,7 @@ struct LlmKernels {
     gdn: GatedDeltaCuda,
     kv: KvAttentionCuda,
     moe: MoeCuda,
+    select: SelectCuda,
 }
 
 pub struct CudaOps {
@@ -390,6 +394,7 @@ impl CudaOps {
             gdn: GatedDeltaCuda::new(self.gpu.clone())?,
             kv: KvAttentionCuda::new(self.gpu.clone())?,
             moe: MoeCuda::new(self.gpu.clone())?,
+            select: SelectCuda::new(self.gpu.clone())?,
         };
         // Another thread may have set it meanwhile: either copy is the same kernels.
         let _ = self.llm.set(k);
@@ -548,21 +553,21 @@ impl Ops for CudaOps {
         kv.handle(&self.gpu)
     }
 
-    fn run_step(
+    fn run_step<R>(
         &self,
         segments: &[Segment],
         ids: &[u32],
         past: &[usize],
         key: Option<&[u64]>,
         f: &mut dyn FnMut(&CudaBatch) -> Result<CudaSlice<f32>>,
-    ) -> Result<Vec<Vec<f32>>> {
-        let rows = segments.len();
+        read: &dyn Fn(&CudaSlice<f32>) -> Result<R>,
+    ) -> Result<R> {
         // Between steps: a plain run and the recording after it must see the same tables.
         self.gpu.trim_address_tables();
-        let mut plain = || -> Result<Vec<Vec<f32>>> {
+        let mut plain = || -> Result<R> {
             let batch = self.batch_at(segments, ids, past)?;
             let y = f(&batch)?;
-            self.to_host_rows(&y, rows)
+            read(&y)
         };
         let key = match key {
             Some(k)
@@ -592,7 +597,7 @@ impl Ops for CudaOps {
                     end.record(self.gpu.stream()).map_err(driver_err("recording an event"))?;
                     self.add_step_profile(&r.marks, (&start, &end))?;
                 }
-                return self.to_host_rows(&r.out, rows);
+                return read(&r.out);
             }
             Some(Err(_)) => {
                 drop(graphs);
@@ -605,7 +610,7 @@ impl Ops for CudaOps {
         // queues nothing that runs now, so the step's effects on its buffers happen once.
         let batch = self.batch_at(segments, ids, past)?;
         let y = f(&batch)?;
-        let host = self.to_host_rows(&y, rows)?;
+        let host = read(&y)?;
         let mut out = self.gpu.alloc::<f32>(y.len())?;
         drop(y);
         if graphs.len() >= GRAPH_CACHE {
@@ -780,6 +785,26 @@ impl Ops for CudaOps {
 
     fn to_host_rows(&self, x: &CudaSlice<f32>, rows: usize) -> Result<Vec<Vec<f32>>> {
         self.gpu.read_f32(x, |host| split_rows(host, rows))?
+    }
+
+    fn select_logits(&self, logits: &CudaSlice<f32>, vocab: usize, wants: &[LogitsWant]) -> Result<Vec<StepLogits>> {
+        if wants.iter().all(|w| *w == LogitsWant::Full) {
+            check_len("logits", logits.len(), wants.len() * vocab)?;
+            return select_rows(self.to_host_rows(logits, wants.len())?, vocab, wants);
+        }
+        let _timer = self.op_timer("select_logits");
+        let best = self.llm()?.select.best(logits, vocab, wants)?;
+        // Rows that want the whole row (a request that keeps its logits, or samples with
+        // penalties) come from one copy of all rows.
+        let mut full = if best.iter().any(Option::is_none) { self.to_host_rows(logits, wants.len())? } else { Vec::new() };
+        Ok(best
+            .into_iter()
+            .enumerate()
+            .map(|(r, b)| match b {
+                Some(b) => StepLogits::Best(b),
+                None => StepLogits::Full(std::mem::take(&mut full[r])),
+            })
+            .collect())
     }
 
     fn residual_norm(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, w: &CudaSlice<f32>, d: usize, eps: f32, out: &mut CudaSlice<f32>) -> Result<()> {

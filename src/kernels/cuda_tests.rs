@@ -665,3 +665,61 @@ fn cuda_embeddings_match_cpu_and_are_batch_invariant() {
         );
     }
 }
+
+/// Each row's best entries picked on the device against the CPU twin, exactly (ids and value
+/// bits): greedy rows (one entry, and several), scaled rows of several counts, vocabularies
+/// from 1 to Qwen3.5's 248 320, coarse values (many ties), NaN, infinities and signed zeros,
+/// rows with fewer non-NaN entries than asked, and rows that want the whole row, in one call.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_best_logits_match_cpu() {
+    use crate::kernels::sample::cuda::SelectCuda;
+    use crate::kernels::sample::{best_entries, LogitsWant, MAX_BEST};
+    let gpu = gpu();
+    let k = SelectCuda::new(gpu.clone()).unwrap();
+    let mut rng = rng("cuda_best_logits_match_cpu");
+    let wants = [
+        LogitsWant::Best { divisor: 0.0, count: 1 },
+        LogitsWant::Best { divisor: 0.7, count: 40 },
+        LogitsWant::Full,
+        LogitsWant::Best { divisor: 0.0, count: 5 },
+        LogitsWant::Best { divisor: 1.3, count: 1 },
+        LogitsWant::Best { divisor: 1.0, count: MAX_BEST },
+        LogitsWant::Best { divisor: 0.0, count: 1 },
+    ];
+    for &vocab in &[1usize, 7, 1000, 4097, 248_320] {
+        for coarse in [false, true] {
+            let rows = wants.len();
+            let mut logits: Vec<f32> = rng.vec(rows * vocab, -12.0, 12.0);
+            if coarse {
+                logits.iter_mut().for_each(|v| *v = (*v * 2.0).round() * 0.5);
+            }
+            for v in logits.iter_mut() {
+                let u = rng.unit();
+                if u < 0.002 {
+                    *v = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 0.0][(rng.next_u32() % 5) as usize];
+                }
+            }
+            // Row 6: mostly NaN (fewer entries than asked for some counts), and all-NaN when tiny.
+            for v in logits[6 * vocab..7 * vocab].iter_mut() {
+                if vocab < 8 || rng.unit() < 0.999 {
+                    *v = f32::NAN;
+                }
+            }
+            let got = k.best(&gpu.upload(&logits).unwrap(), vocab, &wants).unwrap();
+            for (r, w) in wants.iter().enumerate() {
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                match (*w, &got[r]) {
+                    (LogitsWant::Full, None) => {}
+                    (LogitsWant::Best { divisor, count }, Some(b)) => {
+                        let want = best_entries(row, divisor, count);
+                        let bits = |v: &[(u32, f32)]| v.iter().map(|&(i, x)| (i, x.to_bits())).collect::<Vec<_>>();
+                        assert_eq!(bits(b), bits(&want), "vocab {vocab}, coarse {coarse}, row {r} ({w:?})");
+                    }
+                    (w, g) => panic!("row {r}: {w:?} answered with {g:?}"),
+                }
+            }
+            eprintln!("best entries, vocab {vocab}, coarse {coarse}: equal to the CPU's");
+        }
+    }
+}

@@ -15,6 +15,7 @@ pub mod moe;
 pub mod norm;
 pub mod pool;
 pub mod rope;
+pub mod sample;
 
 use crate::error::{Error, Result};
 

@@ -33,6 +33,7 @@ use crate::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use crate::kernels::matmul::Weights;
 use crate::kernels::pack;
 use crate::kernels::rope::RopeTable;
+use crate::kernels::sample::{LogitsWant, StepLogits};
 
 #[derive(Clone, Debug)]
 pub struct Qwen35Config {
@@ -666,7 +667,18 @@ impl<O: Ops> Qwen35<O> {
     /// sequences at once, so a decode step of B sequences reads the weights once instead of B
     /// times; the convolution, recurrence and attention run per sequence on its own state.
     pub fn forward_batch(&self, batch: &mut [(&[u32], &mut Qwen35State<O>)]) -> Result<Vec<Vec<f32>>> {
+        let wants = vec![LogitsWant::Full; batch.len()];
+        self.forward_batch_wants(batch, &wants)?.into_iter().map(StepLogits::into_full).collect()
+    }
+
+    /// [`Qwen35::forward_batch`], returning of each sequence's logits what `wants` asks: the
+    /// whole row, or only its best entries (what a greedy or top-k sampler reads), which a GPU
+    /// picks without copying the row.
+    pub fn forward_batch_wants(&self, batch: &mut [(&[u32], &mut Qwen35State<O>)], wants: &[LogitsWant]) -> Result<Vec<StepLogits>> {
         let (c, ops) = (&self.cfg, &self.ops);
+        if wants.len() != batch.len() {
+            return Err(Error::Input(format!("{} logits requests for {} sequences", wants.len(), batch.len())));
+        }
         if batch.is_empty() {
             return Ok(Vec::new());
         }
@@ -710,7 +722,9 @@ impl<O: Ops> Qwen35<O> {
             }
             key
         });
-        let logits = ops.run_step(&segs, &ids, &past, key.as_deref(), &mut |b| self.step(b, n, batch))?;
+        let logits = ops.run_step(&segs, &ids, &past, key.as_deref(), &mut |b| self.step(b, n, batch), &|y| {
+            ops.select_logits(y, c.vocab_size, wants)
+        })?;
         for (ids, state) in batch.iter_mut() {
             state.position += ids.len();
         }
@@ -924,6 +938,12 @@ impl PlacedQwen35 {
     }
 
     pub fn forward_batch(&self, batch: &mut [(&[u32], &mut PlacedState)]) -> Result<Vec<Vec<f32>>> {
+        let wants = vec![LogitsWant::Full; batch.len()];
+        self.forward_batch_wants(batch, &wants)?.into_iter().map(StepLogits::into_full).collect()
+    }
+
+    /// [`Qwen35::forward_batch_wants`] on whichever backend holds the model.
+    pub fn forward_batch_wants(&self, batch: &mut [(&[u32], &mut PlacedState)], wants: &[LogitsWant]) -> Result<Vec<StepLogits>> {
         match self {
             PlacedQwen35::Cpu(m) => {
                 let mut own = batch
@@ -933,7 +953,7 @@ impl PlacedQwen35 {
                         _ => Err(foreign_state()),
                     })
                     .collect::<Result<Vec<_>>>()?;
-                m.forward_batch(&mut own)
+                m.forward_batch_wants(&mut own, wants)
             }
             PlacedQwen35::Cuda(m) => {
                 let mut own = batch
@@ -943,7 +963,7 @@ impl PlacedQwen35 {
                         _ => Err(foreign_state()),
                     })
                     .collect::<Result<Vec<_>>>()?;
-                m.forward_batch(&mut own)
+                m.forward_batch_wants(&mut own, wants)
             }
         }
     }

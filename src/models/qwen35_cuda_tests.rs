@@ -13,6 +13,7 @@ use crate::kernels::attention::AttentionShape;
 use crate::kernels::backend::{CpuOps, Ops, View};
 use crate::kernels::cuda_ops::{CudaOps, Precision};
 use crate::kernels::pack;
+use crate::kernels::sample::{best_entries, LogitsWant, StepLogits};
 use crate::models::qwen35::{Qwen35, Qwen35State};
 
 const BOUND: f64 = 1e-5;
@@ -187,10 +188,19 @@ fn cuda_qwen35_matches_cpu() {
         let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| (0..n).map(|_| rng.next_u32() % vocab).collect()).collect();
         let mut together: Vec<_> = prompts.iter().map(|_| f32m.new_state().unwrap()).collect();
         let mut alone: Vec<_> = prompts.iter().map(|_| f32m.new_state().unwrap()).collect();
+        // A third copy steps as a server's batch does, each sequence asking for what its
+        // sampler reads: the device's picks equal the CPU twin's picks from the whole rows.
+        let mut picking: Vec<_> = prompts.iter().map(|_| f32m.new_state().unwrap()).collect();
+        let wants = [
+            LogitsWant::Best { divisor: 0.0, count: 1 },
+            LogitsWant::Best { divisor: 0.8, count: 40 },
+            LogitsWant::Full,
+        ];
         let mut next: Vec<u32> = Vec::new();
-        for (p, (a, b)) in prompts.iter().zip(together.iter_mut().zip(alone.iter_mut())) {
+        for (p, ((a, b), c)) in prompts.iter().zip(together.iter_mut().zip(alone.iter_mut()).zip(picking.iter_mut())) {
             let l = f32m.forward(p, a).unwrap();
             f32m.forward(p, b).unwrap();
+            f32m.forward(p, c).unwrap();
             next.push(argmax(&l) as u32);
         }
         let mut worst_batch = 0.0f64;
@@ -198,6 +208,15 @@ fn cuda_qwen35_matches_cpu() {
             let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
             let mut batch: Vec<(&[u32], &mut Qwen35State<CudaOps>)> = toks.iter().map(|t| t.as_slice()).zip(together.iter_mut()).collect();
             let out = f32m.forward_batch(&mut batch).unwrap();
+            let mut batch: Vec<(&[u32], &mut Qwen35State<CudaOps>)> = toks.iter().map(|t| t.as_slice()).zip(picking.iter_mut()).collect();
+            let picked = f32m.forward_batch_wants(&mut batch, &wants).unwrap();
+            for (i, (w, p)) in wants.iter().zip(picked).enumerate() {
+                let want = match *w {
+                    LogitsWant::Full => StepLogits::Full(out[i].clone()),
+                    LogitsWant::Best { divisor, count } => StepLogits::Best(best_entries(&out[i], divisor, count)),
+                };
+                assert_eq!(p, want, "{rel}: round {round}, sequence {i}: {w:?} from the device vs from the whole row");
+            }
             for (i, (t, s)) in toks.iter().zip(alone.iter_mut()).enumerate() {
                 let own = f32m.forward(t, s).unwrap();
                 let e = rel_to_scale(&out[i], &own);

@@ -63,7 +63,7 @@ impl<O: Ops> Stack<O> {
                 x = ops.linear(&x, segments.len(), &d.weight, d.bias.as_ref())?;
             }
             Ok(x)
-        })?;
+        }, &|y| ops.to_host_rows(y, segments.len()))?;
         Ok(rows.concat())
     }
 }

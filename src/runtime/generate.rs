@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::formats::config::JsonFile;
 use crate::formats::gguf::GgufFile;
 use crate::models::qwen35::{PlacedQwen35, PlacedState};
+use crate::kernels::sample::{LogitsWant, StepLogits};
 use crate::models::Placement;
 use crate::runtime::chat_template::ChatTemplate;
 use crate::runtime::sampler::{Sampler, SamplingOptions};
@@ -250,7 +251,9 @@ impl Llm {
         feed.extend_from_slice(ids);
         session.ids.extend_from_slice(ids);
         let t0 = Instant::now();
-        let logits = self.pool.install(|| self.model.forward(&feed, &mut session.state))?;
+        let want = if opts.keep_logits { LogitsWant::Full } else { sampler.wants() };
+        let logits = self.pool.install(|| self.model.forward_batch_wants(&mut [(&feed[..], &mut session.state)], &[want]))?;
+        let logits = logits.into_iter().next().ok_or_else(|| Error::Input("no sequence to run".into()))?;
         let timings = Timings { prompt_tokens: feed.len(), prefill_s: t0.elapsed().as_secs_f64(), ..Default::default() };
         Ok(Generator {
             llm: self,
@@ -286,6 +289,7 @@ impl Llm {
         if !need.is_empty() {
             let t = Instant::now();
             let tokens: Vec<[u32; 1]> = need.iter().map(|&i| [items[i].1.pending.unwrap_or_default()]).collect();
+            let wants: Vec<LogitsWant> = need.iter().map(|&i| items[i].0.want()).collect();
             let mut batch: Vec<(&[u32], &mut PlacedState)> = items
                 .iter_mut()
                 .enumerate()
@@ -293,7 +297,7 @@ impl Llm {
                 .zip(&tokens)
                 .map(|((_, (_, s)), tok)| (tok.as_slice(), &mut s.state))
                 .collect();
-            match self.pool.install(|| self.model.forward_batch(&mut batch)) {
+            match self.pool.install(|| self.model.forward_batch_wants(&mut batch, &wants)) {
                 Ok(logits) => {
                     drop(batch);
                     let secs = t.elapsed().as_secs_f64();
@@ -325,7 +329,7 @@ pub struct Generator<'m> {
     sampler: Sampler,
     stream: TextStream,
     /// The logits for the next token, when already computed (after the prefill).
-    logits: Option<Vec<f32>>,
+    logits: Option<StepLogits>,
     out: Generation,
     finished: bool,
 }
@@ -337,6 +341,16 @@ pub struct Step {
 }
 
 impl Generator<'_> {
+    /// What this generation reads of a step's logits: the whole row when it keeps them, else
+    /// what its sampler needs.
+    fn want(&self) -> LogitsWant {
+        if self.opts.keep_logits {
+            LogitsWant::Full
+        } else {
+            self.sampler.wants()
+        }
+    }
+
     /// Runs the pending token (except right after the prefill), samples the next one and
     /// reports the text that became final. After the last step, `finished` is set and the text
     /// held back for stop strings is flushed.
@@ -345,20 +359,24 @@ impl Generator<'_> {
             return Ok(Step { text: self.stream.finish(), finished: true });
         }
         let t = Instant::now();
-        let mut logits = match self.logits.take() {
+        let logits = match self.logits.take() {
             Some(l) => l,
             None => {
                 let Some(token) = session.pending.take() else {
                     return Err(Error::Input("generation step without a pending token".into()));
                 };
-                let llm = self.llm;
-                llm.pool.install(|| llm.model.forward(&[token], &mut session.state))?
+                let (llm, want) = (self.llm, self.want());
+                let out = llm.pool.install(|| llm.model.forward_batch_wants(&mut [(&[token][..], &mut session.state)], &[want]))?;
+                out.into_iter().next().ok_or_else(|| Error::Input("no sequence to run".into()))?
             }
         };
         if self.opts.keep_logits {
-            self.out.logits.extend_from_slice(&logits);
+            match &logits {
+                StepLogits::Full(row) => self.out.logits.extend_from_slice(row),
+                StepLogits::Best(_) => return Err(Error::Input("kept logits were not computed in full".into())),
+            }
         }
-        let token = self.sampler.sample(&mut logits, &session.ids, &self.out.generated_ids);
+        let token = self.sampler.sample_step(logits, &session.ids, &self.out.generated_ids);
         self.out.generated_ids.push(token);
         session.ids.push(token);
         session.pending = Some(token);

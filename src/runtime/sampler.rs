@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
+use crate::kernels::sample::{LogitsWant, StepLogits, MAX_BEST};
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct SamplingOptions {
@@ -124,7 +125,51 @@ impl Sampler {
             c.truncate(o.top_k);
         }
         c.sort_unstable_by(by_logit);
-        let Some(&(best, max)) = c.first() else { return argmax(logits) };
+        self.draw()
+    }
+
+    /// What this sampler reads of a step's logits: only the best entries when its choice
+    /// depends on nothing else — greedy, or top-k (at most [`MAX_BEST`]) without penalties, in
+    /// the order its candidates take (logit / temperature, then id) — else the whole row.
+    pub fn wants(&self) -> LogitsWant {
+        let o = &self.opts;
+        if o.repeat_penalty != 1.0 || o.presence_penalty != 0.0 || o.frequency_penalty != 0.0 {
+            return LogitsWant::Full;
+        }
+        if o.temperature == 0.0 || o.top_k == 1 {
+            return LogitsWant::Best { divisor: 0.0, count: 1 };
+        }
+        match o.top_k {
+            1..=MAX_BEST => LogitsWant::Best { divisor: o.temperature, count: o.top_k },
+            _ => LogitsWant::Full,
+        }
+    }
+
+    /// [`Sampler::sample`] of a step's logits as they came: the whole row, or the best entries
+    /// that [`Sampler::wants`] asked for (the same token as from the whole row).
+    pub fn sample_step(&mut self, logits: StepLogits, seen: &[u32], generated: &[u32]) -> u32 {
+        let best = match logits {
+            StepLogits::Full(mut row) => return self.sample(&mut row, seen, generated),
+            StepLogits::Best(best) => best,
+        };
+        let o = &self.opts;
+        if o.temperature == 0.0 || o.top_k == 1 {
+            // argmax: the first maximum, or id 0 when nothing beats -inf.
+            return best.first().filter(|e| e.1 > f32::NEG_INFINITY).map_or(0, |e| e.0);
+        }
+        let c = &mut self.candidates;
+        c.clear();
+        c.extend(best.iter().take(o.top_k.max(1)));
+        self.draw()
+    }
+
+    /// A draw among the candidates (sorted, most likely first, already cut to top-k) after
+    /// top-p and min-p.
+    fn draw(&mut self) -> u32 {
+        let o = &self.opts;
+        let c = &self.candidates;
+        // No candidate: every logit was NaN (argmax's answer, id 0).
+        let Some(&(best, max)) = c.first() else { return 0 };
         // Softmax in f64: the cumulative sums of top-p must not drift over a 248k vocabulary.
         let mut probs: Vec<f64> = c.iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
         let total: f64 = probs.iter().sum();
@@ -273,6 +318,59 @@ mod tests {
         assert_eq!(sample_set(SamplingOptions { top_p: 0.5, ..base.clone() }), vec![1, 3]);
         // min-p 0.3: exp(2-3) = 0.37 passes, exp(1-3) = 0.14 does not.
         assert_eq!(sample_set(SamplingOptions { min_p: 0.3, ..base.clone() }), vec![1, 2, 3]);
+    }
+
+    /// A sampler fed the best entries it asks for draws the same tokens, from the same seed,
+    /// as one fed the whole row: random rows with ties, NaN, infinities and signed zeros, for
+    /// greedy and top-k options (with top-p and min-p after them).
+    #[test]
+    fn best_entries_draw_what_the_whole_row_draws() {
+        use crate::kernels::sample::best_entries;
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let options = [
+            SamplingOptions::greedy(),
+            SamplingOptions { temperature: 0.7, top_k: 1, ..Default::default() },
+            SamplingOptions { seed: 5, ..Default::default() },
+            SamplingOptions { temperature: 1.3, top_k: 5, top_p: 1.0, min_p: 0.0, seed: 9, ..Default::default() },
+            SamplingOptions { temperature: 0.9, top_k: MAX_BEST, top_p: 0.9, min_p: 0.02, seed: 2, ..Default::default() },
+        ];
+        for o in options {
+            let LogitsWant::Best { divisor, count } = Sampler::new(o.clone()).unwrap().wants() else {
+                panic!("{o:?} should read only the best entries")
+            };
+            let (mut full, mut best) = (Sampler::new(o.clone()).unwrap(), Sampler::new(o.clone()).unwrap());
+            for round in 0..200 {
+                let n = 1 + (next() % 600) as usize;
+                // Coarse values make ties; a few specials.
+                let mut row: Vec<f32> = (0..n).map(|_| ((next() % 41) as f32 - 20.0) * 0.25).collect();
+                for _ in 0..(next() % 4) {
+                    let at = (next() % n as u64) as usize;
+                    row[at] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 0.0][(next() % 5) as usize];
+                }
+                if round % 50 == 0 {
+                    row.iter_mut().for_each(|v| *v = f32::NAN);
+                }
+                let entries = best_entries(&row, divisor, count);
+                let want = full.sample(&mut row.clone(), &[], &[]);
+                let got = best.sample_step(StepLogits::Best(entries), &[], &[]);
+                assert_eq!(got, want, "{o:?}, round {round}: {row:?}");
+            }
+        }
+        // Penalties and unlimited top-k need the whole row.
+        for o in [
+            SamplingOptions { repeat_penalty: 1.1, ..SamplingOptions::greedy() },
+            SamplingOptions { presence_penalty: 0.5, ..Default::default() },
+            SamplingOptions { top_k: 0, ..Default::default() },
+            SamplingOptions { top_k: MAX_BEST + 1, ..Default::default() },
+        ] {
+            assert_eq!(Sampler::new(o).unwrap().wants(), LogitsWant::Full);
+        }
     }
 
     #[test]
