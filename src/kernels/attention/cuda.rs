@@ -442,6 +442,23 @@ pub struct KvAttentionCuda {
 
 /// Threads per block of tern_kv_attention (TERN_KV_WARPS warps).
 const KV_BLOCK: u32 = 128;
+/// Keys a split of tern_kv_attention aims at (eight a warp), counted over the caches'
+/// capacity: the launch shape of a recorded decode step must not depend on the positions,
+/// and a cache's capacity is part of its step's key.
+const KV_SPLIT_KEYS: usize = 32;
+/// The most splits of one query row and head.
+const KV_MAX_SPLITS: usize = 64;
+/// The most floats of split partials one launch keeps (64 MiB).
+const KV_PARTIAL_FLOATS: usize = 16 << 20;
+
+/// Key ranges each (row, head) of tern_kv_attention is split into: about KV_SPLIT_KEYS of the
+/// caches' capacity each, at most KV_MAX_SPLITS, and fewer where the partials of `rows`
+/// rows would pass KV_PARTIAL_FLOATS.
+fn kv_splits(capacity: usize, rows: usize, q_heads: usize, hd: usize) -> usize {
+    let by_keys = capacity.div_ceil(KV_SPLIT_KEYS).clamp(1, KV_MAX_SPLITS);
+    let by_memory = KV_PARTIAL_FLOATS / (rows * q_heads * (hd + 2)).max(1);
+    by_keys.min(by_memory).max(1)
+}
 
 impl KvAttentionCuda {
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
@@ -602,17 +619,42 @@ impl KvAttentionCuda {
         let (q_off, g_off) = (long_arg(q.offset), long_arg(gate.offset));
         let (q_ld, g_ld) = (long_arg(q.stride), long_arg(gate.stride));
         let (qp, gp) = (g.ptr(q.buf), g.ptr(gate.buf));
+        let capacity = caches.iter().map(|c| c.capacity).max().unwrap_or(0);
+        let splits = kv_splits(capacity, rows, q_heads, hd);
+        // Split partials (unused with one split) and the heads' arrival counters.
+        let partial = g.alloc::<f32>(if splits > 1 { rows * q_heads * splits * (hd + 2) } else { 1 })?;
+        let counters = g.zeros::<u32>(rows * q_heads)?;
         let mut l = g.launch_builder(&self.attend);
         l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld).buf(&*tables.k_at).buf(&*tables.v_at).buf(positions);
-        l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).buf(out);
+        l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).buf(&partial).buf(&counters).buf(out);
         let grid_rows = u32::try_from(rows).ok().filter(|&r| r <= 65_535).ok_or_else(|| {
             Error::Shape(format!("kv_attention: {rows} new rows, at most 65535 per launch"))
         })?;
-        let cfg = LaunchConfig { grid_dim: (q_heads as u32, grid_rows, 1), block_dim: (KV_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: (q_heads as u32, grid_rows, splits as u32), block_dim: (KV_BLOCK, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_kv_attention; row i (position p_i, the batch's)
         // reads rows ≤ p_i of its own cache, which the append above filled or earlier steps
-        // did, and writes its own output row inside `out` (checked).
+        // did, and writes its own output row inside `out` (checked); with several splits,
+        // block (h, i, s) writes partial record (i, h, s) of rows × q_heads × splits records
+        // of hd + 2 floats, and counter (i, h) of rows × q_heads.
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_kv_attention"))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_splits_follow_the_capacity_and_bound_the_partials() {
+        // A fresh cache (256 rows): 8 splits of 32 keys; long contexts stop at 64.
+        assert_eq!(kv_splits(256, 1, 8, 256), 8);
+        assert_eq!(kv_splits(1 << 16, 1, 8, 256), KV_MAX_SPLITS);
+        assert_eq!(kv_splits(1, 1, 8, 256), 1);
+        // 128 sequences of Qwen3.5-0.8B at a 4096-row capacity: the partials' bound decides.
+        let s = kv_splits(4096, 128, 8, 256);
+        assert!(s < KV_MAX_SPLITS && 128 * 8 * s * 258 <= KV_PARTIAL_FLOATS, "{s}");
+        // A continued prompt of thousands of rows runs unsplit.
+        assert_eq!(kv_splits(8192, 4096, 8, 256), 1);
     }
 }

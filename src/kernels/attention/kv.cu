@@ -33,14 +33,25 @@ extern "C" __global__ void tern_kv_append(const float* __restrict__ k, long long
 
 // Query row i (blockIdx.y) of the batch sits at position positions[i] and sees rows
 // 0 ..= positions[i] of its sequence's cache. q and gate are strided views; out is [rows][q_heads·hd].
+//
+// A decode step's query is one row, so a block per (head, row) would leave the GPU idle and
+// walk every key in turn (a chain of dependent loads per warp: about 20 µs a layer at 80 keys
+// on the H200, and growing with the context). Instead the keys split into gridDim.z ranges
+// (split-K, "flash decoding"): block (h, i, s) takes the s-th of the row's keys in gridDim.z
+// equal ranges (the count known only on the device, from the positions: the launch shape
+// stays fixed for a recorded step) and writes its softmax partial — max m, sum l and the
+// unnormalised output — to `partial` [rows][q_heads][splits][hd + 2]; the last of a head's
+// blocks to arrive (an arrival counter, zero between launches) merges the splits in order and
+// writes the gated output. One split writes the output directly.
 extern "C" __global__ void tern_kv_attention(const float* __restrict__ q, long long q_off, long long q_ld,
                                              const float* __restrict__ gate, long long g_off, long long g_ld,
                                              const unsigned long long* __restrict__ k_at,
                                              const unsigned long long* __restrict__ v_at,
                                              const unsigned* __restrict__ positions, int q_heads, int kv_heads, int hd, float scale,
+                                             float* __restrict__ partial, unsigned* __restrict__ counters,
                                              float* __restrict__ out) {
     tern_await_prior_kernel();
-    const int h = blockIdx.x, i = blockIdx.y;
+    const int h = blockIdx.x, i = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int kvh = h / (q_heads / kv_heads);
     const size_t kw = (size_t)kv_heads * hd;
@@ -50,15 +61,19 @@ extern "C" __global__ void tern_kv_attention(const float* __restrict__ q, long l
     __shared__ float qs[TERN_KV_MAX_HD];
     __shared__ float warp_max[TERN_KV_WARPS], warp_sum[TERN_KV_WARPS];
     __shared__ float warp_acc[TERN_KV_WARPS][TERN_KV_MAX_HD];
+    __shared__ bool last;
     const float* qr = q + q_off + (size_t)i * q_ld + (size_t)h * hd;
     for (int c = threadIdx.x; c < hd; c += blockDim.x) qs[c] = qr[c];
     __syncthreads();
 
+    // This block's keys: the split-th of `keys` in `splits` ranges (the first always holds key 0).
     const int keys = (int)positions[i] + 1;
+    const int chunk = (keys + splits - 1) / splits;
+    const int j0 = split * chunk, j1 = min(keys, j0 + chunk);
     float m = -tern_inf(), l = 0.0f, acc[TERN_KV_PER_LANE];
 #pragma unroll
     for (int t = 0; t < TERN_KV_PER_LANE; ++t) acc[t] = 0.0f;
-    for (int j = warp; j < keys; j += TERN_KV_WARPS) {
+    for (int j = j0 + warp; j < j1; j += TERN_KV_WARPS) {
         const float* kr = k_cache + (size_t)j * kw + (size_t)kvh * hd;
         float s = 0.0f;
 #pragma unroll
@@ -89,20 +104,62 @@ extern "C" __global__ void tern_kv_attention(const float* __restrict__ q, long l
         if (t < per && c < hd) warp_acc[warp][c] = acc[t];
     }
     __syncthreads();
-    // Warp 0 always saw key 0, so the overall max is finite; a warp that saw no key has max
-    // −inf and weight 0.
+    // The block's max over its warps: −inf only for a split with no key (then it adds nothing:
+    // its sum and output are written as 0). A warp that saw no key has max −inf and weight 0.
     float mx = -tern_inf();
     for (int w = 0; w < TERN_KV_WARPS; ++w) mx = fmaxf(mx, warp_max[w]);
+    const bool empty = mx == -tern_inf();
     float total = 0.0f;
-    for (int w = 0; w < TERN_KV_WARPS; ++w) total += warp_sum[w] * expf(warp_max[w] - mx);
+    if (!empty)
+        for (int w = 0; w < TERN_KV_WARPS; ++w) total += warp_sum[w] * expf(warp_max[w] - mx);
     const size_t ld = (size_t)q_heads * hd;
+    const float* gr = gate + g_off + (size_t)i * g_ld + (size_t)h * hd;
+    float* o_row = out + (size_t)i * ld + (size_t)h * hd;
+    if (splits == 1) {
+        for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+            float o = 0.0f;
+            for (int w = 0; w < TERN_KV_WARPS; ++w) o += warp_acc[w][c] * expf(warp_max[w] - mx);
+            o_row[c] = o / total * (1.0f / (1.0f + expf(-gr[c])));
+        }
+        return;
+    }
+    const size_t head = (size_t)i * q_heads + h;
+    float* mine = partial + (head * splits + split) * (size_t)(hd + 2);
     for (int c = threadIdx.x; c < hd; c += blockDim.x) {
         float o = 0.0f;
-        for (int w = 0; w < TERN_KV_WARPS; ++w) o += warp_acc[w][c] * expf(warp_max[w] - mx);
-        o = o / total;
-        const float gv = gate[g_off + (size_t)i * g_ld + (size_t)h * hd + c];
-        out[(size_t)i * ld + (size_t)h * hd + c] = o * (1.0f / (1.0f + expf(-gv)));
+        if (!empty)
+            for (int w = 0; w < TERN_KV_WARPS; ++w) o += warp_acc[w][c] * expf(warp_max[w] - mx);
+        mine[2 + c] = o;
     }
+    if (threadIdx.x == 0) {
+        mine[0] = mx;
+        mine[1] = total;
+    }
+    // Every writer fences its writes before the block signals; the last block then reads the
+    // other blocks' partials through L2 (__ldcg: this multiprocessor's L1 may hold stale lines).
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counters + head, 1u) == (unsigned)splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float* parts = partial + head * splits * (size_t)(hd + 2);
+    float big = -tern_inf();
+    for (int t = 0; t < splits; ++t) big = fmaxf(big, __ldcg(parts + (size_t)t * (hd + 2)));
+    float sum = 0.0f;
+    for (int t = 0; t < splits; ++t) {
+        const float mt = __ldcg(parts + (size_t)t * (hd + 2));
+        if (mt != -tern_inf()) sum += __ldcg(parts + (size_t)t * (hd + 2) + 1) * expf(mt - big);
+    }
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        float o = 0.0f;
+        for (int t = 0; t < splits; ++t) {
+            const float mt = __ldcg(parts + (size_t)t * (hd + 2));
+            if (mt != -tern_inf()) o += __ldcg(parts + (size_t)t * (hd + 2) + 2 + c) * expf(mt - big);
+        }
+        o_row[c] = o / sum * (1.0f / (1.0f + expf(-gr[c])));
+    }
+    if (threadIdx.x == 0) counters[head] = 0u;
 }
 
 // out[r][c] *= sigmoid(gate[g_off + r·g_ld + c]) over rows × width (the prefill path, after the
