@@ -234,8 +234,13 @@ __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restri
 // them before its signal) forms the rows' norms and resets the counter for the next launch.
 // What other blocks wrote is read through L2 (__ldcg): this multiprocessor's L1 may hold
 // lines of it from before they wrote.
+//
+// The tail runs on one block after all the others, so its loads are on the step's critical
+// path: its loops are unrolled so that a thread's loads from L2 are in flight together (the
+// additions keep their order, so the bits are those of the norm kernel).
 __device__ __forceinline__ double tern_gemv_sum_squares(const float* v, int d, double* scratch) {
     double ss = 0.0;
+#pragma unroll 4
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         const double e = (double)(__ldcg(v + i) * 1.0f);
         ss += e * e;
@@ -265,6 +270,7 @@ __device__ __forceinline__ void tern_gemv_norm_tail(const tern_gemv_parts& p, in
         if (OMODE == TERN_Y_ADD_NORM) {
             const float* y = (const float*)p.y[0] + off;
             const float inv = (float)(1.0 / sqrt(tern_gemv_sum_squares(y, d, scratch) / (double)d + (double)p.eps));
+#pragma unroll 4
             for (int i = threadIdx.x; i < d; i += blockDim.x) {
                 float v = h[i] + (__ldcg(y + i) * inv) * w[i];
                 if (p.post != 1.0f) v *= p.post;
@@ -275,6 +281,7 @@ __device__ __forceinline__ void tern_gemv_norm_tail(const tern_gemv_parts& p, in
         // Each thread re-reads only the entries of h it wrote itself (ADD_NORM), or reads
         // through L2 what other blocks wrote (RESIDUAL).
         const float inv = (float)(1.0 / sqrt(tern_gemv_sum_squares(h, d, scratch) / (double)d + (double)p.eps));
+#pragma unroll 4
         for (int i = threadIdx.x; i < d; i += blockDim.x) a[off + i] = (__ldcg(h + i) * inv) * w_out[i];
     }
     if (threadIdx.x == 0) *(unsigned*)p.counter = 0u;

@@ -1,7 +1,7 @@
 //! Launcher of `select.cu`: each sequence's wanted best entries of a step's logits, picked on
 //! the device so that only they cross to the host. CPU twin: [`super::best_entries`].
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::cuda::{driver_err, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use crate::error::{Error, Result};
@@ -23,6 +23,9 @@ pub struct SelectCuda {
     gpu: Arc<Gpu>,
     greedy: CudaFunction,
     select: CudaFunction,
+    /// The last call's row parameters and their device copy: decode steps of one batch ask
+    /// the same of every step, and an upload of a few words costs a host-side copy a step.
+    params: Mutex<Option<(Vec<u32>, CudaSlice<u32>)>>,
 }
 
 /// A rank key back to its value (the inverse of the kernels' and [`super::rank_key`]'s map).
@@ -32,7 +35,12 @@ fn key_value(key: u32) -> f32 {
 
 impl SelectCuda {
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
-        Ok(SelectCuda { greedy: gpu.function(&SOURCE, "tern_best_greedy")?, select: gpu.function(&SOURCE, "tern_best_select")?, gpu })
+        Ok(SelectCuda {
+            greedy: gpu.function(&SOURCE, "tern_best_greedy")?,
+            select: gpu.function(&SOURCE, "tern_best_select")?,
+            params: Mutex::new(None),
+            gpu,
+        })
     }
 
     /// For each row of `logits` ([wants.len()][vocab]) that asks for its best entries, those
@@ -65,8 +73,12 @@ impl SelectCuda {
             }
         }
         debug_assert!(stride <= MAX_BEST);
-        let params = g.upload(&params)?;
-        let divisors = g.ptr(&params);
+        let mut cached = self.params.lock().unwrap_or_else(|p| p.into_inner());
+        if cached.as_ref().is_none_or(|(host, _)| *host != params) {
+            let device = g.upload(&params)?;
+            *cached = Some((params, device));
+        }
+        let divisors = g.ptr(&cached.as_ref().expect("set just above").1);
         let counts = divisors + 4 * rows as u64;
         let lp = g.ptr(logits);
 
