@@ -85,6 +85,19 @@ pub fn ranked_value(logit: f32, divisor: f32) -> f32 {
 /// The `count` best (id, value) pairs of `row`, best first (see the module's orders).
 pub fn best_entries(row: &[f32], divisor: f32, count: usize) -> Vec<(u32, f32)> {
     let greedy = divisor == 0.0;
+    if count == 1 {
+        // One entry: a scan, keeping the first of the largest keys.
+        let mut best: Option<(u32, u32, f32)> = None;
+        for (i, &l) in row.iter().enumerate() {
+            let v = ranked_value(l, divisor);
+            if let Some(k) = rank_key(v, greedy) {
+                if best.is_none_or(|b| k > b.0) {
+                    best = Some((k, i as u32, v));
+                }
+            }
+        }
+        return best.map(|(_, i, v)| (i, v)).into_iter().collect();
+    }
     let mut c: Vec<(u32, u32, f32)> = row
         .iter()
         .enumerate()
@@ -152,6 +165,10 @@ mod tests {
         assert_eq!(ids, vec![3, 5, 0, 2, 1, 6]);
         assert_eq!(got[0].1, 4.0);
         assert_eq!(best_entries(&row, 0.5, 100).len(), 7);
+        // One entry (the scan) is the first of the longer lists.
+        for divisor in [0.0, 0.5] {
+            assert_eq!(best_entries(&row, divisor, 1)[..], best_entries(&row, divisor, 3)[..1]);
+        }
     }
 
     #[test]
