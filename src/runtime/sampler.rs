@@ -152,6 +152,9 @@ impl Sampler {
             StepLogits::Full(mut row) => return self.sample(&mut row, seen, generated),
             StepLogits::Best(best) => best,
         };
+        // Best entries stand for the row only where this sampler asked for them (no penalties,
+        // greedy or top-k): callers ask with `wants`.
+        debug_assert!(matches!(self.wants(), LogitsWant::Best { .. }), "best entries handed to a sampler that reads the whole row");
         let o = &self.opts;
         if o.temperature == 0.0 || o.top_k == 1 {
             // argmax: the first maximum, or id 0 when nothing beats -inf.

@@ -442,22 +442,24 @@ pub struct KvAttentionCuda {
 
 /// Threads per block of tern_kv_attention (TERN_KV_WARPS warps).
 const KV_BLOCK: u32 = 128;
-/// Keys a split of tern_kv_attention aims at (eight a warp), counted over the caches'
-/// capacity: the launch shape of a recorded decode step must not depend on the positions,
-/// and a cache's capacity is part of its step's key.
-const KV_SPLIT_KEYS: usize = 32;
-/// The most splits of one query row and head.
-const KV_MAX_SPLITS: usize = 64;
-/// The most floats of split partials one launch keeps (64 MiB).
-const KV_PARTIAL_FLOATS: usize = 16 << 20;
+/// Key ranges each (row, head) of tern_kv_attention is split into. A constant, so that a row's
+/// ranges — and so its bits — depend on its own keys only, never on the other sequences of its
+/// batch or on their caches (a sequence decodes the same alone and in a server's batch); and
+/// the launch shape of a recorded step does not depend on the positions.
+const KV_SPLITS: usize = 8;
+/// The most floats of split partials one launch keeps (128 MiB: a decode step of 512
+/// sequences of up to 31 query heads of 256): a step of more rows (a long prompt continued
+/// after earlier turns, which runs alone) takes one split.
+const KV_PARTIAL_FLOATS: usize = 32 << 20;
 
-/// Key ranges each (row, head) of tern_kv_attention is split into: about KV_SPLIT_KEYS of the
-/// caches' capacity each, at most KV_MAX_SPLITS, and fewer where the partials of `rows`
-/// rows would pass KV_PARTIAL_FLOATS.
-fn kv_splits(capacity: usize, rows: usize, q_heads: usize, hd: usize) -> usize {
-    let by_keys = capacity.div_ceil(KV_SPLIT_KEYS).clamp(1, KV_MAX_SPLITS);
-    let by_memory = KV_PARTIAL_FLOATS / (rows * q_heads * (hd + 2)).max(1);
-    by_keys.min(by_memory).max(1)
+/// Splits of tern_kv_attention for `rows` query rows: [`KV_SPLITS`], or one where their
+/// partials would pass [`KV_PARTIAL_FLOATS`].
+fn kv_splits(rows: usize, q_heads: usize, hd: usize) -> usize {
+    if rows * q_heads * KV_SPLITS * (hd + 2) <= KV_PARTIAL_FLOATS {
+        KV_SPLITS
+    } else {
+        1
+    }
 }
 
 impl KvAttentionCuda {
@@ -619,8 +621,7 @@ impl KvAttentionCuda {
         let (q_off, g_off) = (long_arg(q.offset), long_arg(gate.offset));
         let (q_ld, g_ld) = (long_arg(q.stride), long_arg(gate.stride));
         let (qp, gp) = (g.ptr(q.buf), g.ptr(gate.buf));
-        let capacity = caches.iter().map(|c| c.capacity).max().unwrap_or(0);
-        let splits = kv_splits(capacity, rows, q_heads, hd);
+        let splits = kv_splits(rows, q_heads, hd);
         // Split partials (unused with one split) and the heads' arrival counters.
         let partial = g.alloc::<f32>(if splits > 1 { rows * q_heads * splits * (hd + 2) } else { 1 })?;
         let counters = g.zeros::<u32>(rows * q_heads)?;
@@ -646,15 +647,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn kv_splits_follow_the_capacity_and_bound_the_partials() {
-        // A fresh cache (256 rows): 8 splits of 32 keys; long contexts stop at 64.
-        assert_eq!(kv_splits(256, 1, 8, 256), 8);
-        assert_eq!(kv_splits(1 << 16, 1, 8, 256), KV_MAX_SPLITS);
-        assert_eq!(kv_splits(1, 1, 8, 256), 1);
-        // 128 sequences of Qwen3.5-0.8B at a 4096-row capacity: the partials' bound decides.
-        let s = kv_splits(4096, 128, 8, 256);
-        assert!(s < KV_MAX_SPLITS && 128 * 8 * s * 258 <= KV_PARTIAL_FLOATS, "{s}");
+    fn kv_splits_depend_on_the_launch_size_only() {
+        // Decode steps of 1 to 512 sequences (Qwen3.5-0.8B: 8 query heads of 256): 8 splits,
+        // whatever their caches hold.
+        for rows in [1, 8, 128, 512] {
+            assert_eq!(kv_splits(rows, 8, 256), KV_SPLITS);
+        }
+        assert_eq!(kv_splits(512, 16, 256), KV_SPLITS);
         // A continued prompt of thousands of rows runs unsplit.
-        assert_eq!(kv_splits(8192, 4096, 8, 256), 1);
+        assert_eq!(kv_splits(4096, 8, 256), 1);
     }
 }

@@ -82,6 +82,7 @@ impl SelectCuda {
         let counts = divisors + 4 * rows as u64;
         let lp = g.ptr(logits);
 
+        // Both kernels queued, then one wait for their results.
         let greedy = if any_greedy {
             let best = g.zeros::<u64>(rows)?;
             let bp = g.ptr(&best);
@@ -92,11 +93,10 @@ impl SelectCuda {
             // SAFETY: argument types match tern_best_greedy; logits hold rows × vocab floats,
             // params 2 × rows words, best one word a row.
             unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_best_greedy"))?;
-            Some(g.download(&best)?)
+            Some(best)
         } else {
             None
         };
-
         let picked = if any_select {
             let (mut ids, mut values) = (g.alloc::<u32>(rows * stride)?, g.alloc::<f32>(rows * stride)?);
             // An entry left unwritten reads as (u32::MAX, NaN); padding is (u32::MAX, 0).
@@ -109,9 +109,14 @@ impl SelectCuda {
             // SAFETY: argument types match tern_best_select; each selecting row writes its first
             // `count` <= stride entries of ids and values ([rows][stride]); the host reads no more.
             unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_best_select"))?;
-            Some((g.download(&ids)?, g.download(&values)?))
+            Some((ids, values))
         } else {
             None
+        };
+        let greedy = greedy.map(|b| g.download(&b)).transpose()?;
+        let picked = match picked {
+            Some((ids, values)) => Some((g.download(&ids)?, g.download(&values)?)),
+            None => None,
         };
 
         wants
