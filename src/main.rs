@@ -14,7 +14,7 @@ use tern::runtime::resolve::{resolve_model, resolve_model_or_file};
 use tern::runtime::sampler::{Sampler, SamplingOptions};
 use tern::cuda::DeviceSpec;
 use tern::kernels::cuda_ops::Precision;
-use tern::kernels::sample::{LogitsWant, StepLogits};
+use tern::kernels::sample::LogitsWant;
 
 #[derive(Parser)]
 #[command(name = "tern", version, about = "Embeddings (EmbeddingGemma) and Qwen3.5 generation, on CPU and NVIDIA GPUs")]
@@ -816,8 +816,8 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
         };
         // Each step's token as a greedy generation takes it (the sampler reads the step's
         // best entry, or with --full-logits the whole row).
-        let want = if args.full_logits { LogitsWant::Full } else { Sampler::new(SamplingOptions::greedy())?.wants() };
-        let greedy = |l: StepLogits| -> Result<u32> { Ok(Sampler::new(SamplingOptions::greedy())?.sample_step(l, &[], &[])) };
+        let mut greedy = Sampler::new(SamplingOptions::greedy())?;
+        let want = if args.full_logits { LogitsWant::Full } else { greedy.wants() };
 
         // Prefill: the whole prompt in one forward from an empty state.
         let mut prefill_times = Vec::new();
@@ -845,9 +845,9 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             let t_run = Instant::now();
             for _ in 0..args.gen_tokens {
                 let t = Instant::now();
-                let logits = model.forward_batch_wants(&mut [(&[tok][..], &mut st)], &[want])?;
+                let logits = model.forward_want(&[tok], &mut st, want)?;
                 let dt = t.elapsed().as_secs_f64();
-                tok = greedy(logits.into_iter().next().ok_or_else(|| Error::Input("no logits".into()))?)?;
+                tok = greedy.sample_step(logits, &[], &[]);
                 if i > 0 {
                     per_token.push(dt);
                 }
@@ -877,7 +877,7 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
                     rounds.push(t.elapsed().as_secs_f64());
                 }
                 for (t, l) in toks.iter_mut().zip(logits) {
-                    t[0] = greedy(l)?;
+                    t[0] = greedy.sample_step(l, &[], &[]);
                 }
             }
             let round = if rounds.is_empty() { f64::NAN } else { median(&mut rounds) };

@@ -930,11 +930,13 @@ impl PlacedQwen35 {
     }
 
     pub fn forward(&self, ids: &[u32], state: &mut PlacedState) -> Result<Vec<f32>> {
-        match (self, state) {
-            (PlacedQwen35::Cpu(m), PlacedState::Cpu(s)) => m.forward(ids, s),
-            (PlacedQwen35::Cuda(m), PlacedState::Cuda(s)) => m.forward(ids, s),
-            _ => Err(foreign_state()),
-        }
+        self.forward_want(ids, state, LogitsWant::Full)?.into_full()
+    }
+
+    /// [`PlacedQwen35::forward`], returning of the last token's logits what `want` asks.
+    pub fn forward_want(&self, ids: &[u32], state: &mut PlacedState, want: LogitsWant) -> Result<StepLogits> {
+        let mut out = self.forward_batch_wants(&mut [(ids, state)], &[want])?;
+        out.pop().ok_or_else(|| Error::Input("no sequence to run".into()))
     }
 
     pub fn forward_batch(&self, batch: &mut [(&[u32], &mut PlacedState)]) -> Result<Vec<Vec<f32>>> {

@@ -251,9 +251,8 @@ impl Llm {
         feed.extend_from_slice(ids);
         session.ids.extend_from_slice(ids);
         let t0 = Instant::now();
-        let want = if opts.keep_logits { LogitsWant::Full } else { sampler.wants() };
-        let logits = self.pool.install(|| self.model.forward_batch_wants(&mut [(&feed[..], &mut session.state)], &[want]))?;
-        let logits = logits.into_iter().next().ok_or_else(|| Error::Input("no sequence to run".into()))?;
+        let want = logits_want(opts, &sampler);
+        let logits = self.pool.install(|| self.model.forward_want(&feed, &mut session.state, want))?;
         let timings = Timings { prompt_tokens: feed.len(), prefill_s: t0.elapsed().as_secs_f64(), ..Default::default() };
         Ok(Generator {
             llm: self,
@@ -322,6 +321,16 @@ impl Llm {
     }
 }
 
+/// What a generation reads of a step's logits: the whole row when it keeps them, else what its
+/// sampler needs.
+fn logits_want(opts: &GenerateOptions, sampler: &Sampler) -> LogitsWant {
+    if opts.keep_logits {
+        LogitsWant::Full
+    } else {
+        sampler.wants()
+    }
+}
+
 /// One sequence's generation in progress (see [`Llm::start`]).
 pub struct Generator<'m> {
     llm: &'m Llm,
@@ -341,14 +350,9 @@ pub struct Step {
 }
 
 impl Generator<'_> {
-    /// What this generation reads of a step's logits: the whole row when it keeps them, else
-    /// what its sampler needs.
+    /// What this generation reads of a step's logits ([`logits_want`]).
     fn want(&self) -> LogitsWant {
-        if self.opts.keep_logits {
-            LogitsWant::Full
-        } else {
-            self.sampler.wants()
-        }
+        logits_want(&self.opts, &self.sampler)
     }
 
     /// Runs the pending token (except right after the prefill), samples the next one and
@@ -366,8 +370,7 @@ impl Generator<'_> {
                     return Err(Error::Input("generation step without a pending token".into()));
                 };
                 let (llm, want) = (self.llm, self.want());
-                let out = llm.pool.install(|| llm.model.forward_batch_wants(&mut [(&[token][..], &mut session.state)], &[want]))?;
-                out.into_iter().next().ok_or_else(|| Error::Input("no sequence to run".into()))?
+                llm.pool.install(|| llm.model.forward_want(&[token], &mut session.state, want))?
             }
         };
         if self.opts.keep_logits {
