@@ -31,7 +31,7 @@ use crate::kernels::pool::cuda::PoolCuda;
 use crate::kernels::rope::cuda::{GpuHeadPrep, GpuRope, RopeCuda};
 use crate::kernels::rope::RopeTable;
 use crate::kernels::sample::cuda::SelectCuda;
-use crate::kernels::sample::{select_rows, LogitsWant, StepLogits};
+use crate::kernels::sample::{LogitsWant, StepLogits};
 use crate::kernels::{check_len, Segment};
 
 /// The CUDA translation units of the op set outside the gated-delta family (which lists its own).
@@ -788,10 +788,6 @@ impl Ops for CudaOps {
     }
 
     fn select_logits(&self, logits: &CudaSlice<f32>, vocab: usize, wants: &[LogitsWant]) -> Result<Vec<StepLogits>> {
-        if wants.iter().all(|w| *w == LogitsWant::Full) {
-            check_len("logits", logits.len(), wants.len() * vocab)?;
-            return select_rows(self.to_host_rows(logits, wants.len())?, vocab, wants);
-        }
         let _timer = self.op_timer("select_logits");
         let best = self.llm()?.select.best(logits, vocab, wants)?;
         // Rows that want the whole row (a request that keeps its logits, or samples with

@@ -73,14 +73,6 @@ impl GpuMatrix {
         }
     }
 
-    /// Weights of a row one GEMV warp step takes (32 lanes × the kernel's STEP for the type,
-    /// 8 for each today: see gemv.cu).
-    fn step_weights(&self) -> usize {
-        match &self.w {
-            GpuWeights::F32(_) | GpuWeights::Bf16(_) | GpuWeights::Q8 { .. } => 32 * 8,
-        }
-    }
-
     /// Device bytes of the weights (what a decode step reads).
     pub fn bytes(&self) -> usize {
         match &self.w {
@@ -216,16 +208,20 @@ fn gemv_outputs_per_warp(rows: usize, output: GemvOutput, narrow: bool) -> usize
 /// Warps per output feature of a GEMV launch over `features` features (all its matrices) of
 /// `inp` inputs (the kernels' ks, see gemv.cu): a launch of few features takes more warps per
 /// row, until the launch has [`GEMV_SPLIT_WARPS`] warps per multiprocessor, each keeping at
-/// least two of its row's warp steps (`step` weights, [`GpuMatrix::step_weights`]). A function
-/// of the launch's matrices and the GPU, never of the rows of x: a row's result is the same
-/// alone and in a batch.
-fn gemv_split(features: usize, inp: usize, step: usize, multiprocessors: usize) -> usize {
+/// least two of its row's warp steps ([`GEMV_STEP_WEIGHTS`]). A function of the launch's
+/// matrices and the GPU, never of the rows of x: a row's result is the same alone and in a
+/// batch.
+fn gemv_split(features: usize, inp: usize, multiprocessors: usize) -> usize {
     let mut ks = 1;
-    while 2 * ks <= GEMV_WARPS && features * ks < GEMV_SPLIT_WARPS * multiprocessors && inp >= 2 * step * (2 * ks) {
+    while 2 * ks <= GEMV_WARPS && features * ks < GEMV_SPLIT_WARPS * multiprocessors && inp >= 2 * GEMV_STEP_WEIGHTS * (2 * ks) {
         ks *= 2;
     }
     ks
 }
+
+/// Weights of a row one GEMV warp step takes: 32 lanes × the kernels' STEP, 8 weights a lane
+/// for every stored type (gemv.cu).
+const GEMV_STEP_WEIGHTS: usize = 32 * 8;
 
 /// Rows up to which a product fuses the norm after it (see [`Blas::norm_tail_fits`]).
 pub const NORM_TAIL_MAX_ROWS: usize = 1;
@@ -634,7 +630,7 @@ impl Blas {
         let first = parts.first().map(|(w, _)| *w).ok_or_else(|| Error::Shape("gemv: no product".into()))?;
         let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", first.inp)?);
         let features: usize = parts.iter().map(|(w, _)| output.features(w)).sum();
-        let ks = if self.gemv_split { gemv_split(features, first.inp, first.step_weights(), self.multiprocessors) } else { 1 };
+        let ks = if self.gemv_split { gemv_split(features, first.inp, self.multiprocessors) } else { 1 };
         let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, tail: tail.unwrap_or_default(), ..Default::default() };
         // Features a block covers: its warps' feature groups (ks warps each) times the
         // features a warp holds.
@@ -792,14 +788,14 @@ mod tests {
 
     #[test]
     fn split_depends_on_the_matrix_and_keeps_two_steps_a_warp() {
-        // A Qwen3.5-0.8B output projection on 132 multiprocessors: 4 warps a feature; with
-        // warp steps twice as long, its 2048-weight rows would split in 2.
-        assert_eq!(gemv_split(1024, 2048, 256, 132), 4);
-        assert_eq!(gemv_split(1024, 3584, 256, 132), 4);
-        assert_eq!(gemv_split(1024, 2048, 512, 132), 2);
+        // A Qwen3.5-0.8B output projection on 132 multiprocessors: 4 warps a feature.
+        assert_eq!(gemv_split(1024, 2048, 132), 4);
+        assert_eq!(gemv_split(1024, 3584, 132), 4);
+        // Each warp keeps two steps: a 1024-weight row splits in 2, not 4.
+        assert_eq!(gemv_split(64, 1024, 132), 2);
         // Wide matrices and short rows are not split.
-        assert_eq!(gemv_split(248_320, 1024, 256, 132), 1);
-        assert_eq!(gemv_split(1024, 768, 256, 132), 1);
-        assert_eq!(gemv_split(100, 1 << 16, 256, 132), GEMV_WARPS);
+        assert_eq!(gemv_split(248_320, 1024, 132), 1);
+        assert_eq!(gemv_split(1024, 768, 132), 1);
+        assert_eq!(gemv_split(100, 1 << 16, 132), GEMV_WARPS);
     }
 }

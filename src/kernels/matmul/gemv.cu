@@ -80,7 +80,7 @@ __device__ __forceinline__ float tern_i8_to_f32(unsigned word, int i) {
 // 16 of bf16, 8 of Q8_0 quants. (16 Q8_0 quants a lane, one 16-byte load, measured slower on
 // the H200 twice: a 1024-weight row is then two steps a warp, fewer than the loop's unroll,
 // and the head product took 168 µs against 115.) The host's split rule (gemv_split in
-// matmul/cuda.rs) counts in these steps: GpuMatrix::step_weights there is 32 * STEP.
+// matmul/cuda.rs) counts in these steps: GEMV_STEP_WEIGHTS there is 32 * STEP.
 struct TernWeightsF32 {
     static constexpr int STEP = 8;
     const float* w;

@@ -54,8 +54,6 @@ impl SelectCuda {
             return Ok(wants.iter().map(|w| matches!(w, LogitsWant::Best { .. }).then(Vec::new)).collect());
         }
         let g = &self.gpu;
-        let n_rows = u32::try_from(rows).ok().filter(|&n| n <= 65_535).ok_or_else(|| Error::Shape(format!("best logits: {rows} rows in one launch")))?;
-        let v = int_arg("best logits vocabulary", vocab)?;
         // One upload: the rows' divisors (f32 bits), then their counts (0: the whole row).
         let mut params = vec![0u32; 2 * rows];
         let mut stride = 0usize;
@@ -72,7 +70,13 @@ impl SelectCuda {
                 }
             }
         }
+        if !any_greedy && !any_select {
+            // Every row is wanted whole: nothing to pick.
+            return Ok(vec![None; rows]);
+        }
         debug_assert!(stride <= MAX_BEST);
+        let v = int_arg("best logits vocabulary", vocab)?;
+        let n_rows = u32::try_from(rows).ok().filter(|&n| n <= 65_535).ok_or_else(|| Error::Shape(format!("best logits: {rows} rows in one launch")))?;
         let mut cached = self.params.lock().unwrap_or_else(|p| p.into_inner());
         if cached.as_ref().is_none_or(|(host, _)| *host != params) {
             let device = g.upload(&params)?;
