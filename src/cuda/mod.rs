@@ -16,6 +16,7 @@ pub mod nvrtc;
 pub(crate) mod test_util;
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -30,6 +31,21 @@ pub struct KernelSource {
     /// Unique name: the NVRTC program name and the cache file's prefix.
     pub name: &'static str,
     pub code: &'static str,
+}
+
+/// For kernel work on a machine that has a GPU but no Rust toolchain: with
+/// `TERN_CUDA_SOURCE_DIR` set, a module whose file `<dir>/<name>.cu` exists (the whole program
+/// text, prelude included, as [`KernelSource::code`] holds it) is compiled from that file
+/// instead of the built-in source, so that a variant of a kernel can be measured with the same
+/// binary. Said on stderr, since the results are then not those of the built-in kernels.
+fn source_override(name: &str) -> Result<Option<String>> {
+    let Some(dir) = std::env::var_os("TERN_CUDA_SOURCE_DIR") else { return Ok(None) };
+    let path = Path::new(&dir).join(format!("{name}.cu"));
+    if !path.exists() {
+        return Ok(None);
+    }
+    eprintln!("tern: module {name} compiled from {} (TERN_CUDA_SOURCE_DIR)", path.display());
+    std::fs::read_to_string(&path).map(Some).map_err(|e| Error::Cuda(format!("reading {}: {e}", path.display())))
 }
 
 /// Every CUDA source of the op set (the CI compile check covers exactly these).
@@ -299,7 +315,8 @@ impl Gpu {
             match modules.get(source.name) {
                 Some(m) => m.clone(),
                 None => {
-                    let cubin = nvrtc::compile_cached(source.name, source.code, &self.arch)?;
+                    let code = source_override(source.name)?;
+                    let cubin = nvrtc::compile_cached(source.name, code.as_deref().unwrap_or(source.code), &self.arch)?;
                     let m = self
                         .ctx
                         .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
