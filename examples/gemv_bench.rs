@@ -1,5 +1,6 @@
-//! Times the few-row products of a Qwen3.5-0.8B decode step (`Blas::linear`, `linears` and
-//! `glu` on the GEMV kernels) on the layer's real shapes and stored types, each launch
+//! Times the few-row products of a Qwen3.5-0.8B decode step and of an EmbeddingGemma 300M
+//! query (`Blas::linear` and `glu` on the GEMV kernels) on the layers' real shapes and stored
+//! types, each launch
 //! replayed inside a recorded graph (as a decode step runs it), against the copy bandwidth
 //! measured in the same run:
 //!
@@ -62,6 +63,11 @@ fn main() -> Result<()> {
         ("attn qgkv 5120x1024", 5120, 1024, false),
         ("gdn in 8224x1024", 8224, 1024, false),
         ("head 248320x1024", 248_320, 1024, false),
+        // EmbeddingGemma 300M's layer (a short query is a few rows of x; f32 and bf16 weights).
+        ("eg qkv 1280x768", 1280, 768, false),
+        ("eg o 768x768", 768, 768, false),
+        ("eg gate|up 2304x768", 2304, 768, true),
+        ("eg down 768x1152", 768, 1152, false),
     ];
     let mut seed = 0x9e3779b97f4a7c15u64;
     for &(name, out, inp, gated) in &shapes {
@@ -73,7 +79,12 @@ fn main() -> Result<()> {
             .collect();
         let w16: Vec<u16> = w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
         let q8 = quantize_q8_0(&w);
-        for (kind, weights, bytes) in [("bf16", Weights::Bf16(&w16), 2 * w.len()), ("q8_0", Weights::Q8_0(&q8), q8.len())] {
+        let stored = if name.starts_with("eg ") {
+            [("f32", Weights::F32(&w), 4 * w.len()), ("bf16", Weights::Bf16(&w16), 2 * w.len())]
+        } else {
+            [("bf16", Weights::Bf16(&w16), 2 * w.len()), ("q8_0", Weights::Q8_0(&q8), q8.len())]
+        };
+        for (kind, weights, bytes) in stored {
             let m = blas.matrix(&weights, out, inp)?;
             for &r in &rows {
                 let x = gpu.upload(&vec![0.5f32; r * inp])?;

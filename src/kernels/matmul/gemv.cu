@@ -77,28 +77,35 @@ __device__ __forceinline__ float tern_i8_to_f32(unsigned word, int i) {
 }
 
 // Each weight type loads STEP consecutive weights of a row per lane and step: 32 bytes of f32,
-// 16 of bf16, 8 of Q8_0 quants. (16 Q8_0 quants a lane, one 16-byte load, measured slower on
-// the H200 twice: a 1024-weight row is then two steps a warp, fewer than the loop's unroll,
-// and the head product took 168 µs against 115.) The host's split rule (gemv_split in
-// matmul/cuda.rs) counts in these steps: GEMV_STEP_WEIGHTS there is 32 * STEP.
+// 16 of bf16, 8 of Q8_0 quants (and the block's scale). `load_raw` keeps them as loaded (`Raw`)
+// and `expand` forms the floats, so that the loads of several steps can be in flight before
+// their use for few registers (TernGemvSteps); `load` is both at once. (16 Q8_0 quants a lane,
+// one 16-byte load, measured slower on the H200 twice: a 1024-weight row is then two steps a
+// warp, fewer than the loop's unroll, and the head product took 168 µs against 115.) The
+// host's split rule (gemv_split in matmul/cuda.rs) counts in these steps: GEMV_STEP_WEIGHTS
+// there is 32 * STEP.
 struct TernWeightsF32 {
     static constexpr int STEP = 8;
+    struct Raw { float4 a, b; };
     const float* w;
     __device__ TernWeightsF32(unsigned long long wp, unsigned long long) : w((const float*)wp) {}
-    __device__ __forceinline__ void load(size_t at, float* v) const {
-        const float4 a = *reinterpret_cast<const float4*>(w + at);
-        const float4 b = *reinterpret_cast<const float4*>(w + at + 4);
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    __device__ __forceinline__ Raw load_raw(size_t at) const {
+        return {*reinterpret_cast<const float4*>(w + at), *reinterpret_cast<const float4*>(w + at + 4)};
     }
+    __device__ __forceinline__ static void expand(const Raw& r, float* v) {
+        v[0] = r.a.x; v[1] = r.a.y; v[2] = r.a.z; v[3] = r.a.w;
+        v[4] = r.b.x; v[5] = r.b.y; v[6] = r.b.z; v[7] = r.b.w;
+    }
+    __device__ __forceinline__ void load(size_t at, float* v) const { expand(load_raw(at), v); }
 };
 
 struct TernWeightsBf16 {
     static constexpr int STEP = 8;
+    typedef uint4 Raw;
     const tern_bf16* w;
     __device__ TernWeightsBf16(unsigned long long wp, unsigned long long) : w((const tern_bf16*)wp) {}
-    __device__ __forceinline__ void load(size_t at, float* v) const {
-        const uint4 u = *reinterpret_cast<const uint4*>(w + at);
+    __device__ __forceinline__ Raw load_raw(size_t at) const { return *reinterpret_cast<const uint4*>(w + at); }
+    __device__ __forceinline__ static void expand(const Raw& u, float* v) {
         const unsigned q[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -106,6 +113,7 @@ struct TernWeightsBf16 {
             v[2 * i + 1] = __uint_as_float(q[i] & 0xffff0000u);
         }
     }
+    __device__ __forceinline__ void load(size_t at, float* v) const { expand(load_raw(at), v); }
 };
 
 // The 8 quants of a lane lie in one 32-weight block (at % 8 == 0), so they share one scale.
@@ -115,14 +123,31 @@ struct TernWeightsQ8 {
     const unsigned short* d;
     __device__ TernWeightsQ8(unsigned long long wp, unsigned long long sp)
         : q((const signed char*)wp), d((const unsigned short*)sp) {}
-    __device__ __forceinline__ void load(size_t at, float* v) const {
-        const uint2 u = *reinterpret_cast<const uint2*>(q + at);
-        const float s = tern_f16_to_f32(d[at / 32]);
-        const unsigned p[2] = {u.x, u.y};
+    struct Raw { uint2 q; unsigned short d; };
+    __device__ __forceinline__ Raw load_raw(size_t at) const { return {*reinterpret_cast<const uint2*>(q + at), d[at / 32]}; }
+    __device__ __forceinline__ static void expand(const Raw& r, float* v) {
+        const float s = tern_f16_to_f32(r.d);
+        const unsigned p[2] = {r.q.x, r.q.y};
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = s * tern_i8_to_f32(p[i / 4], i % 4);
     }
+    __device__ __forceinline__ void load(size_t at, float* v) const { expand(load_raw(at), v); }
 };
+
+// Steps of a row whose weight loads a warp issues together, and the blocks a multiprocessor
+// must then hold of the kernel (registers up to 65536 / (256 · MIN_BLOCKS) a thread; 0: the
+// compiler's choice). Q8_0 weights, one row of x: 4 steps (a 1024-weight row), 5 blocks (48
+// registers). Left to itself the compiler fits that kernel in 32 registers by issuing each
+// step's weight load after the step before has used its own: a chain of memory latencies that
+// held a Q8_0 product to the time of the bf16 one at half the bytes. Measured on the H200
+// (gemv_bench, one row, µs): Qwen3.5-0.8B's 1024 x 2048 2.99 -> 2.61, 1024 x 3584 3.87 -> 3.23,
+// gate|up 7168 x 1024 5.43 -> 4.72, the head 115 -> 111 (with 4 / 6 blocks: 119 / 103, the
+// layer's products best at 5); decode of the Q8_0 file 4-7% faster. Kept one step at a time:
+// bf16 weights (there the same was slower: gate|up 4.20 -> 4.72) and rows of several x (for 8
+// rows, the narrow forms with their loads in flight were faster on EmbeddingGemma's 768-wide
+// products and slower on Qwen3.5's).
+template <typename W, int R, int OPW> struct TernGemvSteps { static constexpr int IN_FLIGHT = 1, MIN_BLOCKS = 0; };
+template <> struct TernGemvSteps<TernWeightsQ8, 1, 1> { static constexpr int IN_FLIGHT = 4, MIN_BLOCKS = 5; };
 
 // What a GEMV writes: each output feature o of W (TERN_Y_PLAIN), or, for a matrix of 2·half
 // rows stacking a gate [half][in] over an up [half][in] (an FFN's fused gate|up product),
@@ -142,6 +167,67 @@ struct TernWeightsQ8 {
 // TERN_Y_PLAIN writes it, then the last block forms h = (h + rms(y)·w)·post and a = rms(h)·w2
 // as tern_add_norm does (same block size and order: the same bits as the two launches).
 #define TERN_Y_ADD_NORM 4
+
+// One step of a warp: the lane's S weights of each of the NW rows it holds times the same S
+// values of each row r < rows of x, added to acc in the order of the weights.
+template <int R, int NW, int S>
+__device__ __forceinline__ void tern_gemv_step(float (&acc)[NW][R], const float (&v)[NW][S], const float* __restrict__ x,
+                                               int rows, int in, int c) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (r < rows) {
+#pragma unroll
+            for (int q = 0; q < S; q += 4) {
+                const float4 a = *reinterpret_cast<const float4*>(x + (size_t)r * in + c + q);
+#pragma unroll
+                for (int j = 0; j < NW; ++j) {
+                    float s = acc[j][r];
+                    s = fmaf(a.x, v[j][q], s); s = fmaf(a.y, v[j][q + 1], s); s = fmaf(a.z, v[j][q + 2], s); s = fmaf(a.w, v[j][q + 3], s);
+                    acc[j][r] = s;
+                }
+            }
+        }
+    }
+}
+
+// The steps of tern_gemv_rows with the weight loads of U steps issued together, then used: a
+// row of few steps is then one memory latency, not U in a chain. For that the loads take no
+// branch: a feature past `out` reads the matrix's last row in its place (and is never written),
+// and the steps come U at a time, then one at a time for the rest. Same products in the same
+// order as the one-step loop, so the same bits.
+template <int R, int NW, int U, typename W>
+__device__ __forceinline__ void tern_gemv_rows_in_flight(const W& w, const float* __restrict__ x, int rows, int in, int c,
+                                                         int o0, int opw, int out, int stride, float (&acc)[NW][R]) {
+    constexpr int S = W::STEP;
+    size_t row[NW];  // held rows' starts; gated: rows o (gate) for j < opw, then o + out (up)
+#pragma unroll
+    for (int j = 0; j < NW; ++j) {
+        const int o = min(o0 + j % opw, out - 1);
+        row[j] = (size_t)(j < opw ? o : o + out) * in;
+    }
+#pragma unroll 1
+    for (; c + (U - 1) * stride < in; c += U * stride) {
+        typename W::Raw raw[U][NW];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int j = 0; j < NW; ++j) raw[u][j] = w.load_raw(row[j] + c + u * stride);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float v[NW][S];
+#pragma unroll
+            for (int j = 0; j < NW; ++j) W::expand(raw[u][j], v[j]);
+            tern_gemv_step<R, NW, S>(acc, v, x, rows, in, c + u * stride);
+        }
+    }
+#pragma unroll 1
+    for (; c < in; c += stride) {
+        float v[NW][S];
+#pragma unroll
+        for (int j = 0; j < NW; ++j) w.load(row[j] + c, v[j]);
+        tern_gemv_step<R, NW, S>(acc, v, x, rows, in, c);
+    }
+}
 
 // One warp's OPW consecutive output features o0 .. o0 + OPW - 1 (those below `out`: the
 // matrix's rows, or `half` of them for a gated product) for rows r < rows <= R of x (rows of
@@ -165,34 +251,25 @@ __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restri
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[j][r] = 0.0f;
     const int c0 = o0 < out ? lane * S + 32 * S * slice : in;  // a warp past `out` loads nothing
+    if constexpr (TernGemvSteps<W, R, OPW>::IN_FLIGHT > 1) {
+        tern_gemv_rows_in_flight<R, NW, TernGemvSteps<W, R, OPW>::IN_FLIGHT>(w, x, rows, in, c0, o0, OPW, out, 32 * S * ks, acc);
+    } else {
+        // One step at a time; a feature past `out` loads nothing (zeros).
 #pragma unroll 4
-    for (int c = c0; c < in; c += 32 * S * ks) {
-        float v[NW][S];
+        for (int c = c0; c < in; c += 32 * S * ks) {
+            float v[NW][S];
 #pragma unroll
-        for (int j = 0; j < NW; ++j) {
-            // Gated: rows o (gate) for j < OPW, then o + out (up).
-            const int o = o0 + j % OPW;
-            if (o < out) {
-                w.load((size_t)(j < OPW ? o : o + out) * in + c, v[j]);
-            } else {
+            for (int j = 0; j < NW; ++j) {
+                // Gated: rows o (gate) for j < OPW, then o + out (up).
+                const int o = o0 + j % OPW;
+                if (o < out) {
+                    w.load((size_t)(j < OPW ? o : o + out) * in + c, v[j]);
+                } else {
 #pragma unroll
-                for (int i = 0; i < S; ++i) v[j][i] = 0.0f;
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            if (r < rows) {
-#pragma unroll
-                for (int q = 0; q < S; q += 4) {
-                    const float4 a = *reinterpret_cast<const float4*>(x + (size_t)r * in + c + q);
-#pragma unroll
-                    for (int j = 0; j < NW; ++j) {
-                        float s = acc[j][r];
-                        s = fmaf(a.x, v[j][q], s); s = fmaf(a.y, v[j][q + 1], s); s = fmaf(a.z, v[j][q + 2], s); s = fmaf(a.w, v[j][q + 3], s);
-                        acc[j][r] = s;
-                    }
+                    for (int i = 0; i < S; ++i) v[j][i] = 0.0f;
                 }
             }
+            tern_gemv_step<R, NW, S>(acc, v, x, rows, in, c);
         }
     }
 #pragma unroll
@@ -325,7 +402,7 @@ __device__ __forceinline__ void tern_gemv_routed(const unsigned long long* __res
 // OPW, output features per warp for R rows of x (plain, and gated products, whose warps hold
 // two weight rows per feature): gemv_outputs_per_warp in matmul/cuda.rs.
 #define TERN_GEMV_KERNEL(name, R, OPW, W, OMODE)                                                                \
-    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                            \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, R, OPW>::MIN_BLOCKS)       \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
         tern_await_prior_kernel();                                                                                \
         tern_gemv<R, OPW, OMODE, W>(p, x, rows, in);                                                              \
@@ -358,7 +435,7 @@ TERN_GEMV_KERNELS(4n, 4, 1, 1)
 TERN_GEMV_KERNELS(8n, 8, 1, 1)
 
 #define TERN_GEMV_ROUTED_KERNEL(name, W, OMODE)                                                                   \
-    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                            \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)         \
         name(const unsigned long long* __restrict__ w_table, const unsigned long long* __restrict__ s_table,     \
              const int* __restrict__ ids, int x_div, const float* __restrict__ x, int in, int out,               \
              float* __restrict__ y) { tern_await_prior_kernel();                                                  \
