@@ -10,7 +10,7 @@ use crate::cuda::test_util::{check, gpu, nan, rng};
 use crate::formats::Tensor;
 use crate::kernels::activation::cuda::ActivationCuda;
 use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch};
-use crate::kernels::attention::{attention, AttentionShape};
+use crate::kernels::attention::{attention, causal_attention, AttentionShape};
 use crate::kernels::backend::View;
 use crate::kernels::cuda_ops::Precision;
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
@@ -163,6 +163,12 @@ fn cuda_attention_matches_cpu() {
         (8, 1, 512, &[520], Some(256)),
         (4, 4, 16, &[9, 40], Some(512)),
         (2, 2, 128, &[2000], Some(256)),
+        // Every sequence at most 32 rows: the short kernel (an EmbeddingGemma 300M query; a
+        // window shorter than the sequences; heads of 512 and of a size not a multiple of 128).
+        (3, 1, 256, &[8], None),
+        (4, 2, 64, &[1, 32, 7, 17], Some(3)),
+        (2, 1, 512, &[5, 32], None),
+        (8, 2, 100, &[12, 3], Some(0)),
     ];
     for &(q_heads, kv_heads, hd, lengths, window) in cases {
         let segs = pack(lengths.iter().copied());
@@ -181,6 +187,20 @@ fn cuda_attention_matches_cpu() {
             .unwrap();
         let e = check("attention", &gpu.download(&out).unwrap(), &want, BOUND);
         eprintln!("attention q{q_heads}/kv{kv_heads} hd {hd} lengths {lengths:?} window {window:?}: {e:.2e}");
+        if window.is_none() {
+            // Causal (a prompt from an empty cache), against the CPU's per sequence.
+            let (q, kk, vv) = (split(0, qw), split(qw, kw), split(qw + kw, kw));
+            let mut want = vec![0.0; rows * qw];
+            for s in &segs {
+                let (a, b) = (s.start, s.start + s.len);
+                causal_attention(&q[a * qw..b * qw], s.len, 0, &kk[a * kw..b * kw], &vv[a * kw..b * kw], &shape, &mut want[a * qw..b * qw]).unwrap();
+            }
+            let mut out = nan(&gpu, rows * qw);
+            k.causal(View::new(&dqkv, 0, ld), View::new(&dqkv, qw, ld), View::new(&dqkv, qw + kw, ld), &batch, &shape, NormOut { f32: Some(&mut out), bf16: None }, false)
+                .unwrap();
+            let e = check("causal attention", &gpu.download(&out).unwrap(), &want, BOUND);
+            eprintln!("causal attention q{q_heads}/kv{kv_heads} hd {hd} lengths {lengths:?}: {e:.2e}");
+        }
     }
     // A head size the kernel does not take is an error naming it.
     let x = gpu.upload(&[0.0f32; 12]).unwrap();

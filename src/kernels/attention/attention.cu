@@ -168,3 +168,124 @@ __device__ void tern_attention_tile(const float* __restrict__ q, long long q_off
 TERN_ATTENTION_ENTRY(1)
 TERN_ATTENTION_ENTRY(2)
 TERN_ATTENTION_ENTRY(4)
+
+// Short sequences (every sequence of the batch at most TERN_ATT_SHORT_MAX rows: a query, a
+// short prompt): one warp per (row, query head), 8 warps a block, no shared memory. The flash
+// kernel above gives such a batch one block per head that stages 32-query tiles and meets at
+// barriers around every stage, a chain of latencies (about 10 µs on the H200 for an 8-token
+// query) for a few thousand multiply-adds. Here lane l holds the row's query columns
+// 4l + 128c, the scores of the sequence's keys are warp sums of the lanes' partial products
+// (key j's kept by lane j, so at most 32 keys), the softmax is the CPU's two-pass form (max,
+// then exp and sum), and the lanes' output columns sum p_j·v_j over the keys. Keys are taken
+// G at a time with their loads issued together (the last key repeated past the end, unused).
+#define TERN_ATT_SHORT_MAX 32
+
+template <int HD_CHUNKS>
+__device__ void tern_attention_short_row(const float* __restrict__ q, long long q_off, long long q_ld,
+                                         const float* __restrict__ k, long long k_off, long long k_ld,
+                                         const float* __restrict__ v, long long v_off, long long v_ld,
+                                         float* __restrict__ out, long long out_ld, tern_bf16* __restrict__ out16,
+                                         const tern_u32* __restrict__ seg_start, const tern_u32* __restrict__ seg_len,
+                                         const tern_u32* __restrict__ row_seg, int rows, int q_heads, int group, int hd,
+                                         float scale, int max_distance) {
+    constexpr int G = HD_CHUNKS == 4 ? 4 : 8;  // keys whose loads are in flight together
+    const int lane = threadIdx.x % 32;
+    const int task = (int)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (task >= rows * q_heads) return;
+    const int row = task / q_heads, head = task % q_heads, kv_head = head / group;
+    const int s = (int)row_seg[row];
+    const long long start = seg_start[s];
+    const int len = (int)seg_len[s], qi = row - (int)start;
+
+    float4 qv[HD_CHUNKS];
+#pragma unroll
+    for (int c = 0; c < HD_CHUNKS; ++c) {
+        const int col = 4 * lane + 128 * c;
+        qv[c] = col < hd ? *(const float4*)(q + q_off + (long long)row * q_ld + (long long)head * hd + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float mine = -tern_inf();  // lane j: key j's scaled score, -inf where it is not seen
+    for (int j0 = 0; j0 < len; j0 += G) {
+        float d[G];
+#pragma unroll
+        for (int u = 0; u < G; ++u) {
+            const long long at = k_off + (start + min(j0 + u, len - 1)) * k_ld + (long long)kv_head * hd;
+            float acc = 0.f;
+#pragma unroll
+            for (int c = 0; c < HD_CHUNKS; ++c) {
+                const int col = 4 * lane + 128 * c;
+                if (col < hd) {
+                    const float4 b = *(const float4*)(k + at + col);
+                    acc += qv[c].x * b.x + qv[c].y * b.y + qv[c].z * b.z + qv[c].w * b.w;
+                }
+            }
+            d[u] = acc;
+        }
+#pragma unroll
+        for (int u = 0; u < G; ++u) {
+            const float dot = tern_warp_sum(d[u]);
+            const int j = j0 + u;
+            if (lane == j && j < len && tern_att_visible(qi, j, len, max_distance)) mine = dot * scale;
+        }
+    }
+    // Key qi itself is always seen, so the maximum is finite.
+    const float m = tern_warp_max(mine);
+    const float p = mine == -tern_inf() ? 0.f : expf(mine - m);
+    const float l = tern_warp_sum(p);
+
+    float4 acc[HD_CHUNKS];
+#pragma unroll
+    for (int c = 0; c < HD_CHUNKS; ++c) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j0 = 0; j0 < len; j0 += G) {
+        float4 vv[G][HD_CHUNKS];
+#pragma unroll
+        for (int u = 0; u < G; ++u) {
+            const long long at = v_off + (start + min(j0 + u, len - 1)) * v_ld + (long long)kv_head * hd;
+#pragma unroll
+            for (int c = 0; c < HD_CHUNKS; ++c) {
+                const int col = 4 * lane + 128 * c;
+                vv[u][c] = col < hd ? *(const float4*)(v + at + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < G; ++u) {
+            // p of a key past the end is lane j's 0.
+            const float pj = __shfl_sync(0xffffffffu, p, (j0 + u) % 32);
+            if (j0 + u < len) {
+#pragma unroll
+                for (int c = 0; c < HD_CHUNKS; ++c) {
+                    acc[c].x += pj * vv[u][c].x;
+                    acc[c].y += pj * vv[u][c].y;
+                    acc[c].z += pj * vv[u][c].z;
+                    acc[c].w += pj * vv[u][c].w;
+                }
+            }
+        }
+    }
+    const float inv = 1.0f / l;
+    const size_t o = (size_t)row * out_ld + (size_t)head * hd;
+#pragma unroll
+    for (int c = 0; c < HD_CHUNKS; ++c) {
+        const int col = 4 * lane + 128 * c;
+        if (col < hd) {
+            const float r[4] = {acc[c].x * inv, acc[c].y * inv, acc[c].z * inv, acc[c].w * inv};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (out) out[o + col + j] = r[j];
+                if (out16) out16[o + col + j] = tern_bf16_from_f32(r[j]);
+            }
+        }
+    }
+}
+
+#define TERN_ATTENTION_SHORT_ENTRY(CHUNKS)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256) tern_attention_short_hd##CHUNKS(                                  \
+        const float* q, long long q_off, long long q_ld, const float* k, long long k_off, long long k_ld, const float* v, \
+        long long v_off, long long v_ld, float* out, long long out_ld, tern_bf16* out16, const tern_u32* seg_start,      \
+        const tern_u32* seg_len, const tern_u32* row_seg, int rows, int q_heads, int group, int hd, float scale,          \
+        int max_distance) { tern_await_prior_kernel();                                                                   \
+        tern_attention_short_row<CHUNKS>(q, q_off, q_ld, k, k_off, k_ld, v, v_off, v_ld, out, out_ld, out16, seg_start,  \
+                                         seg_len, row_seg, rows, q_heads, group, hd, scale, max_distance);               \
+    }
+TERN_ATTENTION_SHORT_ENTRY(1)
+TERN_ATTENTION_SHORT_ENTRY(2)
+TERN_ATTENTION_SHORT_ENTRY(4)

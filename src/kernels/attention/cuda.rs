@@ -79,7 +79,13 @@ pub struct GpuAttentionBatch {
     tiles: usize,
     /// The tensor-core kernel's tiles, one list per entry of TC_QUERY_TILES.
     tc_tiles: [TileList; 2],
+    /// Each row's segment, when every segment is at most [`SHORT_MAX`] rows (the short kernel).
+    row_seg: Option<CudaSlice<u32>>,
 }
+
+/// Sequences up to this many rows take the short kernel (`tern_attention_short_hd*`: key j's
+/// score is lane j's).
+const SHORT_MAX: usize = 32;
 
 impl GpuAttentionBatch {
     pub fn new(gpu: &Gpu, segments: &[Segment]) -> Result<Self> {
@@ -108,6 +114,12 @@ impl GpuAttentionBatch {
             tile_seg: gpu.upload(&tile_seg)?,
             tile_q0: gpu.upload(&tile_q0)?,
             tc_tiles: [tile_list(gpu, segments, TC_QUERY_TILES[0])?, tile_list(gpu, segments, TC_QUERY_TILES[1])?],
+            row_seg: if segments.iter().all(|s| s.len <= SHORT_MAX) {
+                let seg: Vec<u32> = segments.iter().enumerate().flat_map(|(i, s)| std::iter::repeat_n(i as u32, s.len)).collect();
+                Some(gpu.upload(&seg)?)
+            } else {
+                None
+            },
         })
     }
 }
@@ -116,6 +128,8 @@ pub struct AttentionCuda {
     gpu: Arc<Gpu>,
     /// Kernels for heads of up to 128, 256 and 512 channels.
     kernels: [(usize, CudaFunction); 3],
+    /// The short-sequence kernels, by head size as `kernels`.
+    short_kernels: [(usize, CudaFunction); 3],
     /// bf16 tensor-core kernels, by padded head size.
     tc_kernels: [(usize, CudaFunction); 4],
     /// Their K and V operands: bf16, packed, padded heads (`tern_attention_tc_pack_kv`).
@@ -135,6 +149,8 @@ impl AttentionCuda {
             Ok((128 * chunks, f))
         };
         let kernels = [load(1)?, load(2)?, load(4)?];
+        let short = |chunks: usize| -> Result<(usize, CudaFunction)> { Ok((128 * chunks, gpu.function(&SOURCE, &format!("tern_attention_short_hd{chunks}"))?)) };
+        let short_kernels = [short(1)?, short(2)?, short(4)?];
         let load_tc = |hd: usize| -> Result<(usize, CudaFunction)> {
             let f = gpu.function(&SOURCE_TC, &format!("tern_attention_tc_hd{hd}"))?;
             f.set_attribute(MAX_DYN_SMEM, tc_smem_bytes(hd) as i32)
@@ -143,7 +159,7 @@ impl AttentionCuda {
         };
         let tc_kernels = [load_tc(TC_HEAD_DIMS[0])?, load_tc(TC_HEAD_DIMS[1])?, load_tc(TC_HEAD_DIMS[2])?, load_tc(TC_HEAD_DIMS[3])?];
         let tc_pack_kv = gpu.function(&SOURCE_TC, "tern_attention_tc_pack_kv")?;
-        Ok(AttentionCuda { gpu, kernels, tc_kernels, tc_pack_kv })
+        Ok(AttentionCuda { gpu, kernels, short_kernels, tc_kernels, tc_pack_kv })
     }
 
     /// out[t] = softmax(scale · q_h(t)·K_gᵀ)·V_g within each sequence, over the keys with
@@ -215,6 +231,9 @@ impl AttentionCuda {
         window: i32,
         tensor_cores: bool,
     ) -> Result<()> {
+        if let Some(row_seg) = &batch.row_seg {
+            return self.launch_short(row_seg, q, k, v, batch, shape, out, window);
+        }
         if tensor_cores && batch.rows > TC_MIN_ROWS {
             let (padded, f) = self.tc_kernels.iter().find(|(max, _)| shape.hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
             let list = &batch.tc_tiles[TC_QUERY_TILES.iter().position(|&t| t == tc_query_tile(*padded)).expect("a tile list per tile size")];
@@ -272,6 +291,44 @@ impl AttentionCuda {
 }
 
 impl AttentionCuda {
+    /// The short-sequence kernel (every segment at most [`SHORT_MAX`] rows, `row_seg` each
+    /// row's segment): one warp per (row, query head), in f32 in both precisions (a batch of
+    /// short sequences is a few multiply-adds per row; the tensor-core tiles would be mostly
+    /// empty). The operands passed [`check_args`].
+    #[allow(clippy::too_many_arguments)]
+    fn launch_short(
+        &self,
+        row_seg: &CudaSlice<u32>,
+        q: View<CudaSlice<f32>>,
+        k: View<CudaSlice<f32>>,
+        v: View<CudaSlice<f32>>,
+        batch: &GpuAttentionBatch,
+        shape: &AttentionShape,
+        out: NormOut,
+        window: i32,
+    ) -> Result<()> {
+        let AttentionShape { q_heads, kv_heads, hd, scale, .. } = *shape;
+        let g = &self.gpu;
+        let (_, f) = self.short_kernels.iter().find(|(max, _)| hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
+        let (qp, kp, vp, op, o16p) = (g.ptr(q.buf), g.ptr(k.buf), g.ptr(v.buf), g.ptr_opt(out.f32.as_deref()), g.ptr_opt(out.bf16.as_deref()));
+        let (qo, ql, ko, kl, vo, vl) = (long_arg(q.offset), long_arg(q.stride), long_arg(k.offset), long_arg(k.stride), long_arg(v.offset), long_arg(v.stride));
+        let out_ld = long_arg(q_heads * hd);
+        let (ss, sl, rs) = (g.ptr(&batch.seg_start), g.ptr(&batch.seg_len), g.ptr(row_seg));
+        let tasks = batch.rows * q_heads;
+        int_arg("attention rows x heads", tasks)?; // the kernel's task index
+        let (rows, heads) = (int_arg("attention rows", batch.rows)?, int_arg("query heads", q_heads)?);
+        let (group, hd_i) = (int_arg("attention group", q_heads / kv_heads)?, int_arg("head size", hd)?);
+        let mut l = g.launch_builder(f);
+        l.arg(&qp).arg(&qo).arg(&ql).arg(&kp).arg(&ko).arg(&kl).arg(&vp).arg(&vo).arg(&vl);
+        l.arg(&op).arg(&out_ld).arg(&o16p).arg(&ss).arg(&sl).arg(&rs).arg(&rows).arg(&heads).arg(&group).arg(&hd_i).arg(&scale).arg(&window);
+        let cfg = LaunchConfig { grid_dim: (grid_for(tasks, 8)?, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match tern_attention_short_hd*; every view holds the batch's
+        // rows (checked), offsets and strides are 16-byte multiples, row_seg holds a segment
+        // index per row, every segment is at most 32 rows (the kernel's one key per lane).
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_attention_short"))?;
+        Ok(())
+    }
+
     /// The tensor-core kernel `f` for heads padded to `padded` columns: K and V packed into
     /// bf16 copies [rows][kv_heads][padded], then the tiles. The operands passed [`check_args`].
     #[allow(clippy::too_many_arguments)]
