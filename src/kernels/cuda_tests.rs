@@ -26,10 +26,17 @@ use crate::kernels::{pack, Segment};
 const BOUND: f64 = 1e-5;
 /// bf16 fast mode against f32 mode on the tiny fixtures. Their random weights are strong (norm
 /// weights 1 ± 0.3, embeddings ×4, 7 layers of 64 channels), so bf16 rounding of every GEMM
-/// operand compounds more than in a trained model: the worst cosine measured on the H200 over
-/// four seeds was 0.99892 (composite fixture, against the CPU). The full-size check is
-/// `tern bench embed --compare-f32` (scripts/device-bench-embed.sh, BENCHMARKS.md).
-const FAST_COSINE: f64 = 0.998;
+/// operand compounds more than in a trained model, and how much depends on the ids: most
+/// seeds measure 0.999-0.9999 on the H200, but seed 1796318812692749241 gives 0.9959 for its
+/// 7-token sequence of egemma300m-tiny-f32 (the same with the kernels before and after the
+/// short attention kernel), and the model alone in PyTorch with bf16-rounded operands of every
+/// product (CPU, scripts/fixture_fast_sensitivity.py) gives 0.9972 for those ids, and over 200
+/// other seeds at worst 0.9979 (egemma300m-tiny-f32) and 0.9977 (egemma2-tiny-f32): a tail
+/// that crosses 0.998. Kernel errors are caught by the op tests' tight bounds; this bound
+/// catches a broken fast mode.
+/// The full-size check is `tern bench embed --compare-f32` (scripts/device-bench-embed.sh,
+/// BENCHMARKS.md).
+const FAST_COSINE: f64 = 0.99;
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
