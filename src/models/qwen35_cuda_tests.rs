@@ -126,17 +126,34 @@ fn cuda_llm_ops_match_cpu() {
     // The routed experts against the CPU's loop: up to GEMV_MAX_ROWS rows routed on the device
     // (routed GEMVs, then the combine), more on the host (per expert a gathered product and a
     // weighted scatter-add).
-    for &(rows, d, width, ne, k) in &[(1usize, 64usize, 32usize, 8usize, 2usize), (5, 64, 32, 16, 4), (8, 128, 48, 40, 8), (45, 128, 48, 16, 4), (9, 64, 32, 4, 4)] {
-        use crate::formats::{Matrix, Tensor};
+    // Q8_0 experts (whole 32-weight blocks: d and width multiples of 32) take the routed Q8_0
+    // GEMVs.
+    for &(rows, d, width, ne, k, q8) in &[
+        (1usize, 64usize, 32usize, 8usize, 2usize, false),
+        (5, 64, 32, 16, 4, false),
+        (8, 128, 48, 40, 8, false),
+        (45, 128, 48, 16, 4, false),
+        (9, 64, 32, 4, 4, false),
+        (1, 64, 64, 8, 2, true),
+        (7, 128, 64, 16, 4, true),
+    ] {
+        use crate::formats::{Matrix, Q8Tensor, Tensor};
         let mk = |r: usize, c: usize, rng: &mut crate::kernels::gated_delta::test_util::Lcg| {
-            Matrix::F32(Tensor::owned("e", vec![r, c], rng.vec(r * c, -0.2, 0.2)))
+            let w = rng.vec(r * c, -0.2, 0.2);
+            if !q8 {
+                return Matrix::F32(Tensor::owned("e", vec![r, c], w));
+            }
+            let bytes = crate::kernels::matmul::quantize_q8_0(&w);
+            let mut map = memmap2::MmapOptions::new().len(bytes.len()).map_anon().unwrap();
+            map.copy_from_slice(&bytes);
+            Matrix::Q8_0(Q8Tensor::mapped("e".into(), vec![r, c], std::sync::Arc::new(map.make_read_only().unwrap()), 0).unwrap())
         };
         let experts: Vec<[Matrix; 3]> = (0..ne).map(|_| [mk(width, d, &mut rng), mk(width, d, &mut rng), mk(d, width, &mut rng)]).collect();
         let x = rng.vec(rows * d, -1.0, 1.0);
         let logits = rng.vec(rows * ne, -3.0, 3.0);
         let want = cpu.moe(&x, d, &logits, &cpu.experts(experts.clone()).unwrap(), k).unwrap();
         let got = ops.moe(&up(&x), d, &up(&logits), &ops.experts(experts).unwrap(), k).unwrap();
-        check(&format!("moe {rows}×{d}, {ne} experts top-{k}"), &gpu.download(&got).unwrap(), &want, BOUND);
+        check(&format!("moe {rows}×{d}, {ne} experts top-{k}, q8_0 {q8}"), &gpu.download(&got).unwrap(), &want, BOUND);
     }
 }
 

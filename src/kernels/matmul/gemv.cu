@@ -143,9 +143,9 @@ struct TernWeightsQ8 {
 // (gemv_bench, one row, µs): Qwen3.5-0.8B's 1024 x 2048 2.99 -> 2.61, 1024 x 3584 3.87 -> 3.23,
 // gate|up 7168 x 1024 5.43 -> 4.72, the head 115 -> 111 (with 4 / 6 blocks: 119 / 103, the
 // layer's products best at 5); decode of the Q8_0 file 4-7% faster. Kept one step at a time:
-// bf16 weights (there the same was slower: gate|up 4.20 -> 4.72) and rows of several x (for 8
-// rows, the narrow forms with their loads in flight were faster on EmbeddingGemma's 768-wide
-// products and slower on Qwen3.5's).
+// bf16 weights (there the same, 48 registers, was slower: gate|up 4.20 -> 4.72) and rows of
+// several x (for 8 rows, the narrow forms with their loads in flight were faster on
+// EmbeddingGemma's 768-wide products and slower on Qwen3.5's).
 template <typename W, int R, int OPW> struct TernGemvSteps { static constexpr int IN_FLIGHT = 1, MIN_BLOCKS = 0; };
 template <> struct TernGemvSteps<TernWeightsQ8, 1, 1> { static constexpr int IN_FLIGHT = 4, MIN_BLOCKS = 5; };
 
