@@ -39,8 +39,13 @@ pub struct KernelSource {
 /// instead of the built-in source, so that a variant of a kernel can be measured with the same
 /// binary. Said on stderr, since the results are then not those of the built-in kernels.
 fn source_override(name: &str) -> Result<Option<String>> {
-    let Some(dir) = std::env::var_os("TERN_CUDA_SOURCE_DIR") else { return Ok(None) };
-    let path = Path::new(&dir).join(format!("{name}.cu"));
+    source_override_in(std::env::var_os("TERN_CUDA_SOURCE_DIR").as_deref().map(Path::new), name)
+}
+
+/// [`source_override`] with the folder given (None: no override).
+fn source_override_in(dir: Option<&Path>, name: &str) -> Result<Option<String>> {
+    let Some(dir) = dir else { return Ok(None) };
+    let path = dir.join(format!("{name}.cu"));
     if !path.exists() {
         return Ok(None);
     }
@@ -575,6 +580,21 @@ mod tests {
             Err(Error::Cuda(msg)) => assert!(msg.contains("libcuda"), "{msg}"),
             other => panic!("expected a CUDA error, got {other:?}"),
         }
+    }
+
+    /// TERN_CUDA_SOURCE_DIR: a module with a file there takes its text, one without keeps the
+    /// built-in source, and a file that cannot be read is an error naming it.
+    #[test]
+    fn source_dir_overrides_only_the_modules_it_holds() {
+        let dir = std::env::temp_dir().join(format!("tern-source-override-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("tern_unreadable.cu")).unwrap();
+        std::fs::write(dir.join("tern_matmul.cu"), "// a variant").unwrap();
+        assert_eq!(source_override_in(None, "tern_matmul").unwrap(), None);
+        assert_eq!(source_override_in(Some(&dir), "tern_matmul").unwrap().as_deref(), Some("// a variant"));
+        assert_eq!(source_override_in(Some(&dir), "tern_norm").unwrap(), None);
+        let err = source_override_in(Some(&dir), "tern_unreadable").unwrap_err();
+        assert!(format!("{err}").contains("tern_unreadable.cu"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// CI check: every CUDA source of the op set compiles with NVRTC for sm_90. It needs NVRTC
