@@ -79,7 +79,9 @@ pub struct GpuAttentionBatch {
     tiles: usize,
     /// The tensor-core kernel's tiles, one list per entry of TC_QUERY_TILES.
     tc_tiles: [TileList; 2],
-    /// Each row's segment, when every segment is at most [`SHORT_MAX`] rows (the short kernel).
+    /// Each row's segment, when every segment is at most [`SHORT_MAX`] rows and one is longer
+    /// than a row (the short kernel). A decode step (every sequence one row) never runs this
+    /// attention (it reads the KV caches), so its batch, made every step, uploads no list.
     row_seg: Option<CudaSlice<u32>>,
 }
 
@@ -114,7 +116,7 @@ impl GpuAttentionBatch {
             tile_seg: gpu.upload(&tile_seg)?,
             tile_q0: gpu.upload(&tile_q0)?,
             tc_tiles: [tile_list(gpu, segments, TC_QUERY_TILES[0])?, tile_list(gpu, segments, TC_QUERY_TILES[1])?],
-            row_seg: if segments.iter().all(|s| s.len <= SHORT_MAX) {
+            row_seg: if segments.iter().all(|s| s.len <= SHORT_MAX) && segments.iter().any(|s| s.len > 1) {
                 let seg: Vec<u32> = segments.iter().enumerate().flat_map(|(i, s)| std::iter::repeat_n(i as u32, s.len)).collect();
                 Some(gpu.upload(&seg)?)
             } else {
@@ -182,7 +184,7 @@ impl AttentionCuda {
     /// bf16 (K and V once, into packed copies), S = Q·Kᵀ and P·V on tensor cores with f32 accumulation, the online
     /// softmax in f32, P rounded to bf16; f32 output (+ optional bf16 copy). Head sizes are
     /// padded with zero columns to 64, 128, 256 or 512. A batch of at most [`TC_MIN_ROWS`]
-    /// rows runs the f32 kernel instead.
+    /// rows runs an f32 kernel instead (the short one when its sequences are short).
     pub fn attention_bf16(
         &self,
         q: View<CudaSlice<f32>>,
@@ -197,8 +199,8 @@ impl AttentionCuda {
     }
 
     /// Causal attention within each sequence (query i sees keys 0 ..= i of its own sequence):
-    /// a prompt run from an empty KV cache, on the flash kernels (`tensor_cores`: the bf16
-    /// form). `shape.max_distance` must be None. CPU twin: [`super::causal_attention`] with no past.
+    /// a prompt run from an empty KV cache, on the kernels of [`Self::attention`] and
+    /// [`Self::attention_bf16`] (`tensor_cores`). `shape.max_distance` must be None. CPU twin: [`super::causal_attention`] with no past.
     #[allow(clippy::too_many_arguments)]
     pub fn causal(
         &self,
@@ -217,8 +219,11 @@ impl AttentionCuda {
         self.run(q, k, v, batch, shape, out, CAUSAL_WINDOW, tensor_cores)
     }
 
-    /// The f32 kernel or the tensor-core one over the batch's tiles, with the window argument
-    /// the kernels take; the operands passed [`check_args`].
+    /// The tensor-core kernel for a fast-mode batch of more than [`TC_MIN_ROWS`] rows (as
+    /// measured before the short kernel existed: a batch of many short texts in fast mode keeps
+    /// it), else the short kernel when every sequence is short, else the f32 flash kernel over
+    /// the batch's tiles; with the window argument the kernels take. The operands passed
+    /// [`check_args`].
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -231,10 +236,11 @@ impl AttentionCuda {
         window: i32,
         tensor_cores: bool,
     ) -> Result<()> {
-        if let Some(row_seg) = &batch.row_seg {
+        let tc = tensor_cores && batch.rows > TC_MIN_ROWS;
+        if let (false, Some(row_seg)) = (tc, &batch.row_seg) {
             return self.launch_short(row_seg, q, k, v, batch, shape, out, window);
         }
-        if tensor_cores && batch.rows > TC_MIN_ROWS {
+        if tc {
             let (padded, f) = self.tc_kernels.iter().find(|(max, _)| shape.hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
             let list = &batch.tc_tiles[TC_QUERY_TILES.iter().position(|&t| t == tc_query_tile(*padded)).expect("a tile list per tile size")];
             if list.count == 0 {
@@ -530,7 +536,7 @@ impl KvAttentionCuda {
     }
 
     /// A prompt from empty caches: each sequence's k, v rows appended to its cache, causal
-    /// attention on the flash kernels (`attention`'s, over the batch's tiles), then × sigmoid(gate).
+    /// attention on `attention`'s kernels ([`AttentionCuda::causal`]), then × sigmoid(gate).
     /// The same results as [`Self::kv_attention`] with every past 0, to f32 rounding (f32 kernel)
     /// or bf16 operand rounding (`tensor_cores`).
     #[allow(clippy::too_many_arguments)]
