@@ -200,7 +200,8 @@ impl AttentionCuda {
 
     /// Causal attention within each sequence (query i sees keys 0 ..= i of its own sequence):
     /// a prompt run from an empty KV cache, on the kernels of [`Self::attention`] and
-    /// [`Self::attention_bf16`] (`tensor_cores`). `shape.max_distance` must be None. CPU twin: [`super::causal_attention`] with no past.
+    /// [`Self::attention_bf16`] (`tensor_cores`). `shape.max_distance` must be None. CPU twin:
+    /// [`super::causal_attention`] with no past.
     #[allow(clippy::too_many_arguments)]
     pub fn causal(
         &self,
@@ -298,9 +299,9 @@ impl AttentionCuda {
 
 impl AttentionCuda {
     /// The short-sequence kernel (every segment at most [`SHORT_MAX`] rows, `row_seg` each
-    /// row's segment): one warp per (row, query head), in f32 in both precisions (a batch of
-    /// short sequences is a few multiply-adds per row; the tensor-core tiles would be mostly
-    /// empty). The operands passed [`check_args`].
+    /// row's segment): one warp per (row, query head), in f32 (a short sequence's attention is a
+    /// few multiply-adds per row, and a 128-query tensor-core tile would be mostly empty). The
+    /// operands passed [`check_args`].
     #[allow(clippy::too_many_arguments)]
     fn launch_short(
         &self,
