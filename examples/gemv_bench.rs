@@ -1,8 +1,7 @@
 //! Times the few-row products of a Qwen3.5-0.8B decode step and of an EmbeddingGemma 300M
 //! query (`Blas::linear` and `glu` on the GEMV kernels) on the layers' real shapes and stored
-//! types, each launch
-//! replayed inside a recorded graph (as a decode step runs it), against the copy bandwidth
-//! measured in the same run:
+//! types, each launch replayed inside a recorded graph (as a decode step runs it), against the
+//! copy bandwidth measured in the same run:
 //!
 //!   cargo run --release --example gemv_bench [ROWS...]   (on a machine with an NVIDIA GPU)
 //!
