@@ -707,13 +707,13 @@ fn cuda_best_logits_match_cpu() {
     let k = SelectCuda::new(gpu.clone()).unwrap();
     let mut rng = rng("cuda_best_logits_match_cpu");
     let wants = [
-        LogitsWant::Best { divisor: 0.0, count: 1 },
+        LogitsWant::ARGMAX,
         LogitsWant::Best { divisor: 0.7, count: 40 },
         LogitsWant::Full,
         LogitsWant::Best { divisor: 0.0, count: 5 },
         LogitsWant::Best { divisor: 1.3, count: 1 },
         LogitsWant::Best { divisor: 1.0, count: MAX_BEST },
-        LogitsWant::Best { divisor: 0.0, count: 1 },
+        LogitsWant::ARGMAX,
     ];
     for &vocab in &[1usize, 7, 1000, 4097, 248_320] {
         for coarse in [false, true] {

@@ -112,7 +112,7 @@ impl Sampler {
                 }
             }
         }
-        if o.temperature == 0.0 || o.top_k == 1 {
+        if self.greedy() {
             return argmax(logits);
         }
         // Candidates sorted by logit, most likely first (ties: lower id first, deterministic).
@@ -128,6 +128,11 @@ impl Sampler {
         self.draw()
     }
 
+    /// Whether this sampler takes the most likely token (temperature 0, or top-k 1).
+    fn greedy(&self) -> bool {
+        self.opts.temperature == 0.0 || self.opts.top_k == 1
+    }
+
     /// What this sampler reads of a step's logits: only the best entries when its choice
     /// depends on nothing else — greedy, or top-k (at most [`MAX_BEST`]) without penalties, in
     /// the order its candidates take (logit / temperature, then id) — else the whole row.
@@ -136,8 +141,8 @@ impl Sampler {
         if o.repeat_penalty != 1.0 || o.presence_penalty != 0.0 || o.frequency_penalty != 0.0 {
             return LogitsWant::Full;
         }
-        if o.temperature == 0.0 || o.top_k == 1 {
-            return LogitsWant::Best { divisor: 0.0, count: 1 };
+        if self.greedy() {
+            return LogitsWant::ARGMAX;
         }
         match o.top_k {
             1..=MAX_BEST => LogitsWant::Best { divisor: o.temperature, count: o.top_k },
@@ -156,7 +161,7 @@ impl Sampler {
         // greedy or top-k): callers ask with `wants`.
         debug_assert!(matches!(self.wants(), LogitsWant::Best { .. }), "best entries handed to a sampler that reads the whole row");
         let o = &self.opts;
-        if o.temperature == 0.0 || o.top_k == 1 {
+        if self.greedy() {
             // argmax: the first maximum, or id 0 when nothing beats -inf.
             return best.first().filter(|e| e.1 > f32::NEG_INFINITY).map_or(0, |e| e.0);
         }

@@ -62,7 +62,7 @@ impl SelectCuda {
             if let LogitsWant::Best { divisor, count } = *w {
                 params[r] = divisor.to_bits();
                 params[rows + r] = count as u32;
-                if divisor == 0.0 && count == 1 {
+                if w.is_argmax() {
                     any_greedy = true;
                 } else {
                     any_select = true;
@@ -128,7 +128,7 @@ impl SelectCuda {
             .enumerate()
             .map(|(r, w)| match *w {
                 LogitsWant::Full => Ok(None),
-                LogitsWant::Best { divisor, count } if divisor == 0.0 && count == 1 => {
+                LogitsWant::Best { .. } if w.is_argmax() => {
                     let packed = greedy.as_ref().map_or(0, |b| b[r]);
                     // 0: the row had no non-NaN entry.
                     Ok(Some(if packed == 0 { Vec::new() } else { vec![(!(packed as u32), key_value((packed >> 32) as u32))] }))

@@ -29,6 +29,17 @@ pub enum LogitsWant {
     Best { divisor: f32, count: usize },
 }
 
+impl LogitsWant {
+    /// A greedy sampler's request: the one best raw logit.
+    pub const ARGMAX: LogitsWant = LogitsWant::Best { divisor: 0.0, count: 1 };
+
+    /// Whether this asks for the one best raw logit (the device answers it with a multi-block
+    /// argmax instead of a selection).
+    pub fn is_argmax(&self) -> bool {
+        *self == Self::ARGMAX
+    }
+}
+
 /// A sequence's next-token logits as a step returns them ([`LogitsWant`]).
 #[derive(Clone, Debug, PartialEq)]
 pub enum StepLogits {
