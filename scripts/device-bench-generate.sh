@@ -19,13 +19,7 @@ dir=$(cd "${1:?usage: scripts/device-bench-generate.sh DIR}" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/device-env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
-if ls "$dir"/whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$dir"/whl/*.whl
-fi
-# DIR/whl/*.tar.xz: packages already unpacked (a wheel cut down to the modules these scripts
-# use, where the whole wheel does not fit beside the other carried files), into the same place.
-for t in "$dir"/whl/*.tar.xz; do [ -e "$t" ] && mkdir -p /tmp/site && tar xJf "$t" -C /tmp/site; done
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+tern_python_packages "$dir"
 bench=/tmp/tern-bench
 mkdir -p $bench
 report=${OUT:-$bench}/generate.jsonl

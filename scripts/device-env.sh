@@ -32,3 +32,17 @@ tern_variants() {
     if [ "$v" = - ]; then "$@"; else env ${v//,/ } "$@"; fi
   done
 }
+
+# Installs DIR/whl/*.whl into /tmp/site, unpacks DIR/whl/*.tar.xz there (packages already
+# unpacked: a wheel cut down to the modules these scripts use, where the whole wheel does not
+# fit beside the other carried files), and puts /tmp/site on PYTHONPATH.
+tern_python_packages() {
+  local dir=$1 t
+  if ls "$dir"/whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$dir"/whl/*.whl
+  fi
+  for t in "$dir"/whl/*.tar.xz; do
+    if [ -e "$t" ]; then mkdir -p /tmp/site && tar xJf "$t" -C /tmp/site; fi
+  done
+  export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+}
