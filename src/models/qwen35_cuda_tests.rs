@@ -13,7 +13,7 @@ use crate::kernels::attention::AttentionShape;
 use crate::kernels::backend::{CpuOps, Ops, View};
 use crate::kernels::cuda_ops::{CudaOps, Precision};
 use crate::kernels::pack;
-use crate::kernels::sample::{best_entries, LogitsWant, StepLogits};
+use crate::kernels::sample::{select_rows, LogitsWant};
 use crate::models::qwen35::{Qwen35, Qwen35State};
 
 const BOUND: f64 = 1e-5;
@@ -227,11 +227,8 @@ fn cuda_qwen35_matches_cpu() {
             let out = f32m.forward_batch(&mut batch).unwrap();
             let mut batch: Vec<(&[u32], &mut Qwen35State<CudaOps>)> = toks.iter().map(|t| t.as_slice()).zip(picking.iter_mut()).collect();
             let picked = f32m.forward_batch_wants(&mut batch, &wants).unwrap();
-            for (i, (w, p)) in wants.iter().zip(picked).enumerate() {
-                let want = match *w {
-                    LogitsWant::Full => StepLogits::Full(out[i].clone()),
-                    LogitsWant::Best { divisor, count } => StepLogits::Best(best_entries(&out[i], divisor, count)),
-                };
+            let from_rows = select_rows(out.clone(), f32m.cfg.vocab_size, &wants).unwrap();
+            for (i, ((w, p), want)) in wants.iter().zip(picked).zip(from_rows).enumerate() {
                 assert_eq!(p, want, "{rel}: round {round}, sequence {i}: {w:?} from the device vs from the whole row");
             }
             for (i, (t, s)) in toks.iter().zip(alone.iter_mut()).enumerate() {
