@@ -190,8 +190,9 @@ impl GemvKernels {
 /// OPW_GATED; one in the narrow forms): one for a single row; for more, several, so that each
 /// x value loaded serves several weight rows. A gated feature holds two weight rows (gate and
 /// up), so half as many. (Two for a single row measured a wash on the H200: the 5–8k-feature
-/// products 0.1–0.5 µs faster, the 248 320-row head 6–10 µs slower.) A launch whose wide form would leave multiprocessors idle (small
-/// matrices: an embedding model's few-token query) takes the narrow form instead.
+/// products 0.1–0.5 µs faster, the 248 320-row head 6–10 µs slower.) A launch whose wide form
+/// would leave multiprocessors idle (small matrices: an embedding model's few-token query)
+/// takes the narrow form instead.
 fn gemv_outputs_per_warp(rows: usize, output: GemvOutput, narrow: bool) -> usize {
     let plain = match rows {
         0 | 1 => 1,
