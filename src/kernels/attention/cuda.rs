@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN_SMEM;
 
-use crate::cuda::{driver_err, grid_for, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
+use crate::cuda::{driver_err, grid_for, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelLaunch, KernelSource, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::kernels::attention::AttentionShape;
 use crate::kernels::backend::{check_view, View};
@@ -281,14 +281,12 @@ impl AttentionCuda {
     ) -> Result<()> {
         let AttentionShape { q_heads, kv_heads, hd, scale, .. } = *shape;
         let g = &self.gpu;
-        let (qp, kp, vp, op, o16p) = (g.ptr(q.buf), g.ptr(k.buf), g.ptr(v.buf), g.ptr_opt(out.f32.as_deref()), g.ptr_opt(out.bf16.as_deref()));
-        let (qo, ql, ko, kl, vo, vl) = (long_arg(q.offset), long_arg(q.stride), long_arg(k.offset), long_arg(k.stride), long_arg(v.offset), long_arg(v.stride));
-        let out_ld = long_arg(q_heads * hd);
+        let lead = LeadArgs::new(g, &q, &k, &v, &out, batch, q_heads * hd);
         let (group, hd_i) = (int_arg("attention group", q_heads / kv_heads)?, int_arg("head size", hd)?);
-        let (ss, sl, ts, tq) = (g.ptr(&batch.seg_start), g.ptr(&batch.seg_len), g.ptr(tiles.seg), g.ptr(tiles.q0));
+        let (ts, tq) = (g.ptr(tiles.seg), g.ptr(tiles.q0));
         let mut l = g.launch_builder(f);
-        l.arg(&qp).arg(&qo).arg(&ql).arg(&kp).arg(&ko).arg(&kl).arg(&vp).arg(&vo).arg(&vl);
-        l.arg(&op).arg(&out_ld).arg(&o16p).arg(&ss).arg(&sl).arg(&ts).arg(&tq).arg(&group).arg(&hd_i).arg(&scale).arg(&window);
+        lead.push(&mut l);
+        l.arg(&ts).arg(&tq).arg(&group).arg(&hd_i).arg(&scale).arg(&window);
         let cfg = tiles.grid(q_heads, smem)?;
         // SAFETY: argument types match (the caller's contract); every view holds the rows of
         // the batch (checked), offsets and strides are 16-byte multiples, tiles index the segments.
@@ -317,17 +315,15 @@ impl AttentionCuda {
         let AttentionShape { q_heads, kv_heads, hd, scale, .. } = *shape;
         let g = &self.gpu;
         let (_, f) = self.short_kernels.iter().find(|(max, _)| hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
-        let (qp, kp, vp, op, o16p) = (g.ptr(q.buf), g.ptr(k.buf), g.ptr(v.buf), g.ptr_opt(out.f32.as_deref()), g.ptr_opt(out.bf16.as_deref()));
-        let (qo, ql, ko, kl, vo, vl) = (long_arg(q.offset), long_arg(q.stride), long_arg(k.offset), long_arg(k.stride), long_arg(v.offset), long_arg(v.stride));
-        let out_ld = long_arg(q_heads * hd);
-        let (ss, sl, rs) = (g.ptr(&batch.seg_start), g.ptr(&batch.seg_len), g.ptr(row_seg));
+        let lead = LeadArgs::new(g, &q, &k, &v, &out, batch, q_heads * hd);
+        let rs = g.ptr(row_seg);
         let tasks = batch.rows * q_heads;
         int_arg("attention rows x heads", tasks)?; // the kernel's task index
         let (rows, heads) = (int_arg("attention rows", batch.rows)?, int_arg("query heads", q_heads)?);
         let (group, hd_i) = (int_arg("attention group", q_heads / kv_heads)?, int_arg("head size", hd)?);
         let mut l = g.launch_builder(f);
-        l.arg(&qp).arg(&qo).arg(&ql).arg(&kp).arg(&ko).arg(&kl).arg(&vp).arg(&vo).arg(&vl);
-        l.arg(&op).arg(&out_ld).arg(&o16p).arg(&ss).arg(&sl).arg(&rs).arg(&rows).arg(&heads).arg(&group).arg(&hd_i).arg(&scale).arg(&window);
+        lead.push(&mut l);
+        l.arg(&rs).arg(&rows).arg(&heads).arg(&group).arg(&hd_i).arg(&scale).arg(&window);
         let cfg = LaunchConfig { grid_dim: (grid_for(tasks, 8)?, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_attention_short_hd*; every view holds the batch's
         // rows (checked), offsets and strides are 16-byte multiples, row_seg holds a segment
@@ -390,6 +386,48 @@ impl Tiles<'_> {
         let count = u32::try_from(self.count).map_err(|_| Error::Shape("attention: too many query tiles".into()))?;
         let heads = u32::try_from(q_heads).ok().filter(|&h| h <= 65_535).ok_or_else(|| Error::Shape(format!("attention: {q_heads} heads")))?;
         Ok(LaunchConfig { grid_dim: (count, heads, 1), block_dim: (256, 1, 1), shared_mem_bytes: smem as u32 })
+    }
+}
+
+/// The arguments the f32 kernels (flash and short) take first, in their order: q, k and v
+/// (address, offset and row stride each), the f32 output, its row stride (`out_width`), the
+/// bf16 output (0: none), and the segments' starts and lengths.
+struct LeadArgs {
+    qkv: [(u64, i64, i64); 3],
+    out: u64,
+    out_ld: i64,
+    out16: u64,
+    seg_start: u64,
+    seg_len: u64,
+}
+
+impl LeadArgs {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        g: &Gpu,
+        q: &View<CudaSlice<f32>>,
+        k: &View<CudaSlice<f32>>,
+        v: &View<CudaSlice<f32>>,
+        out: &NormOut,
+        batch: &GpuAttentionBatch,
+        out_width: usize,
+    ) -> Self {
+        let view = |x: &View<CudaSlice<f32>>| (g.ptr(x.buf), long_arg(x.offset), long_arg(x.stride));
+        LeadArgs {
+            qkv: [view(q), view(k), view(v)],
+            out: g.ptr_opt(out.f32.as_deref()),
+            out_ld: long_arg(out_width),
+            out16: g.ptr_opt(out.bf16.as_deref()),
+            seg_start: g.ptr(&batch.seg_start),
+            seg_len: g.ptr(&batch.seg_len),
+        }
+    }
+
+    fn push<'a>(&'a self, l: &mut KernelLaunch<'a>) {
+        for (address, offset, stride) in &self.qkv {
+            l.arg(address).arg(offset).arg(stride);
+        }
+        l.arg(&self.out).arg(&self.out_ld).arg(&self.out16).arg(&self.seg_start).arg(&self.seg_len);
     }
 }
 
