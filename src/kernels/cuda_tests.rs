@@ -479,6 +479,39 @@ impl StoredForms {
     }
 }
 
+/// One-row Q8_0 products of many features (a vocabulary head) take two features a warp: against
+/// the CPU, and the same bits as the one-feature kernel and as the row among 8 rows; feature
+/// counts that end in a block's or a warp's middle, rows of one step, of four, and not of whole
+/// steps.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_paired_q8_gemv_matches_cpu() {
+    use crate::kernels::matmul::cuda::Q8_PAIRED_MIN_FEATURES;
+    let gpu = gpu();
+    let mut rng = rng("cuda_paired_q8_gemv_matches_cpu");
+    let paired = Blas::new(gpu.clone(), false).unwrap();
+    let single = Blas::new(gpu.clone(), false).unwrap().with_q8_paired(false);
+    let n = Q8_PAIRED_MIN_FEATURES;
+    for &(out_f, in_f) in &[(n + 9, 256usize), (n, 1024), (n + 24, 1056)] {
+        let w = rng.vec(out_f * in_f, -0.1, 0.1);
+        let q = quantize_q8_0(&w);
+        let sw = Weights::Q8_0(&q);
+        let x = rng.vec(8 * in_f, -1.0, 1.0);
+        let (mp, ms) = (paired.matrix(&sw, out_f, in_f).unwrap(), single.matrix(&sw, out_f, in_f).unwrap());
+        let run = |blas: &Blas, m, rows: usize| -> Vec<f32> {
+            let mut y = nan(&gpu, rows * out_f);
+            blas.linear(&gpu.upload(&x[..rows * in_f]).unwrap(), rows, m, &mut y).unwrap();
+            gpu.download(&y).unwrap()
+        };
+        let one = run(&paired, &mp, 1);
+        let want = super::matmul::linear_w(&x[..in_f], 1, sw, out_f, in_f).unwrap();
+        let e = check(&format!("paired q8_0 gemv {out_f}x{in_f}"), &one, &want, BOUND);
+        assert_eq!(one, run(&single, &ms, 1), "paired q8_0 gemv {out_f}x{in_f}: == one feature a warp");
+        assert_eq!(one, run(&paired, &mp, 8)[..out_f], "paired q8_0 gemv {out_f}x{in_f}: row alone == in 8 rows");
+        eprintln!("paired q8_0 gemv {out_f}x{in_f}: {e:.2e}; == one feature a warp, == in 8 rows");
+    }
+}
+
 /// GEMVs over few output features and long rows split each row over several warps (the
 /// decode step's output projections): against the CPU for every stored type, plain and gated,
 /// and a row's result the same bits alone as among 8 rows (the split depends on the matrix only).

@@ -190,7 +190,8 @@ impl GemvKernels {
 /// OPW_GATED; one in the narrow forms): one for a single row; for more, several, so that each
 /// x value loaded serves several weight rows. A gated feature holds two weight rows (gate and
 /// up), so half as many. (Two for a single row measured a wash on the H200: the 5–8k-feature
-/// products 0.1–0.5 µs faster, the 248 320-row head 6–10 µs slower.) A launch whose wide form
+/// products 0.1–0.5 µs faster, the 248 320-row head 6–10 µs slower; a Q8_0 head is the
+/// exception, with its own kernel: [`Q8_PAIRED_MIN_FEATURES`].) A launch whose wide form
 /// would leave multiprocessors idle (small matrices: an embedding model's few-token query)
 /// takes the narrow form instead.
 fn gemv_outputs_per_warp(rows: usize, output: GemvOutput, narrow: bool) -> usize {
@@ -227,6 +228,11 @@ const GEMV_STEP_WEIGHTS: usize = 32 * 8;
 /// Rows up to which a product fuses the norm after it (see [`Blas::norm_tail_fits`]).
 pub const NORM_TAIL_MAX_ROWS: usize = 1;
 
+/// Features from which a one-row Q8_0 product takes two features a warp (`tern_gemv_q8_1x2`):
+/// the vocabulary head (Qwen3.5's 248 320 rows), whose one-feature warps each hold a
+/// 1024-weight row of quants, 1 KiB, too few bytes in flight for the blocks' turnover.
+pub const Q8_PAIRED_MIN_FEATURES: usize = 65_536;
+
 /// Warps per multiprocessor a split GEMV launch aims at (a full one holds 64; 32 with their
 /// loads in flight cover the memory latency, measured on the H200).
 const GEMV_SPLIT_WARPS: usize = 32;
@@ -262,6 +268,11 @@ pub struct Blas {
     /// Whether few-feature matrices split each row over several warps (see [`gemv_split`]);
     /// TERN_GEMV_SPLIT=0 turns it off, to measure the two forms on the same run.
     gemv_split: bool,
+    /// Whether one-row Q8_0 products of many features take [`Blas::q8_paired_kernel`];
+    /// TERN_GEMV_Q8_PAIRED=0 turns it off, to measure the two forms on the same run.
+    q8_paired: bool,
+    /// `tern_gemv_q8_1x2`: a one-row Q8_0 product, two features a warp.
+    q8_paired_kernel: CudaFunction,
     /// The arrival counter of the blocks of a GEMV ending in a norm (zero between launches;
     /// launches on the one stream never overlap).
     residual_counter: CudaSlice<u32>,
@@ -299,6 +310,8 @@ impl Blas {
             multiprocessors: gpu.multiprocessors()?,
             gemv_max_rows: std::env::var("TERN_GEMV_MAX_ROWS").ok().and_then(|v| v.parse().ok()).map_or(GEMV_MAX_ROWS, |n: usize| n.min(GEMV_MAX_ROWS)),
             gemv_split: std::env::var("TERN_GEMV_SPLIT").map_or(true, |v| v != "0"),
+            q8_paired: std::env::var("TERN_GEMV_Q8_PAIRED").map_or(true, |v| v != "0"),
+            q8_paired_kernel: f("tern_gemv_q8_1x2")?,
             residual_counter: gpu.zeros::<u32>(1)?,
             routed: [
                 [f("tern_gemv_routed_f32")?, f("tern_gemv_routed_bf16")?, f("tern_gemv_routed_q8")?],
@@ -482,10 +495,19 @@ impl Blas {
         rows <= self.gemv_max_rows && w.inp % 8 == 0
     }
 
+    /// This handle with one-row Q8_0 products of many features on the one-feature kernel
+    /// (`false`) or the paired one: the device test compares the two.
+    #[cfg(test)]
+    pub(crate) fn with_q8_paired(mut self, on: bool) -> Self {
+        self.q8_paired = on;
+        self
+    }
+
     /// Whether a product of `rows` rows with `w` takes a GEMV ending in a norm: one row (a
     /// decode step of one sequence). The last block normalises the rows one after another,
     /// which at 8 rows cost more than the launch it saves (an 8-token EmbeddingGemma 300M query
-    /// took 2.7 ms against 1.4 ms in two launches, H200).
+    /// took 2.7 ms against 1.4 ms in two launches, H200); one warp per row did too (1.38 ms
+    /// against 1.17 in f32 mode, and 8-sequence decode of a Qwen3.5-0.8B Q8_0 file 17% slower).
     pub fn norm_tail_fits(&self, rows: usize, w: &GpuMatrix) -> bool {
         rows <= NORM_TAIL_MAX_ROWS && self.gemv_fits(rows, w)
     }
@@ -635,10 +657,18 @@ impl Blas {
         let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, tail: tail.unwrap_or_default(), ..Default::default() };
         // Features a block covers: its warps' feature groups (ks warps each) times the
         // features a warp holds.
-        let per_block = |narrow| GEMV_WARPS / ks * gemv_outputs_per_warp(rows, output, narrow);
+        // A one-row Q8_0 product of many features (a vocabulary head) takes the paired kernel,
+        // two features a warp ([`Q8_PAIRED_MIN_FEATURES`]).
+        let paired = self.q8_paired
+            && rows == 1
+            && output == GemvOutput::Plain
+            && parts.len() == 1
+            && features >= Q8_PAIRED_MIN_FEATURES
+            && matches!(first.w, GpuWeights::Q8 { .. });
+        let per_block = |narrow| if paired { 2 * GEMV_WARPS } else { GEMV_WARPS / ks * gemv_outputs_per_warp(rows, output, narrow) };
         // The wide form unless its blocks would not cover every multiprocessor twice.
         let wide_blocks: usize = parts.iter().map(|(w, _)| output.features(w).div_ceil(per_block(false))).sum();
-        let narrow = wide_blocks < 2 * self.multiprocessors;
+        let narrow = !paired && wide_blocks < 2 * self.multiprocessors;
         let mut blocks = 0u32;
         for (i, (w, y)) in parts.iter().enumerate() {
             let (wp, sp) = w.pointers(g);
@@ -652,7 +682,8 @@ impl Blas {
         }
         p.block0[parts.len()] = int_arg("gemv blocks", blocks as usize)?;
         let xp = g.ptr(x);
-        let mut l = g.launch_builder(self.gemv.get(output, first, rows, narrow));
+        let kernel = if paired { &self.q8_paired_kernel } else { self.gemv.get(output, first, rows, narrow) };
+        let mut l = g.launch_builder(kernel);
         l.arg(&p).arg(&xp).arg(&r).arg(&inp);
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_gemv_*; the kernel (R >= rows) reads each part's
