@@ -10,8 +10,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 "$dir/gdn_bench"
 if ls "$dir"/whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$dir"/whl/*.whl
-  PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 "$here/bench_gdn_fla.py"
+  tern_python_packages "$dir"
+  python3 "$here/bench_gdn_fla.py"
 else
   echo "no fla wheel in $dir/whl: fla peer not run" >&2
 fi
