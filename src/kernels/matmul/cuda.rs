@@ -660,6 +660,7 @@ impl Blas {
         // A one-row Q8_0 product of many features (a vocabulary head) takes the paired kernel,
         // two features a warp ([`Q8_PAIRED_MIN_FEATURES`]).
         let paired = self.q8_paired
+            && ks == 1
             && rows == 1
             && output == GemvOutput::Plain
             && parts.len() == 1
