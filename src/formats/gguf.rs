@@ -776,6 +776,36 @@ impl GgufFile {
         }
         Ok(Matrix::F32(self.load_shaped(name, shape)?))
     }
+
+    /// A stacked [n][rows][cols] tensor (a mixture-of-experts layer's experts,
+    /// `ffn_*_exps`) as its n [rows][cols] matrices, named `NAME[e]`: BF16 and Q8_0 slices stay
+    /// as stored (zero-copy views, as [`Self::load_matrix`] keeps a matrix: decoded to f32, a
+    /// Qwen3.5-35B-A3B Q8_0 file's experts would take 4x its bytes), every other type decoded.
+    pub fn load_matrix_stack(&self, name: &str, n: usize, shape: [usize; 2]) -> Result<Vec<Matrix>> {
+        let info = self.info(name)?;
+        let full = [n, shape[0], shape[1]];
+        if info.shape() != full {
+            return Err(Error::tensor(name, format!("has shape {:?}, the config implies {:?}", info.shape(), full)));
+        }
+        let per = shape[0] * shape[1];
+        let slice = |e: usize| format!("{name}[{e}]");
+        let views = match info.ggml_type {
+            GgmlType::BF16 => {
+                let base = self.raw(name)?.file_offset;
+                (0..n).map(|e| Bf16Tensor::mapped(slice(e), shape.to_vec(), self.map.clone(), base + 2 * per * e).map(Matrix::Bf16)).collect()
+            }
+            GgmlType::Q8_0 => {
+                let base = self.raw(name)?.file_offset;
+                (0..n).map(|e| Q8Tensor::mapped(slice(e), shape.to_vec(), self.map.clone(), base + per / 32 * 34 * e).map(Matrix::Q8_0)).collect()
+            }
+            _ => None,
+        };
+        if let Some(views) = views {
+            return Ok(views);
+        }
+        let t = self.load_shaped(name, &full)?;
+        Ok(t.data().chunks(per).enumerate().map(|(e, d)| Matrix::F32(Tensor::owned(slice(e), shape.to_vec(), d.to_vec()))).collect())
+    }
 }
 
 impl fmt::Debug for GgufFile {
@@ -1407,6 +1437,86 @@ mod tests {
         assert!(q8.data()[64..96].iter().all(|&x| x == 0.0), "a zero-scale block decodes to zeros");
         let exp_q8 = &exp_tensors["blk.0.q8_0"];
         assert_eq!(q8.data()[2 * 64 + 5], f32::from_bits(expected_bits(exp_q8)[2 * 64 + 5] as u32));
+    }
+
+    /// A GGUF file of the given tensors (name, dims fastest first, type, bytes) and no metadata,
+    /// each tensor's data at the next multiple of the default alignment.
+    fn with_tensors(tensors: &[(&str, Vec<u64>, GgmlType, Vec<u8>)]) -> Vec<u8> {
+        let pad = |b: &mut Vec<u8>| b.resize(b.len().next_multiple_of(DEFAULT_ALIGNMENT), 0);
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend((tensors.len() as u64).to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        let mut offset = 0usize;
+        for (name, dims, ty, data) in tensors {
+            b.extend((name.len() as u64).to_le_bytes());
+            b.extend(name.as_bytes());
+            b.extend((dims.len() as u32).to_le_bytes());
+            dims.iter().for_each(|d| b.extend(d.to_le_bytes()));
+            b.extend(ty.0.to_le_bytes());
+            b.extend((offset as u64).to_le_bytes());
+            offset = (offset + data.len()).next_multiple_of(DEFAULT_ALIGNMENT);
+        }
+        pad(&mut b);
+        for (.., data) in tensors {
+            b.extend(data);
+            pad(&mut b);
+        }
+        b
+    }
+
+    /// A stacked [n][rows][cols] tensor (a MoE layer's experts) splits into n matrices: BF16 and
+    /// Q8_0 as views of the stored bytes (slice e the same values as slice e of the decoded
+    /// tensor), other types decoded; a stack of another shape is an error naming the tensor.
+    #[test]
+    fn stacked_matrices_keep_their_stored_type() {
+        let bf16_bytes: Vec<u8> = (0..3 * 2 * 16).flat_map(|i| bf16::from_f32(i as f32 * 0.25 - 7.0).to_le_bytes()).collect();
+        let q8_bytes: Vec<u8> = (0..2 * 2 * 2)
+            .flat_map(|blk| {
+                let mut b = f16::from_f32(0.5 + blk as f32).to_le_bytes().to_vec();
+                b.extend((0..32).map(|i| ((i * 7 + blk * 13) % 255) as u8));
+                b
+            })
+            .collect();
+        let f32_bytes: Vec<u8> = (0..2 * 3 * 4).flat_map(|i| (i as f32 - 3.5).to_le_bytes()).collect();
+        let file = TempFile::new(
+            "stacks",
+            &with_tensors(&[
+                ("exps.bf16", vec![16, 2, 3], GgmlType::BF16, bf16_bytes),
+                ("exps.q8_0", vec![64, 2, 2], GgmlType::Q8_0, q8_bytes),
+                ("exps.f32", vec![4, 3, 2], GgmlType::F32, f32_bytes),
+            ]),
+        );
+        let f = GgufFile::open(&file.0).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let parts = f.load_matrix_stack("exps.bf16", 3, [2, 16]).unwrap();
+        let whole = f.load("exps.bf16").unwrap();
+        assert_eq!(parts.len(), 3);
+        for (e, m) in parts.iter().enumerate() {
+            let Matrix::Bf16(t) = m else { panic!("slice {e} of a BF16 stack is not kept as bf16") };
+            assert_eq!((t.name.as_str(), t.shape.as_slice()), (format!("exps.bf16[{e}]").as_str(), &[2, 16][..]));
+            let got: Vec<f32> = t.data().iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
+            assert_eq!(bits(&got), bits(&whole.data()[32 * e..32 * (e + 1)]), "bf16 slice {e}");
+        }
+        let parts = f.load_matrix_stack("exps.q8_0", 2, [2, 64]).unwrap();
+        let whole = f.load("exps.q8_0").unwrap();
+        for (e, m) in parts.iter().enumerate() {
+            let Matrix::Q8_0(t) = m else { panic!("slice {e} of a Q8_0 stack is not kept as Q8_0") };
+            assert_eq!(t.shape, [2, 64]);
+            let got = dequantize_q8_0(t.data(), 128);
+            assert_eq!(bits(&got), bits(&whole.data()[128 * e..128 * (e + 1)]), "q8_0 slice {e}");
+        }
+        let parts = f.load_matrix_stack("exps.f32", 2, [3, 4]).unwrap();
+        let whole = f.load("exps.f32").unwrap();
+        for (e, m) in parts.iter().enumerate() {
+            let Matrix::F32(t) = m else { panic!("slice {e} of an f32 stack is not f32") };
+            assert_eq!(bits(t.data()), bits(&whole.data()[12 * e..12 * (e + 1)]), "f32 slice {e}");
+        }
+        // The wrong count or slice shape, or a missing tensor, is an error naming the tensor.
+        for (n, shape) in [(2usize, [2usize, 16usize]), (3, [4, 8]), (6, [1, 16])] {
+            assert!(err_of(f.load_matrix_stack("exps.bf16", n, shape)).contains("exps.bf16"), "{n} x {shape:?}");
+        }
+        assert!(err_of(f.load_matrix_stack("exps.missing", 1, [1, 1])).contains("exps.missing"));
     }
 
     #[test]

@@ -325,15 +325,7 @@ impl Source<'_> {
                 })
                 .collect(),
             Source::Gguf(f) => {
-                let stacked = |m: &str, rows: usize, cols: usize| -> Result<Vec<Matrix>> {
-                    let name = format!("blk.{layer}.{m}");
-                    let t = f.load_shaped(&name, &[ne, rows, cols])?;
-                    Ok(t.data()
-                        .chunks(rows * cols)
-                        .enumerate()
-                        .map(|(e, d)| Matrix::F32(Tensor::owned(format!("{name}[{e}]"), vec![rows, cols], d.to_vec())))
-                        .collect())
-                };
+                let stacked = |m: &str, rows: usize, cols: usize| f.load_matrix_stack(&format!("blk.{layer}.{m}"), ne, [rows, cols]);
                 let (g, u, d) = (stacked("ffn_gate_exps.weight", ei, h)?, stacked("ffn_up_exps.weight", ei, h)?, stacked("ffn_down_exps.weight", h, ei)?);
                 Ok(g.into_iter().zip(u).zip(d).map(|((gate, up), down)| [gate, up, down]).collect())
             }
