@@ -12,7 +12,10 @@
 # 4096 tokens, batch-1 decode, decode rounds of 1, 8, 32 and 128 sequences, each with the
 # rooflines measured in the run) and llama-bench on the GGUFs (pp4096, tg128), plus one profiled
 # run per precision (TERN_CUDA_PROFILE). TERN_BENCH_MODELS, TERN_BENCH_CONCURRENT and
-# TERN_BENCH_VARIANTS (device-env.sh) narrow or repeat the tern runs. Every JSON report also goes to $OUT/generate.jsonl
+# TERN_BENCH_VARIANTS (device-env.sh) narrow or repeat the tern runs. TERN_BENCH_35B=1 also makes
+# Qwen3.5-35B-A3B's random-weight GGUFs (its checkpoint in /dev/shm, removed after the conversion;
+# about 70 GB of memory, 107 GB of disk: a machine of the x2 kind or larger) and runs them after
+# the 0.8B files. Every JSON report also goes to $OUT/generate.jsonl
 # (profiles to $OUT/profile.jsonl) when $OUT is set.
 set -euo pipefail
 dir=$(cd "${1:?usage: scripts/device-bench-generate.sh DIR}" && pwd)
@@ -37,7 +40,13 @@ if [ ! -e $bench/qwen35-0.8b/config.json ] || { [ "${gguf_args[0]}" != --no-gguf
   python3 "$here/make_bench_qwen35.py" $bench "${gguf_args[@]}" 2>&1 | grep -v -e Warning || true
 fi
 
-models=(${TERN_BENCH_MODELS:-$bench/qwen35-0.8b-bf16.gguf $bench/qwen35-0.8b-q8_0.gguf})
+if [ "${TERN_BENCH_35B:-0}" = 1 ] && [ "${gguf_args[0]}" != --no-gguf ] && [ ! -e $bench/qwen35-35b-a3b-q8_0.gguf ]; then
+  python3 "$here/make_bench_qwen35.py" $bench --model=35b-a3b --checkpoint-root=/dev/shm "${gguf_args[@]}" 2>&1 | grep -v -e Warning || true
+  rm -rf /dev/shm/qwen35-35b-a3b
+fi
+default_models="$bench/qwen35-0.8b-bf16.gguf $bench/qwen35-0.8b-q8_0.gguf"
+[ "${TERN_BENCH_35B:-0}" = 1 ] && default_models="$default_models $bench/qwen35-35b-a3b-bf16.gguf $bench/qwen35-35b-a3b-q8_0.gguf"
+models=(${TERN_BENCH_MODELS:-$default_models})
 [ -e $bench/qwen35-0.8b-bf16.gguf ] || models=($bench/qwen35-0.8b)
 for model in "${models[@]}"; do
   [ -e "$model" ] || continue
@@ -61,8 +70,8 @@ done
 llama=""
 if [ -f "$dir/llama-bench.xz" ]; then xz -dc "$dir/llama-bench.xz" > $bench/llama-bench && chmod +x $bench/llama-bench && llama=$bench/llama-bench; fi
 if [ -n "$llama" ]; then
-  for model in $bench/qwen35-0.8b-bf16.gguf $bench/qwen35-0.8b-q8_0.gguf; do
-    [ -e "$model" ] || continue
+  for model in "${models[@]}"; do
+    [ -e "$model" ] && [ "${model%.gguf}" != "$model" ] || continue
     "$llama" -m "$model" -p 4096 -n 128 -r 3 -o json | tee -a "${OUT:-$bench}/llama-bench.json"
   done
 fi

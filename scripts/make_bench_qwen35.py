@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A random-weight Qwen3.5-0.8B for benchmarks: the released text model's shapes, random weights.
+"""Random-weight Qwen3.5 models for benchmarks: the released text models' shapes, random weights.
 
 Speed depends on shapes, not on trained values, so a benchmark model needs no download: this
 script builds `qwen3_5_text` (Qwen3_5ForCausalLM, text model only, no MTP block) with the real
@@ -15,11 +15,23 @@ attention); Gated DeltaNet 16 heads for V and 16 for QK, head dimension 128; gat
 heads and 2 KV heads of dimension 256, rotary dimension 64 (partial factor 0.25), RoPE theta 1e7;
 FFN intermediate 3584; 248320 (padded) token embeddings tied to the LM output; context 262144.
 
-    python scripts/make_bench_qwen35.py [OUT_DIR] [--no-gguf | --gguf-types=bf16,q8_0]    (default ~/.cache/tern/bench)
+--model=35b-a3b builds Qwen3.5-35B-A3B's text model instead (`qwen3_5_moe_text`,
+Qwen3_5MoeForCausalLM): the defaults of transformers' Qwen3_5MoeTextConfig, which are that model's
+(hidden 2048; 40 layers, 10 x (3 x Gated DeltaNet, 1 x gated attention); Gated DeltaNet 16 QK and
+32 V heads of 128; gated attention 16 query and 2 KV heads of 256; 256 experts of width 512, 8
+routed per token, and a shared expert of 512; 248320 token embeddings, untied), with the same
+RoPE and special ids as the 0.8B model. 35B parameters: about 70 GB as bf16 in memory, as
+much again for the checkpoint and for the BF16 GGUF, 37 GB for the Q8_0 one. --layers=N keeps the
+first N layers (a scaled-down check of the pipeline; N a multiple of 4 keeps the 3:1 pattern).
 
-writes OUT_DIR/qwen35-0.8b/ (the checkpoint) and OUT_DIR/qwen35-0.8b-TYPE.gguf for each type. Needs the golden
-environment (../shared/tools/golden-env.sh) and llama.cpp's source (../shared/tools/llama-cpp-src.sh).
-About 4 GB of memory and a few minutes on two cores.
+    python scripts/make_bench_qwen35.py [OUT_DIR] [--model=0.8b|35b-a3b] [--layers=N]
+        [--checkpoint-root=DIR] [--no-gguf | --gguf-types=bf16,q8_0]    (default ~/.cache/tern/bench)
+
+writes CHECKPOINT_ROOT/NAME/ (the checkpoint; CHECKPOINT_ROOT defaults to OUT_DIR, e.g. /dev/shm
+where the disk cannot hold the checkpoint beside the GGUFs) and OUT_DIR/NAME-TYPE.gguf for each
+type, NAME being qwen35-0.8b or qwen35-35b-a3b (-lN with --layers). Needs the golden environment
+(../shared/tools/golden-env.sh) and llama.cpp's source (../shared/tools/llama-cpp-src.sh). The 0.8B
+model takes about 4 GB of memory and a few minutes on two cores.
 """
 import gzip
 import json
@@ -34,16 +46,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import make_qwen35_goldens as goldens  # noqa: E402  (its randomise(), converter wrapper and paths)
 
-from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
+from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig  # noqa: E402
 
 ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+
+
+def option(name, default):
+    return next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith(f"--{name}=")), default)
+
+
 # --no-gguf: the checkpoint only (a GPU machine without llama.cpp's converter; tern reads it).
 NO_GGUF = "--no-gguf" in sys.argv[1:]
 # --gguf-types=bf16,q8_0: the converter's --outtype for each GGUF to write (default bf16).
-GGUF_TYPES = next((a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--gguf-types=")), ["bf16"])
+GGUF_TYPES = option("gguf-types", "bf16").split(",")
 OUT = os.path.abspath(os.path.expanduser(ARGS[0] if ARGS else "~/.cache/tern/bench"))
-NAME = "qwen35-0.8b"
-SEED = 3508
+CHECKPOINT_ROOT = os.path.abspath(os.path.expanduser(option("checkpoint-root", OUT)))
+MODEL = option("model", "0.8b")
+if MODEL not in ("0.8b", "35b-a3b"):
+    raise SystemExit(f"--model={MODEL}: expected 0.8b or 35b-a3b")
+LAYERS = option("layers", None)
+NAME = f"qwen35-{MODEL}" + (f"-l{LAYERS}" if LAYERS else "")
+SEED = 3508 if MODEL == "0.8b" else 3535
 N_LAYERS = 24
 TOKENIZER_GZ = os.path.join(goldens.REPO, "tests", "fixtures", "qwen35", "real-tokenizer", "tokenizer.json.gz")
 N_TOKENS = 248077  # ids the tokenizer has (248044 mergeable + 33 specials); rows past it are padding
@@ -76,6 +99,38 @@ CONFIG = dict(
     use_cache=True,
 )
 
+# Qwen3.5-35B-A3B: transformers' defaults for the shapes (checked by main), the 0.8B model's RoPE,
+# context and special ids.
+N_LAYERS_35B = 40
+CONFIG_35B = dict(
+    vocab_size=248320,
+    hidden_size=2048,
+    num_hidden_layers=N_LAYERS_35B,
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(N_LAYERS_35B)],
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    rope_parameters=CONFIG["rope_parameters"],
+    max_position_embeddings=262144,
+    attention_bias=False,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=248046,
+    pad_token_id=248044,
+    use_cache=True,
+)
+
 
 def write_tokenizer(model_dir):
     with gzip.open(TOKENIZER_GZ, "rb") as src, open(os.path.join(model_dir, "tokenizer.json"), "wb") as dst:
@@ -99,16 +154,40 @@ def write_tokenizer(model_dir):
         f.write("\n")
 
 
+def model_and_config():
+    """The model class, its configuration (dict) and the config object, for --model and --layers."""
+    if MODEL == "0.8b":
+        cls, cfg_cls, config = Qwen3_5ForCausalLM, Qwen3_5TextConfig, dict(CONFIG)
+    else:
+        cls, cfg_cls, config = Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, dict(CONFIG_35B)
+        defaults = Qwen3_5MoeTextConfig().to_dict()
+        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "vocab_size", "tie_word_embeddings"):
+            if defaults[k] != config[k]:
+                raise SystemExit(f"Qwen3_5MoeTextConfig's default {k} is {defaults[k]}, not {config[k]}: check the shapes")
+    if LAYERS:
+        n = int(LAYERS)
+        config.update(num_hidden_layers=n, layer_types=config["layer_types"][:n])
+    return cls, config, cfg_cls(**config)
+
+
 def main():
-    model_dir = os.path.join(OUT, NAME)
+    model_dir = os.path.join(CHECKPOINT_ROOT, NAME)
     os.makedirs(model_dir, exist_ok=True)
+    os.makedirs(OUT, exist_ok=True)
     torch.manual_seed(SEED)
-    cfg = Qwen3_5TextConfig(**CONFIG)
-    model = Qwen3_5ForCausalLM(cfg)
-    goldens.randomise(model, CONFIG, SEED, N_TOKENS)
+    cls, config, cfg = model_and_config()
+    # Built in bf16 (what is saved): the 35B model would take 140 GB in f32. randomise() forms
+    # each value in f32 and rounds it to bf16, so the values are those an f32 build would save.
+    torch.set_default_dtype(torch.bfloat16)
+    model = cls(cfg)
+    torch.set_default_dtype(torch.float32)
+    goldens.randomise(model, config, SEED, N_TOKENS)
     n_params = sum(p.numel() for p in model.parameters())
     model = model.to(torch.bfloat16)
-    model.save_pretrained(model_dir)
+    model.save_pretrained(model_dir, max_shard_size="5GB")
     del model
     write_tokenizer(model_dir)
     if NO_GGUF:
@@ -119,7 +198,7 @@ def main():
     for t in GGUF_TYPES:
         gguf_path = os.path.join(OUT, f"{NAME}-{t}.gguf")
         cmd = [sys.executable, os.path.join(goldens.SHARED_TOOLS, "hf-to-gguf.py"), llama_dir, "--pre", "qwen35", model_dir,
-               "--outtype", t, "--outfile", gguf_path, "--no-mtp", "--model-name", "tern-bench-qwen35-0.8b-random"]
+               "--outtype", t, "--outfile", gguf_path, "--no-mtp", "--model-name", f"tern-bench-{NAME}-random"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             sys.stderr.write(r.stdout + r.stderr)
