@@ -1,6 +1,8 @@
 //! Safetensors weights, one file or a sharded set (`model.safetensors.index.json`), memory-mapped.
 //! F32 tensors are returned as zero-copy views into the map; BF16 and F16 are decoded to f32 on
-//! load (the numerics contract keeps every activation and weight in f32).
+//! load (the numerics contract keeps every activation in f32), except the weight matrices a model
+//! asks for with [`SafetensorsWeights::load_matrix`]: BF16 ones stay bf16 views, which the
+//! products widen exactly (a bf16 checkpoint's matrices would otherwise take twice their bytes).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -11,7 +13,7 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensors, TensorInfo};
 
-use super::Tensor;
+use super::{Bf16Tensor, Matrix, Tensor};
 use crate::error::{Error, Result};
 
 struct Shard {
@@ -93,6 +95,23 @@ impl SafetensorsWeights {
     /// The tensor as f32, with its shape checked against `shape`.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.load(name)?.expect_shape(shape)
+    }
+
+    /// A weight matrix for the products: BF16 stays as stored (a zero-copy view), every other
+    /// dtype as [`Self::get`] gives it; the shape is checked against `shape`.
+    pub fn load_matrix(&self, name: &str, shape: &[usize]) -> Result<Matrix> {
+        let (shard_idx, info) =
+            self.index.get(name).ok_or_else(|| Error::tensor(name, "missing from the checkpoint"))?;
+        if info.dtype == Dtype::BF16 {
+            let shard = &self.shards[*shard_idx];
+            let (begin, end) = info.data_offsets;
+            let whole = end - begin == 2 * info.shape.iter().product::<usize>();
+            let view = Bf16Tensor::mapped(name.to_string(), info.shape.clone(), shard.map.clone(), shard.data_start + begin);
+            if let (true, Some(t)) = (whole, view) {
+                return Matrix::Bf16(t).expect_shape(shape);
+            }
+        }
+        Ok(Matrix::F32(self.get(name, shape)?))
     }
 
     pub fn load(&self, name: &str) -> Result<Tensor> {

@@ -299,10 +299,11 @@ impl Source<'_> {
         }
     }
 
-    /// A weight matrix: bf16 and Q8_0 GGUF tensors stay as stored, everything else is f32.
+    /// A weight matrix: bf16 tensors (both formats) and Q8_0 GGUF tensors stay as stored,
+    /// everything else is f32.
     fn matrix(&self, prefix: &str, hf: &str, shape: &[usize]) -> Result<Matrix> {
         match self {
-            Source::Hf(_) => Ok(Matrix::F32(self.get(prefix, hf, shape)?)),
+            Source::Hf(w) => w.load_matrix(&format!("{prefix}{hf}"), shape),
             Source::Gguf(f) => {
                 let name = gguf_name(hf).ok_or_else(|| Error::tensor(hf, "has no GGUF counterpart"))?;
                 f.load_matrix(&name, shape)
@@ -318,9 +319,9 @@ impl Source<'_> {
                 .map(|e| {
                     let name = |m: &str| format!("{prefix}layers.{layer}.mlp.experts.{e}.{m}.weight");
                     Ok([
-                        w.get(&name("gate_proj"), &[ei, h])?.into(),
-                        w.get(&name("up_proj"), &[ei, h])?.into(),
-                        w.get(&name("down_proj"), &[h, ei])?.into(),
+                        w.load_matrix(&name("gate_proj"), &[ei, h])?,
+                        w.load_matrix(&name("up_proj"), &[ei, h])?,
+                        w.load_matrix(&name("down_proj"), &[h, ei])?,
                     ])
                 })
                 .collect(),
