@@ -40,9 +40,14 @@ if [ ! -e $bench/qwen35-0.8b/config.json ] || { [ "${gguf_args[0]}" != --no-gguf
   python3 "$here/make_bench_qwen35.py" $bench "${gguf_args[@]}" 2>&1 | grep -v -e Warning || true
 fi
 
-if [ "${TERN_BENCH_35B:-0}" = 1 ] && [ "${gguf_args[0]}" != --no-gguf ] && [ ! -e $bench/qwen35-35b-a3b-q8_0.gguf ]; then
-  python3 "$here/make_bench_qwen35.py" $bench --model=35b-a3b --checkpoint-root=/dev/shm "${gguf_args[@]}" 2>&1 | grep -v -e Warning || true
-  rm -rf /dev/shm/qwen35-35b-a3b
+if [ "${TERN_BENCH_35B:-0}" = 1 ] && [ "${gguf_args[0]}" != --no-gguf ]; then
+  # Resumable: a call that runs out of time keeps what it finished (on a machine kept warm
+  # between calls), and the next call goes on from there.
+  if [ ! -e $bench/qwen35-35b-a3b-bf16.gguf ] || [ ! -e $bench/qwen35-35b-a3b-q8_0.gguf ]; then
+    python3 "$here/make_bench_qwen35.py" $bench --model=35b-a3b --checkpoint-root=/dev/shm "${gguf_args[@]}" 2>&1 | grep -v -e Warning || true
+  fi
+  # The checkpoint holds 70 GB of memory in /dev/shm; once both files exist it is not needed.
+  if [ -e $bench/qwen35-35b-a3b-bf16.gguf ] && [ -e $bench/qwen35-35b-a3b-q8_0.gguf ]; then rm -rf /dev/shm/qwen35-35b-a3b; fi
 fi
 default_models="$bench/qwen35-0.8b-bf16.gguf $bench/qwen35-0.8b-q8_0.gguf"
 [ "${TERN_BENCH_35B:-0}" = 1 ] && default_models="$default_models $bench/qwen35-35b-a3b-bf16.gguf $bench/qwen35-35b-a3b-q8_0.gguf"

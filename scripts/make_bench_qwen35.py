@@ -71,12 +71,17 @@ N_LAYERS = 24
 TOKENIZER_GZ = os.path.join(goldens.REPO, "tests", "fixtures", "qwen35", "real-tokenizer", "tokenizer.json.gz")
 N_TOKENS = 248077  # ids the tokenizer has (248044 mergeable + 33 specials); rows past it are padding
 
+def hybrid_layers(n):
+    """Layer types of the 3:1 pattern: 3 Gated DeltaNet layers, then 1 gated attention layer."""
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+
+
 CONFIG = dict(
     vocab_size=248320,
     hidden_size=1024,
     intermediate_size=3584,
     num_hidden_layers=N_LAYERS,
-    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(N_LAYERS)],
+    layer_types=hybrid_layers(N_LAYERS),
     full_attention_interval=4,
     num_attention_heads=8,
     num_key_value_heads=2,
@@ -99,38 +104,22 @@ CONFIG = dict(
     use_cache=True,
 )
 
-# Qwen3.5-35B-A3B: transformers' defaults for the shapes (checked by main), the 0.8B model's RoPE,
-# context and special ids.
+# Qwen3.5-35B-A3B: the 0.8B model's configuration (RoPE, context, special ids) with that model's
+# shapes, which are also transformers' defaults (checked by model_and_config).
 N_LAYERS_35B = 40
-CONFIG_35B = dict(
-    vocab_size=248320,
+CONFIG_35B = {k: v for k, v in CONFIG.items() if k != "intermediate_size"}
+CONFIG_35B.update(
     hidden_size=2048,
     num_hidden_layers=N_LAYERS_35B,
-    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(N_LAYERS_35B)],
+    layer_types=hybrid_layers(N_LAYERS_35B),
     num_attention_heads=16,
-    num_key_value_heads=2,
-    head_dim=256,
-    linear_num_key_heads=16,
     linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
     num_experts=256,
     num_experts_per_tok=8,
     moe_intermediate_size=512,
     shared_expert_intermediate_size=512,
-    hidden_act="silu",
-    rms_norm_eps=1e-6,
-    rope_parameters=CONFIG["rope_parameters"],
-    max_position_embeddings=262144,
-    attention_bias=False,
     tie_word_embeddings=False,
-    bos_token_id=None,
-    eos_token_id=248046,
-    pad_token_id=248044,
-    use_cache=True,
 )
-
 
 def write_tokenizer(model_dir):
     with gzip.open(TOKENIZER_GZ, "rb") as src, open(os.path.join(model_dir, "tokenizer.json"), "wb") as dst:
@@ -177,19 +166,30 @@ def main():
     model_dir = os.path.join(CHECKPOINT_ROOT, NAME)
     os.makedirs(model_dir, exist_ok=True)
     os.makedirs(OUT, exist_ok=True)
-    torch.manual_seed(SEED)
-    cls, config, cfg = model_and_config()
-    # Built in bf16 (what is saved): the 35B model would take 140 GB in f32. randomise() forms
-    # each value in f32 and rounds it to bf16, so the values are those an f32 build would save.
-    torch.set_default_dtype(torch.bfloat16)
-    model = cls(cfg)
-    torch.set_default_dtype(torch.float32)
-    goldens.randomise(model, config, SEED, N_TOKENS)
-    n_params = sum(p.numel() for p in model.parameters())
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(model_dir, max_shard_size="5GB")
-    del model
-    write_tokenizer(model_dir)
+    # Each step is skipped when an earlier run finished it (a marker after the checkpoint, a GGUF
+    # renamed into place only when whole), so the 35B model can be made over several device
+    # calls of at most 10 minutes each.
+    done = os.path.join(model_dir, ".complete")
+    if os.path.exists(done):
+        with open(done) as f:
+            n_params = int(f.read())
+    else:
+        torch.manual_seed(SEED)
+        cls, config, cfg = model_and_config()
+        # Built in bf16 (what is saved): the 35B model would take 140 GB in f32. randomise()
+        # forms each value in f32 and rounds it to bf16, so the values are those an f32 build
+        # would save.
+        torch.set_default_dtype(torch.bfloat16)
+        model = cls(cfg)
+        torch.set_default_dtype(torch.float32)
+        goldens.randomise(model, config, SEED, N_TOKENS)
+        n_params = sum(p.numel() for p in model.parameters())
+        model = model.to(torch.bfloat16)
+        model.save_pretrained(model_dir, max_shard_size="5GB")
+        del model
+        write_tokenizer(model_dir)
+        with open(done, "w") as f:
+            f.write(str(n_params))
     if NO_GGUF:
         print(json.dumps({"checkpoint": model_dir, "parameters": n_params}))
         return
@@ -197,12 +197,15 @@ def main():
     ggufs = {}
     for t in GGUF_TYPES:
         gguf_path = os.path.join(OUT, f"{NAME}-{t}.gguf")
-        cmd = [sys.executable, os.path.join(goldens.SHARED_TOOLS, "hf-to-gguf.py"), llama_dir, "--pre", "qwen35", model_dir,
-               "--outtype", t, "--outfile", gguf_path, "--no-mtp", "--model-name", f"tern-bench-{NAME}-random"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            sys.stderr.write(r.stdout + r.stderr)
-            raise SystemExit(f"conversion to a {t} GGUF failed")
+        if not os.path.exists(gguf_path):
+            part = gguf_path + ".part"
+            cmd = [sys.executable, os.path.join(goldens.SHARED_TOOLS, "hf-to-gguf.py"), llama_dir, "--pre", "qwen35", model_dir,
+                   "--outtype", t, "--outfile", part, "--no-mtp", "--model-name", f"tern-bench-{NAME}-random"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                sys.stderr.write(r.stdout + r.stderr)
+                raise SystemExit(f"conversion to a {t} GGUF failed")
+            os.replace(part, gguf_path)
         ggufs[t] = {"path": gguf_path, "bytes": os.path.getsize(gguf_path)}
     print(json.dumps({"checkpoint": model_dir, "gguf": ggufs, "parameters": n_params}))
 
