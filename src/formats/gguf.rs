@@ -779,8 +779,9 @@ impl GgufFile {
 
     /// A stacked [n][rows][cols] tensor (a mixture-of-experts layer's experts,
     /// `ffn_*_exps`) as its n [rows][cols] matrices, named `NAME[e]`: BF16 and Q8_0 slices stay
-    /// as stored (zero-copy views, as [`Self::load_matrix`] keeps a matrix: decoded to f32, a
-    /// Qwen3.5-35B-A3B Q8_0 file's experts would take 4x its bytes), every other type decoded.
+    /// as stored (zero-copy views, as [`Self::load_matrix`] keeps a matrix; decoded to f32, the
+    /// experts of a Q8_0 Qwen3.5-35B-A3B file would take 3.8 times their bytes), every other
+    /// type decoded.
     pub fn load_matrix_stack(&self, name: &str, n: usize, shape: [usize; 2]) -> Result<Vec<Matrix>> {
         let info = self.info(name)?;
         let full = [n, shape[0], shape[1]];
