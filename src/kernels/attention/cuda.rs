@@ -177,7 +177,7 @@ impl AttentionCuda {
         out: NormOut,
     ) -> Result<()> {
         let window = check_args(&q, &k, &v, batch, shape, &out)?;
-        self.run(q, k, v, batch, shape, out, window, false)
+        self.run(Operands { q, k, v, batch, shape, out, window }, false)
     }
 
     /// The fast-mode form of [`Self::attention`], same operands and checks: Q, K, V rounded to
@@ -195,7 +195,7 @@ impl AttentionCuda {
         out: NormOut,
     ) -> Result<()> {
         let window = check_args(&q, &k, &v, batch, shape, &out)?;
-        self.run(q, k, v, batch, shape, out, window, true)
+        self.run(Operands { q, k, v, batch, shape, out, window }, true)
     }
 
     /// Causal attention within each sequence (query i sees keys 0 ..= i of its own sequence):
@@ -217,7 +217,7 @@ impl AttentionCuda {
             return Err(Error::Shape("causal attention takes no window".into()));
         }
         check_args(&q, &k, &v, batch, shape, &out)?;
-        self.run(q, k, v, batch, shape, out, CAUSAL_WINDOW, tensor_cores)
+        self.run(Operands { q, k, v, batch, shape, out, window: CAUSAL_WINDOW }, tensor_cores)
     }
 
     /// The tensor-core kernel for a fast-mode batch of more than [`TC_MIN_ROWS`] rows (as
@@ -225,21 +225,11 @@ impl AttentionCuda {
     /// it), else the short kernel when every sequence is short, else the f32 flash kernel over
     /// the batch's tiles; with the window argument the kernels take. The operands passed
     /// [`check_args`].
-    #[allow(clippy::too_many_arguments)]
-    fn run(
-        &self,
-        q: View<CudaSlice<f32>>,
-        k: View<CudaSlice<f32>>,
-        v: View<CudaSlice<f32>>,
-        batch: &GpuAttentionBatch,
-        shape: &AttentionShape,
-        out: NormOut,
-        window: i32,
-        tensor_cores: bool,
-    ) -> Result<()> {
+    fn run(&self, a: Operands, tensor_cores: bool) -> Result<()> {
+        let (batch, shape) = (a.batch, a.shape);
         let tc = tensor_cores && batch.rows > TC_MIN_ROWS;
         if let (false, Some(row_seg)) = (tc, &batch.row_seg) {
-            return self.launch_short(row_seg, q, k, v, batch, shape, out, window);
+            return self.launch_short(row_seg, a);
         }
         if tc {
             let (padded, f) = self.tc_kernels.iter().find(|(max, _)| shape.hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
@@ -248,7 +238,7 @@ impl AttentionCuda {
                 return Ok(());
             }
             let tiles = Tiles { seg: &list.seg, q0: &list.q0, count: list.count };
-            self.launch_tc(f, *padded, tiles, q, k, v, batch, shape, out, window)
+            self.launch_tc(f, *padded, tiles, a)
         } else {
             if batch.tiles == 0 {
                 return Ok(());
@@ -256,7 +246,7 @@ impl AttentionCuda {
             let (_, f) = self.kernels.iter().find(|(max, _)| shape.hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
             let tiles = Tiles { seg: &batch.tile_seg, q0: &batch.tile_q0, count: batch.tiles };
             // SAFETY: tern_attention_hd* takes the arguments `launch` passes.
-            unsafe { self.launch(f, tiles, smem_bytes(shape.hd), "launching tern_attention", q, k, v, batch, shape, out, window) }
+            unsafe { self.launch(f, tiles, smem_bytes(shape.hd), "launching tern_attention", a) }
         }
     }
 
@@ -264,25 +254,11 @@ impl AttentionCuda {
     /// `f` takes (q, q_off, q_ld, k.., v.., out, out_ld, out16, seg_start, seg_len, tile_seg,
     /// tile_q0, group, hd, scale, max_distance), runs 256 threads, walks tiles of the size
     /// `tiles` was built for, and needs `smem` bytes; the arguments passed [`check_args`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn launch(
-        &self,
-        f: &CudaFunction,
-        tiles: Tiles,
-        smem: usize,
-        what: &'static str,
-        q: View<CudaSlice<f32>>,
-        k: View<CudaSlice<f32>>,
-        v: View<CudaSlice<f32>>,
-        batch: &GpuAttentionBatch,
-        shape: &AttentionShape,
-        out: NormOut,
-        window: i32,
-    ) -> Result<()> {
-        let AttentionShape { q_heads, kv_heads, hd, scale, .. } = *shape;
+    unsafe fn launch(&self, f: &CudaFunction, tiles: Tiles, smem: usize, what: &'static str, a: Operands) -> Result<()> {
+        let AttentionShape { q_heads, kv_heads, hd, scale, .. } = *a.shape;
         let g = &self.gpu;
-        let lead = LeadArgs::new(g, &q, &k, &v, &out, batch, q_heads * hd);
-        let (group, hd_i) = (int_arg("attention group", q_heads / kv_heads)?, int_arg("head size", hd)?);
+        let lead = LeadArgs::new(g, &a);
+        let (group, hd_i, window) = (int_arg("attention group", q_heads / kv_heads)?, int_arg("head size", hd)?, a.window);
         let (ts, tq) = (g.ptr(tiles.seg), g.ptr(tiles.q0));
         let mut l = g.launch_builder(f);
         lead.push(&mut l);
@@ -300,22 +276,11 @@ impl AttentionCuda {
     /// row's segment): one warp per (row, query head), in f32 (a short sequence's attention is a
     /// few multiply-adds per row, and a 128-query tensor-core tile would be mostly empty). The
     /// operands passed [`check_args`].
-    #[allow(clippy::too_many_arguments)]
-    fn launch_short(
-        &self,
-        row_seg: &CudaSlice<u32>,
-        q: View<CudaSlice<f32>>,
-        k: View<CudaSlice<f32>>,
-        v: View<CudaSlice<f32>>,
-        batch: &GpuAttentionBatch,
-        shape: &AttentionShape,
-        out: NormOut,
-        window: i32,
-    ) -> Result<()> {
-        let AttentionShape { q_heads, kv_heads, hd, scale, .. } = *shape;
-        let g = &self.gpu;
+    fn launch_short(&self, row_seg: &CudaSlice<u32>, a: Operands) -> Result<()> {
+        let AttentionShape { q_heads, kv_heads, hd, scale, .. } = *a.shape;
+        let (g, batch, window) = (&self.gpu, a.batch, a.window);
         let (_, f) = self.short_kernels.iter().find(|(max, _)| hd <= *max).expect("hd <= MAX_HEAD_DIM was checked");
-        let lead = LeadArgs::new(g, &q, &k, &v, &out, batch, q_heads * hd);
+        let lead = LeadArgs::new(g, &a);
         let rs = g.ptr(row_seg);
         let tasks = batch.rows * q_heads;
         int_arg("attention rows x heads", tasks)?; // the kernel's task index
@@ -335,20 +300,9 @@ impl AttentionCuda {
     /// The tensor-core kernel `f` for heads padded to `padded` columns: K and V packed into
     /// bf16 copies [rows][kv_heads][padded], then the tiles. The operands passed [`check_args`].
     #[allow(clippy::too_many_arguments)]
-    fn launch_tc(
-        &self,
-        f: &CudaFunction,
-        padded: usize,
-        tiles: Tiles,
-        q: View<CudaSlice<f32>>,
-        k: View<CudaSlice<f32>>,
-        v: View<CudaSlice<f32>>,
-        batch: &GpuAttentionBatch,
-        shape: &AttentionShape,
-        out: NormOut,
-        window: i32,
-    ) -> Result<()> {
-        let AttentionShape { q_heads, kv_heads, hd, scale, .. } = *shape;
+    fn launch_tc(&self, f: &CudaFunction, padded: usize, tiles: Tiles, a: Operands) -> Result<()> {
+        let AttentionShape { q_heads, kv_heads, hd, scale, .. } = *a.shape;
+        let Operands { q, k, v, batch, out, window, .. } = a;
         let g = &self.gpu;
         let packed = batch.rows * kv_heads * padded;
         // Freed when this returns; the stream orders the free after the kernels that read them.
@@ -389,8 +343,21 @@ impl Tiles<'_> {
     }
 }
 
+/// A call's operands, as the launchers take them: q, k and v, the batch and shape, the outputs
+/// and the kernels' window argument (from [`check_args`], or [`CAUSAL_WINDOW`]); they passed
+/// [`check_args`].
+struct Operands<'a> {
+    q: View<'a, CudaSlice<f32>>,
+    k: View<'a, CudaSlice<f32>>,
+    v: View<'a, CudaSlice<f32>>,
+    batch: &'a GpuAttentionBatch,
+    shape: &'a AttentionShape,
+    out: NormOut<'a>,
+    window: i32,
+}
+
 /// The arguments the f32 kernels (flash and short) take first, in their order: q, k and v
-/// (address, offset and row stride each), the f32 output, its row stride (`out_width`), the
+/// (address, offset and row stride each), the f32 output, its row stride (q_heads · hd), the
 /// bf16 output (0: none), and the segments' starts and lengths.
 struct LeadArgs {
     qkv: [(u64, i64, i64); 3],
@@ -402,24 +369,15 @@ struct LeadArgs {
 }
 
 impl LeadArgs {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        g: &Gpu,
-        q: &View<CudaSlice<f32>>,
-        k: &View<CudaSlice<f32>>,
-        v: &View<CudaSlice<f32>>,
-        out: &NormOut,
-        batch: &GpuAttentionBatch,
-        out_width: usize,
-    ) -> Self {
+    fn new(g: &Gpu, a: &Operands) -> Self {
         let view = |x: &View<CudaSlice<f32>>| (g.ptr(x.buf), long_arg(x.offset), long_arg(x.stride));
         LeadArgs {
-            qkv: [view(q), view(k), view(v)],
-            out: g.ptr_opt(out.f32.as_deref()),
-            out_ld: long_arg(out_width),
-            out16: g.ptr_opt(out.bf16.as_deref()),
-            seg_start: g.ptr(&batch.seg_start),
-            seg_len: g.ptr(&batch.seg_len),
+            qkv: [view(&a.q), view(&a.k), view(&a.v)],
+            out: g.ptr_opt(a.out.f32.as_deref()),
+            out_ld: long_arg(a.shape.q_heads * a.shape.hd),
+            out16: g.ptr_opt(a.out.bf16.as_deref()),
+            seg_start: g.ptr(&a.batch.seg_start),
+            seg_len: g.ptr(&a.batch.seg_len),
         }
     }
 
