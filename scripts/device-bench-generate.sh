@@ -15,7 +15,10 @@
 # TERN_BENCH_VARIANTS (device-env.sh) narrow or repeat the tern runs. TERN_BENCH_35B=1 also makes
 # Qwen3.5-35B-A3B's random-weight GGUFs (its checkpoint in /dev/shm, removed after the conversion;
 # about 70 GB of memory, 107 GB of disk: a machine of the x2 kind or larger) and runs them after
-# the 0.8B files. Every JSON report also goes to $OUT/generate.jsonl
+# the 0.8B files; TERN_BENCH_35B_LAYERS=N keeps its first N layers (N a multiple of 4: the same
+# layers, fewer of them, where a machine's disk or time cannot hold the whole model). Its weights
+# are drawn on the GPU (--init-device=cuda); TERN_BENCH_35B_CHECKPOINTS names the checkpoint's
+# folder instead of /dev/shm (a container's /dev/shm may be small). Every JSON report also goes to $OUT/generate.jsonl
 # (profiles to $OUT/profile.jsonl) when $OUT is set.
 set -euo pipefail
 dir=$(cd "${1:?usage: scripts/device-bench-generate.sh DIR}" && pwd)
@@ -40,17 +43,20 @@ if [ ! -e $bench/qwen35-0.8b/config.json ] || { [ "${gguf_args[0]}" != --no-gguf
   python3 "$here/make_bench_qwen35.py" $bench "${gguf_args[@]}" 2>&1 | grep -v -e Warning || true
 fi
 
+big=qwen35-35b-a3b${TERN_BENCH_35B_LAYERS:+-l$TERN_BENCH_35B_LAYERS}
+big_root=${TERN_BENCH_35B_CHECKPOINTS:-/dev/shm}
 if [ "${TERN_BENCH_35B:-0}" = 1 ] && [ "${gguf_args[0]}" != --no-gguf ]; then
   # Resumable: a call that runs out of time keeps what it finished (on a machine kept warm
   # between calls), and the next call goes on from there.
-  if [ ! -e $bench/qwen35-35b-a3b-bf16.gguf ] || [ ! -e $bench/qwen35-35b-a3b-q8_0.gguf ]; then
-    python3 "$here/make_bench_qwen35.py" $bench --model=35b-a3b --checkpoint-root=/dev/shm "${gguf_args[@]}" 2>&1 | grep -v -e Warning || true
+  if [ ! -e $bench/$big-bf16.gguf ] || [ ! -e $bench/$big-q8_0.gguf ]; then
+    python3 "$here/make_bench_qwen35.py" $bench --model=35b-a3b ${TERN_BENCH_35B_LAYERS:+--layers=$TERN_BENCH_35B_LAYERS} \
+      --init-device=cuda --checkpoint-root=$big_root "${gguf_args[@]}" 2>&1 | grep -v -e Warning || true
   fi
-  # The checkpoint holds 70 GB of memory in /dev/shm; once both files exist it is not needed.
-  if [ -e $bench/qwen35-35b-a3b-bf16.gguf ] && [ -e $bench/qwen35-35b-a3b-q8_0.gguf ]; then rm -rf /dev/shm/qwen35-35b-a3b; fi
+  # The checkpoint holds up to 70 GB (of memory, in /dev/shm); once both files exist it is not needed.
+  if [ -e $bench/$big-bf16.gguf ] && [ -e $bench/$big-q8_0.gguf ]; then rm -rf "${big_root:?}/$big"; fi
 fi
 default_models="$bench/qwen35-0.8b-bf16.gguf $bench/qwen35-0.8b-q8_0.gguf"
-[ "${TERN_BENCH_35B:-0}" = 1 ] && default_models="$default_models $bench/qwen35-35b-a3b-bf16.gguf $bench/qwen35-35b-a3b-q8_0.gguf"
+[ "${TERN_BENCH_35B:-0}" = 1 ] && default_models="$default_models $bench/$big-bf16.gguf $bench/$big-q8_0.gguf"
 models=(${TERN_BENCH_MODELS:-$default_models})
 [ -e $bench/qwen35-0.8b-bf16.gguf ] || models=($bench/qwen35-0.8b)
 for model in "${models[@]}"; do

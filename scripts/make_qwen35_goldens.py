@@ -307,22 +307,24 @@ def grid(g, shape, lo, hi, step):
     """Uniform values on a grid of `step` in [lo, hi]. For norm weights: with step 2^-7, both w and
     1 + w (which the converter bakes in) are exact in bf16."""
     n_lo, n_hi = round(lo / step), round(hi / step)
-    return torch.randint(n_lo, n_hi + 1, shape, generator=g).to(torch.float32) * step
+    return torch.randint(n_lo, n_hi + 1, shape, generator=g, device=g.device).to(torch.float32) * step
 
 
-def randomise(model, cfg, seed, n_tokens):
+def randomise(model, cfg, seed, n_tokens, device="cpu"):
     """Every parameter gets a value from one seeded generator, in named_parameters order.
     Scales: a linear layer's weights have std c / sqrt(fan_in), so an O(1) input gives an O(1)
-    output; the residual stream stays O(1) (rms ~ 1..4 over 8 layers)."""
-    g = torch.Generator().manual_seed(seed)
+    output; the residual stream stays O(1) (rms ~ 1..4 over 8 layers). `device` is where the
+    generator runs (a CUDA generator draws other values from the same seed, in seconds where the
+    CPU's takes minutes for a 35B model); the goldens use the CPU's."""
+    g = torch.Generator(device=device).manual_seed(seed)
     H = cfg["hidden_size"]
     tied = cfg["tie_word_embeddings"]
 
     def normal(shape, std):
-        return torch.randn(shape, generator=g) * std
+        return torch.randn(shape, generator=g, device=device) * std
 
     def uniform(shape, lo, hi):
-        return lo + (hi - lo) * torch.rand(shape, generator=g)
+        return lo + (hi - lo) * torch.rand(shape, generator=g, device=device)
 
     for name, p in model.named_parameters():
         shape = p.shape
