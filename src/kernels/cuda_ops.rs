@@ -971,27 +971,62 @@ impl Ops for CudaOps {
             let mut y = self.gpu.alloc::<f32>(slots * d)?;
             self.blas.routed(down, &ids, slots, &act, 1, GemvOutput::Plain, &mut y)?;
             let mut out = self.gpu.alloc::<f32>(rows * d)?;
-            moe.combine(&y, &weights, top_k, d, &mut out)?;
+            moe.combine(&y, None, &weights, top_k, d, &mut out)?;
             return Ok(out);
         }
-        let routed = crate::kernels::moe::route(&self.to_host(router_logits)?, experts.experts.len(), top_k)?;
-        let moe = &self.llm()?.moe;
-        let mut out = self.gpu.zeros::<f32>(rows * d)?;
-        for ((gate_up, down), tokens) in experts.experts.iter().zip(&routed) {
-            if tokens.is_empty() {
-                continue;
+        // Many rows (a prompt): each (row, choice) slot's input gathered into rows sorted by
+        // expert, so that each expert's products run once over all its rows (cuBLAS on the
+        // expert's slice of the sorted rows), then one combine reads each slot's output back
+        // by its sorted position. Routing: [rows][k] ids in ascending expert order and their
+        // weights, on the device where it can (only the ids come back), else on the host.
+        let slots = rows * top_k;
+        let (ids, weights) = if top_k <= MAX_DEVICE_TOP_K && top_k <= ne && ne <= MAX_DEVICE_EXPERTS {
+            let (mut ids, mut weights) = (self.gpu.alloc::<i32>(slots)?, self.gpu.alloc::<f32>(slots)?);
+            self.llm()?.moe.route(router_logits, ne, top_k, &mut ids, &mut weights)?;
+            let ids = self.gpu.download(&ids)?.into_iter().map(|e| usize::try_from(e).ok().filter(|&e| e < ne));
+            (ids.collect::<Option<Vec<usize>>>().ok_or_else(|| Error::Cuda("moe routing on the device chose an expert outside the table".into()))?, weights)
+        } else {
+            let routed = crate::kernels::moe::route(&self.to_host(router_logits)?, ne, top_k)?;
+            let (mut ids, mut weights, mut taken) = (vec![0usize; slots], vec![0.0f32; slots], vec![0usize; rows]);
+            for (e, tokens) in routed.iter().enumerate() {
+                for &(t, w) in tokens {
+                    let j = &mut taken[t];
+                    (ids[t * top_k + *j], weights[t * top_k + *j]) = (e, w);
+                    *j += 1;
+                }
             }
-            let idx: Vec<u32> = tokens.iter().map(|&(t, _)| t as u32).collect();
-            let weights: Vec<f32> = tokens.iter().map(|&(_, w)| w).collect();
-            let mut gathered = self.gpu.alloc::<f32>(idx.len() * d)?;
-            self.embedding.embed_lookup(x, d, &GpuIds::new(&self.gpu, &idx)?, 1.0, &mut gathered)?;
-            let n = idx.len();
-            let gu = self.linear(&gathered, n, gate_up, None)?;
-            let w = experts.width;
-            let act = self.silu_mul(View::new(&gu, 0, 2 * w), View::new(&gu, w, 2 * w), n, w)?;
-            let y = self.linear(&act, n, down, None)?;
-            moe.scatter_add_rows(&mut out, &y, &idx, &weights, d)?;
+            (ids, self.gpu.upload(&weights)?)
+        };
+        // Counting sort of the slots by expert, each expert's rows in row order.
+        let mut start = vec![0usize; ne + 1];
+        for &e in &ids {
+            start[e + 1] += 1;
         }
+        for e in 0..ne {
+            start[e + 1] += start[e];
+        }
+        let (mut fill, mut token, mut pos) = (start.clone(), vec![0u32; slots], vec![0u32; slots]);
+        for (slot, &e) in ids.iter().enumerate() {
+            let at = fill[e];
+            fill[e] += 1;
+            (token[at], pos[slot]) = ((slot / top_k) as u32, at as u32);
+        }
+        let mut gathered = self.gpu.alloc::<f32>(slots * d)?;
+        self.embedding.embed_lookup(x, d, &GpuIds::new(&self.gpu, &token)?, 1.0, &mut gathered)?;
+        let w = experts.width;
+        let groups = |m: fn(&(GpuMatrix, GpuMatrix)) -> &GpuMatrix| -> Vec<(&GpuMatrix, usize, usize)> {
+            experts.experts.iter().enumerate().map(|(e, pair)| (m(pair), start[e], start[e + 1] - start[e])).collect()
+        };
+        let mut gu = self.gpu.alloc::<f32>(slots * 2 * w)?;
+        self.blas.grouped_linear(&gathered, &groups(|p| &p.0), &mut gu)?;
+        drop(gathered);
+        let act = self.silu_mul(View::new(&gu, 0, 2 * w), View::new(&gu, w, 2 * w), slots, w)?;
+        drop(gu);
+        let mut y = self.gpu.alloc::<f32>(slots * d)?;
+        self.blas.grouped_linear(&act, &groups(|p| &p.1), &mut y)?;
+        let mut out = self.gpu.alloc::<f32>(rows * d)?;
+        let moe = &self.llm()?.moe;
+        moe.combine(&y, Some(&pos), &weights, top_k, d, &mut out)?;
         Ok(out)
     }
 

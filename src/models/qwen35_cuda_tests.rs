@@ -17,6 +17,10 @@ use crate::kernels::sample::{select_rows, LogitsWant};
 use crate::models::qwen35::{Qwen35, Qwen35State};
 
 const BOUND: f64 = 1e-5;
+/// Fast mode's routed experts against the f32 CPU (‖Δ‖/‖ref‖): each product's operands are
+/// rounded to bf16 (2^-9 relative each), the inputs ±1 and weights ±0.2.
+const FAST_MOE_BOUND: f64 = 2e-2;
+
 /// f32 logits against the CPU, relative to the row's logit scale (the golden tests' measure).
 const LOGIT_BOUND: f64 = 1e-4;
 
@@ -124,18 +128,22 @@ fn cuda_llm_ops_match_cpu() {
     }
 
     // The routed experts against the CPU's loop: up to GEMV_MAX_ROWS rows routed on the device
-    // (routed GEMVs, then the combine), more on the host (per expert a gathered product and a
-    // weighted scatter-add).
+    // (routed GEMVs, then the combine), more with their slots sorted by expert (each expert's
+    // products over its rows, then the combine through the sorted positions); top-k past the
+    // device routing's limit routes on the host.
     // Q8_0 experts (whole 32-weight blocks: d and width multiples of 32) take the routed Q8_0
-    // GEMVs.
+    // GEMVs, or are expanded for the sorted rows' products.
     for &(rows, d, width, ne, k, q8) in &[
         (1usize, 64usize, 32usize, 8usize, 2usize, false),
         (5, 64, 32, 16, 4, false),
         (8, 128, 48, 40, 8, false),
         (45, 128, 48, 16, 4, false),
         (9, 64, 32, 4, 4, false),
+        (300, 64, 32, 24, 24, false),
         (1, 64, 64, 8, 2, true),
         (7, 128, 64, 16, 4, true),
+        (300, 128, 64, 64, 8, true),
+        (33, 64, 32, 40, 17, true),
     ] {
         use crate::formats::{Matrix, Q8Tensor, Tensor};
         let mk = |r: usize, c: usize, rng: &mut crate::kernels::gated_delta::test_util::Lcg| {
@@ -152,8 +160,12 @@ fn cuda_llm_ops_match_cpu() {
         let x = rng.vec(rows * d, -1.0, 1.0);
         let logits = rng.vec(rows * ne, -3.0, 3.0);
         let want = cpu.moe(&x, d, &logits, &cpu.experts(experts.clone()).unwrap(), k).unwrap();
-        let got = ops.moe(&up(&x), d, &up(&logits), &ops.experts(experts).unwrap(), k).unwrap();
+        let got = ops.moe(&up(&x), d, &up(&logits), &ops.experts(experts.clone()).unwrap(), k).unwrap();
         check(&format!("moe {rows}×{d}, {ne} experts top-{k}, q8_0 {q8}"), &gpu.download(&got).unwrap(), &want, BOUND);
+        // Fast mode: bf16 operands (tensor-core products for the sorted rows), the same
+        // routing; the error is that of the operands' bf16 rounding.
+        let fast = ops16.moe(&up(&x), d, &up(&logits), &ops16.experts(experts).unwrap(), k).unwrap();
+        check(&format!("fast moe {rows}×{d}, {ne} experts top-{k}, q8_0 {q8}"), &gpu.download(&fast).unwrap(), &want, FAST_MOE_BOUND);
     }
 }
 

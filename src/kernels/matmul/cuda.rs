@@ -452,16 +452,96 @@ impl Blas {
                 (wp, blas_sys::cudaDataType_t::CUDA_R_16BF, g.ptr(xb), blas_sys::cudaDataType_t::CUDA_R_16BF)
             }
         };
-        self.gemm(operands, rows, w, y)
+        self.gemm(operands, rows, w, g.ptr(y))
     }
 
-    /// The cuBLAS product on prepared operands (weights, their type, X, its type).
-    fn gemm(&self, (wp, a_type, xp, b_type): (u64, blas_sys::cudaDataType_t, u64, blas_sys::cudaDataType_t), rows: usize, w: &GpuMatrix, y: &mut CudaSlice<f32>) -> Result<()> {
+    /// Y[r0 .. r0 + n] = X[r0 .. r0 + n]·W_gᵀ for each group (W_g, r0, n) of the rows of one X
+    /// ([rows][in]) into one Y ([rows][out]): a mixture-of-experts layer's products over its
+    /// rows sorted by expert, each expert's weights read once for all its rows. The matrices
+    /// share one shape and storage type. X is rounded to bf16 once (fast mode), and each
+    /// expert's stored weights are expanded into one scratch buffer that every group reuses
+    /// in stream order. CPU twin: [`super::linear_w`] of each group's rows.
+    pub fn grouped_linear(&self, x: &CudaSlice<f32>, groups: &[(&GpuMatrix, usize, usize)], y: &mut CudaSlice<f32>) -> Result<()> {
+        let Some(&(first, ..)) = groups.first() else { return Ok(()) };
+        let (out, inp) = (first.out, first.inp);
+        if inp == 0 || x.len() % inp != 0 {
+            return Err(Error::Shape(format!("grouped linear: {} inputs are not rows of {inp}", x.len())));
+        }
+        let rows = x.len() / inp;
+        check_len("grouped linear output", y.len(), rows * out)?;
+        let kind = |w: &GpuWeights| std::mem::discriminant(w);
+        for &(w, r0, n) in groups {
+            if w.out != out || w.inp != inp || kind(&w.w) != kind(&first.w) || r0 + n > rows {
+                return Err(Error::Shape(format!(
+                    "grouped linear: rows {r0}..{} of {rows} with a {}×{} matrix among {out}×{inp} ones of one type",
+                    r0 + n,
+                    w.out,
+                    w.inp
+                )));
+            }
+        }
+        if out == 0 {
+            return Ok(());
+        }
+        let g = &self.gpu;
+        let n_w = out * inp;
+        let bf16 = self.tensor_cores && !matches!(first.w, GpuWeights::F32(_));
+        // Scratch operands live until the last product is queued (the stream orders their reuse).
+        let mut x16 = None;
+        let (xp, x_type, x_bytes) = if bf16 {
+            let xb = x16.insert(g.alloc::<u16>(x.len())?);
+            self.to_bf16(x, xb)?;
+            (g.ptr(xb), blas_sys::cudaDataType_t::CUDA_R_16BF, 2)
+        } else {
+            (g.ptr(x), blas_sys::cudaDataType_t::CUDA_R_32F, 4)
+        };
+        let (mut w32, mut w16) = (None, None);
+        let yp = g.ptr(y);
+        for &(w, r0, n) in groups {
+            if n == 0 {
+                continue;
+            }
+            let (wp, w_type) = match (&w.w, bf16) {
+                (GpuWeights::F32(wd), _) => (g.ptr(wd), blas_sys::cudaDataType_t::CUDA_R_32F),
+                (GpuWeights::Bf16(wd), true) => (g.ptr(wd), blas_sys::cudaDataType_t::CUDA_R_16BF),
+                (GpuWeights::Bf16(wd), false) => {
+                    let e = match &mut w32 {
+                        Some(e) => e,
+                        None => w32.insert(g.alloc::<f32>(n_w)?),
+                    };
+                    self.expand(&self.expand_bf16_f32, &[g.ptr(wd)], n_w, g.ptr(e))?;
+                    (g.ptr(e), blas_sys::cudaDataType_t::CUDA_R_32F)
+                }
+                (GpuWeights::Q8 { quants, scales }, false) => {
+                    let e = match &mut w32 {
+                        Some(e) => e,
+                        None => w32.insert(g.alloc::<f32>(n_w)?),
+                    };
+                    self.expand(&self.expand_q8_f32, &[g.ptr(quants), g.ptr(scales)], n_w, g.ptr(e))?;
+                    (g.ptr(e), blas_sys::cudaDataType_t::CUDA_R_32F)
+                }
+                (GpuWeights::Q8 { quants, scales }, true) => {
+                    let e = match &mut w16 {
+                        Some(e) => e,
+                        None => w16.insert(g.alloc::<u16>(n_w)?),
+                    };
+                    self.expand(&self.expand_q8_bf16, &[g.ptr(quants), g.ptr(scales)], n_w, g.ptr(e))?;
+                    (g.ptr(e), blas_sys::cudaDataType_t::CUDA_R_16BF)
+                }
+            };
+            let at = (r0 * inp * x_bytes) as u64;
+            self.gemm((wp, w_type, xp + at, x_type), n, w, yp + (r0 * out * 4) as u64)?;
+        }
+        Ok(())
+    }
+
+    /// The cuBLAS product on prepared operands (weights, their type, X, its type) into the f32
+    /// rows at `yp`.
+    fn gemm(&self, (wp, a_type, xp, b_type): (u64, blas_sys::cudaDataType_t, u64, blas_sys::cudaDataType_t), rows: usize, w: &GpuMatrix, yp: u64) -> Result<()> {
         let (m, n, k) = (int_arg("linear out", w.out)?, int_arg("linear rows", rows)?, int_arg("linear in", w.inp)?);
-        let yp = self.gpu.ptr(y);
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: W holds out × in, X rows × in and Y rows × out elements of the types named
-        // (checked by the caller); the handle is bound to the GPU's stream.
+        // (checked by the callers); the handle is bound to the GPU's stream.
         unsafe {
             blas::gemm_ex(
                 *self.handle.handle(),

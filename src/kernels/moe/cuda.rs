@@ -1,11 +1,12 @@
-//! Launchers of `moe.cu`, with the checks of the CPU twins in this folder. Two ways to route:
-//! - many rows (a prompt): on the host ([`super::route`]) over the router's logits read back
-//!   from the device; the rows each expert gets decide which grouped products run, each
-//!   expert's weights read once for all its rows;
-//! - a few rows (a decode step): on the device ([`MoeCuda::route`]), the products reading each
-//!   (row, choice)'s expert from the ids it wrote ([`crate::kernels::matmul::cuda::Blas::routed`])
-//!   and [`MoeCuda::combine`] adding them up: nothing goes back to the host, so the step can be
-//!   recorded as a graph.
+//! Launchers of `moe.cu`, with the checks of the CPU twins in this folder. Rows are routed on
+//! the device ([`MoeCuda::route`]; on the host, [`super::route`], past its limits), then:
+//! - many rows (a prompt): the ids come back to the host, which sorts the (row, choice) slots
+//!   by expert; each expert's products run once over its slice of the gathered rows
+//!   ([`crate::kernels::matmul::cuda::Blas::grouped_linear`]), and [`MoeCuda::combine`] reads
+//!   each slot's output back by its sorted position;
+//! - a few rows (a decode step): the products read each slot's expert from the ids on the
+//!   device ([`crate::kernels::matmul::cuda::Blas::routed`]) and [`MoeCuda::combine`] adds them
+//!   up: nothing goes back to the host, so the step can be recorded as a graph.
 
 use std::sync::Arc;
 
@@ -18,7 +19,6 @@ pub const SOURCE: KernelSource =
 
 pub struct MoeCuda {
     gpu: Arc<Gpu>,
-    scatter: CudaFunction,
     gated: CudaFunction,
     route: CudaFunction,
     combine: CudaFunction,
@@ -36,7 +36,6 @@ fn grid(n: usize) -> Result<LaunchConfig> {
 impl MoeCuda {
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
         Ok(MoeCuda {
-            scatter: gpu.function(&SOURCE, "tern_scatter_add_rows")?,
             gated: gpu.function(&SOURCE, "tern_add_sigmoid_gated")?,
             route: gpu.function(&SOURCE, "tern_moe_route")?,
             combine: gpu.function(&SOURCE, "tern_moe_combine")?,
@@ -72,50 +71,35 @@ impl MoeCuda {
         Ok(())
     }
 
-    /// out[r] = Σ_j y[r·k + j]·weights[r·k + j], rows of `d`, the choices added in order from
-    /// zero. CPU twin: the accumulation in [`super::moe_experts`].
-    pub fn combine(&self, y: &CudaSlice<f32>, weights: &CudaSlice<f32>, k: usize, d: usize, out: &mut CudaSlice<f32>) -> Result<()> {
+    /// out[r] = Σ_j y[s]·weights[r·k + j], rows of `d`, the choices added in order from zero;
+    /// s is the slot r·k + j, or with `pos` the row pos[r·k + j] of y that holds that slot's
+    /// output (rows of a prompt's experts sorted by expert; uploaded here). CPU twin: the
+    /// accumulation in [`super::moe_experts`].
+    pub fn combine(&self, y: &CudaSlice<f32>, pos: Option<&[u32]>, weights: &CudaSlice<f32>, k: usize, d: usize, out: &mut CudaSlice<f32>) -> Result<()> {
         if d == 0 || k == 0 || out.len() % d != 0 {
             return Err(Error::Shape(format!("moe combine: {} outputs as rows of {d}, {k} choices", out.len())));
         }
         let rows = out.len() / d;
         check_len("moe combine weights", weights.len(), rows * k)?;
         check_len("moe combine input", y.len(), rows * k * d)?;
+        if let Some(p) = pos {
+            check_len("moe combine positions", p.len(), rows * k)?;
+            if let Some(&bad) = p.iter().find(|&&s| s as usize >= rows * k) {
+                return Err(Error::Shape(format!("moe combine: position {bad} of {} outputs", rows * k)));
+            }
+        }
         if rows == 0 {
             return Ok(());
         }
         let g = &self.gpu;
+        let pos = pos.map(|p| g.upload(p)).transpose()?;
         let (ri, ki, di) = (int_arg("rows", rows)?, int_arg("top-k", k)?, int_arg("width", d)?);
-        let (yp, wp, op) = (g.ptr(y), g.ptr(weights), g.ptr(out));
+        let (yp, wp, pp, op) = (g.ptr(y), g.ptr(weights), g.ptr_opt(pos.as_ref()), g.ptr(out));
         let mut l = g.launch_builder(&self.combine);
-        l.arg(&yp).arg(&wp).arg(&ri).arg(&ki).arg(&di).arg(&op);
-        // SAFETY: argument types match tern_moe_combine; y holds rows × k × d, weights rows × k
-        // and out rows × d (checked).
+        l.arg(&yp).arg(&wp).arg(&pp).arg(&ri).arg(&ki).arg(&di).arg(&op);
+        // SAFETY: argument types match tern_moe_combine; y holds rows × k × d, weights (and
+        // pos, each value below rows × k) rows × k and out rows × d (checked).
         unsafe { l.launch(grid(rows * d)?) }.map_err(driver_err("launching tern_moe_combine"))?;
-        Ok(())
-    }
-
-    /// out[rows[r]] += y[r]·weights[r] (rows of `d`; `rows` distinct, each below `out`'s row count).
-    pub fn scatter_add_rows(&self, out: &mut CudaSlice<f32>, y: &CudaSlice<f32>, rows: &[u32], weights: &[f32], d: usize) -> Result<()> {
-        check_len("scatter_add weights", weights.len(), rows.len())?;
-        check_len("scatter_add input", y.len(), rows.len() * d)?;
-        if d == 0 || out.len() % d != 0 {
-            return Err(Error::Shape(format!("scatter_add: {} elements are not rows of {d}", out.len())));
-        }
-        if let Some(&r) = rows.iter().find(|&&r| r as usize >= out.len() / d) {
-            return Err(Error::Shape(format!("scatter_add: row {r} of {}", out.len() / d)));
-        }
-        if rows.is_empty() {
-            return Ok(());
-        }
-        let g = &self.gpu;
-        let (rows_d, weights_d) = (g.upload(rows)?, g.upload(weights)?);
-        let (n, dw) = (int_arg("scatter rows", rows.len())?, int_arg("scatter width", d)?);
-        let (op, yp, rp, wp) = (g.ptr(out), g.ptr(y), g.ptr(&rows_d), g.ptr(&weights_d));
-        let mut l = g.launch_builder(&self.scatter);
-        l.arg(&op).arg(&yp).arg(&rp).arg(&wp).arg(&n).arg(&dw);
-        // SAFETY: argument types match; every row index is inside `out` (checked), y holds n × d.
-        unsafe { l.launch(grid(rows.len() * d)?) }.map_err(driver_err("launching tern_scatter_add_rows"))?;
         Ok(())
     }
 

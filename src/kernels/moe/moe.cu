@@ -5,20 +5,6 @@
 // rounded before the add (__fmul_rn keeps the compiler from fusing them into one FMA), as on
 // the CPU, so each addition rounds the same way there and here.
 
-// out[rows[r]] += y[r]·weights[r] for r < n, rows of d. Within one launch the rows are
-// distinct (an expert sees a token once), so no two threads add to the same element.
-extern "C" __global__ void tern_scatter_add_rows(float* __restrict__ out, const float* __restrict__ y,
-                                                 const tern_u32* __restrict__ rows, const float* __restrict__ weights,
-                                                 int n, int d) {
-    tern_await_prior_kernel();
-    const size_t total = (size_t)n * d;
-    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
-        const size_t r = e / d, i = e % d;
-        float* o = out + (size_t)rows[r] * d + i;
-        *o = *o + __fmul_rn(y[e], weights[r]);
-    }
-}
-
 // out[r] += sigmoid(gate[r])·y[r], rows of d.
 extern "C" __global__ void tern_add_sigmoid_gated(float* __restrict__ out, const float* __restrict__ y,
                                                   const float* __restrict__ gate, int n, int d) {
@@ -101,16 +87,22 @@ extern "C" __global__ void tern_moe_route(const float* __restrict__ logits, int 
     }
 }
 
-// out[r] = Σ_j y[r·k + j]·weights[r·k + j] over a row's k routed outputs (rows of d), added in
-// slot order from zero, each product rounded first: the CPU's sequence of additions.
-extern "C" __global__ void tern_moe_combine(const float* __restrict__ y, const float* __restrict__ weights, int rows,
-                                            int k, int d, float* __restrict__ out) {
+// out[r] = Σ_j y[s·d ..]·weights[r·k + j] over a row's k routed outputs (rows of d), s the
+// slot r·k + j itself or, with `pos`, the row pos[r·k + j] of y that holds it (the outputs of a
+// prompt's experts, whose rows are sorted by expert). Added in slot order from zero, each
+// product rounded first: the CPU's sequence of additions.
+extern "C" __global__ void tern_moe_combine(const float* __restrict__ y, const float* __restrict__ weights,
+                                            const tern_u32* __restrict__ pos, int rows, int k, int d,
+                                            float* __restrict__ out) {
     tern_await_prior_kernel();
     const size_t total = (size_t)rows * d;
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
         const size_t r = e / d, c = e % d;
         float acc = 0.0f;
-        for (int j = 0; j < k; ++j) acc = acc + __fmul_rn(y[(r * k + j) * d + c], weights[r * k + j]);
+        for (int j = 0; j < k; ++j) {
+            const size_t slot = r * k + j, at = pos ? (size_t)pos[slot] : slot;
+            acc = acc + __fmul_rn(y[at * d + c], weights[slot]);
+        }
         out[e] = acc;
     }
 }
