@@ -122,8 +122,9 @@ pub trait Ops: Send + Sync + Sized {
     fn vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
     fn table(&self, t: Matrix) -> Result<Self::Table>;
     fn rope(&self, t: RopeTable) -> Result<Self::Rope>;
-    /// Experts as `(gate, up, down)` matrices, each [intermediate][hidden] or [hidden][intermediate].
-    fn experts(&self, experts: Vec<[Matrix; 3]>) -> Result<Self::Experts>;
+    /// Experts as `(gate, up, down)` matrices, each [intermediate][hidden] or [hidden][intermediate],
+    /// and the layer's shared expert (of its own intermediate width) if it has one.
+    fn experts(&self, experts: Vec<[Matrix; 3]>, shared: Option<[Matrix; 3]>) -> Result<Self::Experts>;
     /// The batch of `ids` laid out by `segments`; the ids were checked against the vocabulary.
     fn batch(&self, segments: &[Segment], ids: &[u32]) -> Result<Self::Batch> {
         self.batch_at(segments, ids, &vec![0; segments.len()])
@@ -334,11 +335,19 @@ pub trait Ops: Send + Sync + Sized {
         caches: &mut [&mut Self::Kv],
         shape: &AttentionShape,
     ) -> Result<Self::Buf>;
-    /// The routed experts' mix for each row of `x` (rows of `d`): softmax of `router_logits`
-    /// in f32 → top-k → renormalised weights, Σ weight·down(silu(gate·x)·up·x).
+    /// A MoE layer's FFN for each row of `x` (rows of `d`): the routed experts' mix — softmax
+    /// of the experts' logits in f32 → top-k → renormalised weights, Σ weight·down(silu(gate·x)·up·x)
+    /// — then, with a shared expert, `+= sigmoid(g)·shared(x)`. `router_logits` is [rows][experts],
+    /// or [rows][experts + 1] with the shared expert's gate logit g last (the router and that
+    /// gate stacked into one product).
     fn moe(&self, x: &Self::Buf, d: usize, router_logits: &Self::Buf, experts: &Self::Experts, top_k: usize) -> Result<Self::Buf>;
-    /// `out += sigmoid(gate[r])·y` per row of `d` (`gate` is [rows][1]).
-    fn add_sigmoid_gated(&self, out: &mut Self::Buf, y: &Self::Buf, gate: &Self::Buf, d: usize) -> Result<()>;
+}
+
+/// A MoE layer's experts on the host: the routed ones, and the shared expert (gate|up, down,
+/// its width).
+pub struct CpuExperts {
+    pub routed: Vec<Expert>,
+    pub shared: Option<(CpuMat, CpuMat, usize)>,
 }
 
 /// The CPU reference backend.
@@ -413,7 +422,7 @@ impl Ops for CpuOps {
     type Rope = RopeTable;
     type Batch = CpuBatch;
     type Kv = CpuKv;
-    type Experts = Vec<Expert>;
+    type Experts = CpuExperts;
 
     fn matrix(&self, w: Matrix) -> Result<CpuMat> {
         let (out, inp) = matrix_shape(&w)?;
@@ -442,8 +451,20 @@ impl Ops for CpuOps {
     fn rope(&self, t: RopeTable) -> Result<RopeTable> {
         Ok(t)
     }
-    fn experts(&self, experts: Vec<[Matrix; 3]>) -> Result<Vec<Expert>> {
-        experts.into_iter().map(Expert::new).collect()
+    fn experts(&self, experts: Vec<[Matrix; 3]>, shared: Option<[Matrix; 3]>) -> Result<CpuExperts> {
+        let routed = experts.into_iter().map(Expert::new).collect::<Result<Vec<_>>>()?;
+        let shared = match shared {
+            Some([gate, up, down]) => {
+                let (width, hidden) = matrix_shape(&gate)?;
+                if matrix_shape(&up)? != (width, hidden) || matrix_shape(&down)? != (hidden, width) || routed.iter().any(|e| e.hidden != hidden) {
+                    return Err(Error::tensor(down.name(), "shared expert matrices do not fit the experts' hidden size"));
+                }
+                let name = gate.name().to_string();
+                Some((self.stacked(name, vec![gate, up])?, self.matrix(down)?, width))
+            }
+            None => None,
+        };
+        Ok(CpuExperts { routed, shared })
     }
     fn batch_at(&self, segments: &[Segment], ids: &[u32], past: &[usize]) -> Result<CpuBatch> {
         check_past(segments, past)?;
@@ -674,18 +695,24 @@ impl Ops for CpuOps {
         Ok(out)
     }
 
-    fn moe(&self, x: &Vec<f32>, d: usize, router_logits: &Vec<f32>, experts: &Vec<Expert>, top_k: usize) -> Result<Vec<f32>> {
-        moe_experts(x, d, router_logits, experts, top_k)
-    }
-
-    fn add_sigmoid_gated(&self, out: &mut Vec<f32>, y: &Vec<f32>, gate: &Vec<f32>, d: usize) -> Result<()> {
-        check_len("add_sigmoid_gated input", y.len(), out.len())?;
-        check_len("add_sigmoid_gated gate", gate.len() * d, out.len())?;
-        for ((o, yr), &g) in out.chunks_mut(d).zip(y.chunks(d)).zip(gate) {
-            let s = crate::kernels::gated_delta::sigmoid(g);
+    fn moe(&self, x: &Vec<f32>, d: usize, router_logits: &Vec<f32>, experts: &CpuExperts, top_k: usize) -> Result<Vec<f32>> {
+        let Some((gate_up, down, width)) = &experts.shared else {
+            return moe_experts(x, d, router_logits, &experts.routed, top_k);
+        };
+        let ne = experts.routed.len();
+        if d == 0 || x.len() % d != 0 {
+            return Err(Error::Shape(format!("moe input: {} elements are not rows of {d}", x.len())));
+        }
+        let rows = x.len() / d;
+        check_len("moe router logits", router_logits.len(), rows * (ne + 1))?;
+        let mut out = moe_experts(x, d, &gather(router_logits, 0, ne + 1, rows, ne), &experts.routed, top_k)?;
+        let act = self.glu(x, rows, gate_up, *width, GatedActivation::Silu)?;
+        let y = self.linear(&act, rows, down, None)?;
+        for ((o, yr), g) in out.chunks_mut(d).zip(y.chunks(d)).zip(router_logits.chunks(ne + 1)) {
+            let s = crate::kernels::gated_delta::sigmoid(g[ne]);
             o.iter_mut().zip(yr).for_each(|(o, &v)| *o += s * v);
         }
-        Ok(())
+        Ok(out)
     }
 }
 

@@ -152,9 +152,13 @@ pub struct CudaBatch {
 /// The experts of one MoE layer on the device: gate and up stacked, and down, per expert.
 pub struct GpuExperts {
     experts: Vec<(GpuMatrix, GpuMatrix)>,
+    /// The shared expert: gate|up, down and its width.
+    shared: Option<(GpuMatrix, GpuMatrix, usize)>,
     /// Address tables of the experts' gate|up and down matrices for the device routing of few
-    /// rows (None when the matrices do not suit the routed GEMV: the host routing then serves).
+    /// rows (None when the matrices do not suit the routed GEMV: the host routing then serves),
+    /// the shared expert last where it has the routed experts' shape and type (`shared_routed`).
     routed: Option<(GpuMatrixTable, GpuMatrixTable)>,
+    shared_routed: bool,
     width: usize,
     hidden: usize,
 }
@@ -218,6 +222,18 @@ impl Drop for OpTimer<'_> {
 }
 
 impl CudaOps {
+    /// out += sigmoid(gate)·shared(x) for a MoE layer's `rows` rows, the shared expert as a
+    /// dense MLP (a prompt's rows, or a shared expert of another shape than the routed ones),
+    /// its gate logit the router's last column.
+    fn add_shared_expert(&self, x: &CudaSlice<f32>, rows: usize, router_logits: &CudaSlice<f32>, experts: &GpuExperts, out: &mut CudaSlice<f32>) -> Result<()> {
+        let Some((gate_up, down, width)) = &experts.shared else { return Ok(()) };
+        let act = self.glu(x, rows, gate_up, *width, GatedActivation::Silu)?;
+        let y = self.linear(&act, rows, down, None)?;
+        let ne = experts.experts.len();
+        let _timer = self.op_timer("add_sigmoid_gated");
+        self.llm()?.moe.add_sigmoid_gated(out, &y, router_logits, ne, ne + 1, experts.hidden)
+    }
+
     /// Compiles (through the cache) and loads every encoder kernel on `gpu`.
     pub fn new(gpu: Arc<Gpu>, precision: Precision) -> Result<Self> {
         Ok(CudaOps {
@@ -473,7 +489,7 @@ impl Ops for CudaOps {
         Ok(m)
     }
 
-    fn experts(&self, experts: Vec<[Matrix; 3]>) -> Result<GpuExperts> {
+    fn experts(&self, experts: Vec<[Matrix; 3]>, shared: Option<[Matrix; 3]>) -> Result<GpuExperts> {
         let (mut width, mut hidden) = (0, 0);
         let mut out = Vec::with_capacity(experts.len());
         for [gate, up, down] in experts {
@@ -485,13 +501,35 @@ impl Ops for CudaOps {
             let name = gate.name().to_string();
             out.push((self.stacked(name, vec![gate, up])?, self.upload_matrix(&down)?));
         }
-        let gate_ups: Vec<&GpuMatrix> = out.iter().map(|(gu, _)| gu).collect();
-        let downs: Vec<&GpuMatrix> = out.iter().map(|(_, d)| d).collect();
-        let routed = match (self.blas.matrix_table(&gate_ups)?, self.blas.matrix_table(&downs)?) {
-            (Some(gu), Some(d)) if out.len() <= MAX_DEVICE_EXPERTS => Some((gu, d)),
+        let shared = match shared {
+            Some([gate, up, down]) => {
+                let (w, h) = matrix_shape(&gate)?;
+                if matrix_shape(&up)? != (w, h) || matrix_shape(&down)? != (h, w) || (!out.is_empty() && h != hidden) {
+                    return Err(Error::tensor(down.name(), "shared expert matrices do not fit the experts' hidden size"));
+                }
+                let name = gate.name().to_string();
+                Some((self.stacked(name, vec![gate, up])?, self.upload_matrix(&down)?, w))
+            }
+            None => None,
+        };
+        let tables = |with_shared: bool| -> Result<Option<(GpuMatrixTable, GpuMatrixTable)>> {
+            let shared = shared.iter().filter(|_| with_shared);
+            let gate_ups: Vec<&GpuMatrix> = out.iter().map(|(gu, _)| gu).chain(shared.clone().map(|s| &s.0)).collect();
+            let downs: Vec<&GpuMatrix> = out.iter().map(|(_, d)| d).chain(shared.map(|s| &s.1)).collect();
+            Ok(match (self.blas.matrix_table(&gate_ups)?, self.blas.matrix_table(&downs)?) {
+                (Some(gu), Some(d)) if out.len() <= MAX_DEVICE_EXPERTS => Some((gu, d)),
+                _ => None,
+            })
+        };
+        // The shared expert joins the tables where it has the routed experts' shape (and their
+        // storage type: the tables' own check); a decode step then runs it as one more slot.
+        let with_shared = match &shared {
+            Some((_, _, w)) if *w == width && !out.is_empty() => tables(true)?,
             _ => None,
         };
-        Ok(GpuExperts { experts: out, routed, width, hidden })
+        let shared_routed = with_shared.is_some();
+        let routed = if shared_routed { with_shared } else { tables(false)? };
+        Ok(GpuExperts { experts: out, shared, routed, shared_routed, width, hidden })
     }
 
     fn vector(&self, v: Vec<f32>) -> Result<CudaSlice<f32>> {
@@ -958,20 +996,27 @@ impl Ops for CudaOps {
         }
         let rows = x.len() / d;
         let ne = experts.experts.len();
-        check_len("moe router logits", router_logits.len(), rows * ne)?;
+        // The router's output: the experts' logits, then the shared expert's gate.
+        let stride = ne + experts.shared.is_some() as usize;
+        check_len("moe router logits", router_logits.len(), rows * stride)?;
         // A few rows (decode) route on the device: nothing is read back, so the step records.
+        // The shared expert, where it shares the tables, is each row's last slot.
         if let (Some((gate_up, down)), true) = (&experts.routed, rows <= GEMV_MAX_ROWS && top_k <= MAX_DEVICE_TOP_K && top_k <= ne) {
             let moe = &self.llm()?.moe;
-            let slots = rows * top_k;
+            let per_row = top_k + experts.shared_routed as usize;
+            let slots = rows * per_row;
             let (mut ids, mut weights) = (self.gpu.alloc::<i32>(slots)?, self.gpu.alloc::<f32>(slots)?);
-            moe.route(router_logits, ne, top_k, &mut ids, &mut weights)?;
+            moe.route(router_logits, ne, stride, top_k, experts.shared_routed, &mut ids, &mut weights)?;
             // Each slot's silu(gate)·up straight from its gate|up product, then its down product.
             let mut act = self.gpu.alloc::<f32>(slots * experts.width)?;
-            self.blas.routed(gate_up, &ids, slots, x, top_k, GemvOutput::Silu, &mut act)?;
+            self.blas.routed(gate_up, &ids, slots, x, per_row, GemvOutput::Silu, &mut act)?;
             let mut y = self.gpu.alloc::<f32>(slots * d)?;
             self.blas.routed(down, &ids, slots, &act, 1, GemvOutput::Plain, &mut y)?;
             let mut out = self.gpu.alloc::<f32>(rows * d)?;
-            moe.combine(&y, None, &weights, top_k, d, &mut out)?;
+            moe.combine(&y, None, &weights, per_row, d, &mut out)?;
+            if !experts.shared_routed {
+                self.add_shared_expert(x, rows, router_logits, experts, &mut out)?;
+            }
             return Ok(out);
         }
         // Many rows (a prompt): each (row, choice) slot's input gathered into rows sorted by
@@ -982,11 +1027,12 @@ impl Ops for CudaOps {
         let slots = rows * top_k;
         let (ids, weights) = if top_k <= MAX_DEVICE_TOP_K && top_k <= ne && ne <= MAX_DEVICE_EXPERTS {
             let (mut ids, mut weights) = (self.gpu.alloc::<i32>(slots)?, self.gpu.alloc::<f32>(slots)?);
-            self.llm()?.moe.route(router_logits, ne, top_k, &mut ids, &mut weights)?;
+            self.llm()?.moe.route(router_logits, ne, stride, top_k, false, &mut ids, &mut weights)?;
             let ids = self.gpu.download(&ids)?.into_iter().map(|e| usize::try_from(e).ok().filter(|&e| e < ne));
             (ids.collect::<Option<Vec<usize>>>().ok_or_else(|| Error::Cuda("moe routing on the device chose an expert outside the table".into()))?, weights)
         } else {
-            let routed = crate::kernels::moe::route(&self.to_host(router_logits)?, ne, top_k)?;
+            let logits: Vec<f32> = self.to_host(router_logits)?.chunks(stride).flat_map(|r| r[..ne].iter().copied()).collect();
+            let routed = crate::kernels::moe::route(&logits, ne, top_k)?;
             let (mut ids, mut weights, mut taken) = (vec![0usize; slots], vec![0.0f32; slots], vec![0usize; rows]);
             for (e, tokens) in routed.iter().enumerate() {
                 for &(t, w) in tokens {
@@ -1027,13 +1073,10 @@ impl Ops for CudaOps {
         let mut out = self.gpu.alloc::<f32>(rows * d)?;
         let moe = &self.llm()?.moe;
         moe.combine(&y, Some(&pos), &weights, top_k, d, &mut out)?;
+        self.add_shared_expert(x, rows, router_logits, experts, &mut out)?;
         Ok(out)
     }
 
-    fn add_sigmoid_gated(&self, out: &mut CudaSlice<f32>, y: &CudaSlice<f32>, gate: &CudaSlice<f32>, d: usize) -> Result<()> {
-        let _timer = self.op_timer("add_sigmoid_gated");
-        self.llm()?.moe.add_sigmoid_gated(out, y, gate, d)
-    }
 }
 
 #[cfg(test)]

@@ -423,9 +423,10 @@ struct Mlp<O: Ops> {
 
 enum Ffn<O: Ops> {
     Dense(Mlp<O>),
-    /// Router [experts][hidden] (softmax in f32 → top-k → renormalise), the experts, and the
-    /// shared expert with its sigmoid gate [1][hidden].
-    Moe { router: O::Mat, experts: O::Experts, top_k: usize, shared: Mlp<O>, shared_gate: O::Mat },
+    /// Router [experts][hidden] (softmax in f32 → top-k → renormalise) with the shared
+    /// expert's sigmoid gate [1][hidden] stacked under it (one product), and the experts, the
+    /// shared one among them ([`Ops::moe`]).
+    Moe { router: O::Mat, experts: O::Experts, top_k: usize },
 }
 
 /// Per-sequence state: conv and recurrent state of each linear layer, KV cache of each full
@@ -537,15 +538,19 @@ impl<O: Ops> Qwen35<O> {
                     out: mat(&format!("{l}linear_attn.out_proj.weight"), h, vd)?,
                 })
             };
-            let mlp = |prefix: &str, width: usize| -> Result<Mlp<O>> {
+            // A gated MLP's gate, up and down matrices, which every token reads.
+            let mlp = |prefix: &str, width: usize| -> Result<[Matrix; 3]> {
                 let (g, u, d) = (raw(&format!("{prefix}gate_proj.weight"), width, h)?, raw(&format!("{prefix}up_proj.weight"), width, h)?, raw(&format!("{prefix}down_proj.weight"), h, width)?);
                 for m in [&g, &u, &d] {
                     Footprint::add(&mut fp.borrow_mut().dense, m);
                 }
-                Ok(Mlp { gate_up: ops.stacked(format!("{prefix}gate_up"), vec![g, u])?, down: ops.matrix(d)?, width })
+                Ok([g, u, d])
             };
             let ffn = match &cfg.moe {
-                None => Ffn::Dense(mlp(&format!("{l}mlp."), cfg.intermediate)?),
+                None => {
+                    let [g, u, d] = mlp(&format!("{l}mlp."), cfg.intermediate)?;
+                    Ffn::Dense(Mlp { gate_up: ops.stacked(format!("{l}mlp.gate_up"), vec![g, u])?, down: ops.matrix(d)?, width: cfg.intermediate })
+                }
                 Some(moe) => {
                     let (ne, ei, si) = (moe.experts, moe.expert_intermediate, moe.shared_intermediate);
                     let shared = mlp(&format!("{l}mlp.shared_expert."), si)?;
@@ -565,11 +570,9 @@ impl<O: Ops> Qwen35<O> {
                         Footprint::add(&mut fp.borrow_mut().dense, m);
                     }
                     Ffn::Moe {
-                        router: ops.matrix(router)?,
-                        experts: ops.experts(experts)?,
+                        router: ops.stacked(format!("{l}mlp.gate+shared_expert_gate"), vec![router, shared_gate])?,
+                        experts: ops.experts(experts, Some(shared))?,
                         top_k: moe.top_k,
-                        shared,
-                        shared_gate: ops.matrix(shared_gate)?,
                     }
                 }
             };
@@ -762,12 +765,6 @@ impl<O: Ops> Qwen35<O> {
         ops.linear(&last, batch.len(), &self.head, None)
     }
 
-    fn mlp(&self, m: &Mlp<O>, a: &O::Buf, n: usize) -> Result<O::Buf> {
-        let ops = &self.ops;
-        let act = ops.glu(a, n, &m.gate_up, m.width, GatedActivation::Silu)?;
-        ops.linear(&act, n, &m.down, None)
-    }
-
     /// A layer's FFN and the residual step after it: `x += ffn(a)`, then `a = rms(x)·next`.
     /// The dense FFN's down projection and that step are one op (fused for a decode step).
     fn ffn_residual(&self, f: &Ffn<O>, a: &mut O::Buf, n: usize, x: &mut O::Buf, next: &O::Vector) -> Result<()> {
@@ -778,12 +775,9 @@ impl<O: Ops> Qwen35<O> {
                 let act = ops.glu(a, n, &m.gate_up, m.width, GatedActivation::Silu)?;
                 ops.linear_residual_norm(&act, n, &m.down, x, next, h, c.eps, a)
             }
-            Ffn::Moe { router, experts, top_k, shared, shared_gate } => {
+            Ffn::Moe { router, experts, top_k } => {
                 let logits = ops.linear(a, n, router, None)?;
-                let mut out = ops.moe(a, h, &logits, experts, *top_k)?;
-                let s = self.mlp(shared, a, n)?;
-                let gate = ops.linear(a, n, shared_gate, None)?;
-                ops.add_sigmoid_gated(&mut out, &s, &gate, h)?;
+                let out = ops.moe(a, h, &logits, experts, *top_k)?;
                 ops.residual_norm(x, &out, next, h, c.eps, a)
             }
         }

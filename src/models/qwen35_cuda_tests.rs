@@ -68,12 +68,6 @@ fn cuda_llm_ops_match_cpu() {
         let got = ops.silu_mul(View::new(&gug, 0, 2 * d), View::new(&gug, d, 2 * d), rows, d).unwrap();
         check("silu_mul", &gpu.download(&got).unwrap(), &want, BOUND);
 
-        let (s, gate) = (rng.vec(rows * d, -2.0, 2.0), rng.vec(rows, -4.0, 4.0));
-        let mut oc = x.clone();
-        cpu.add_sigmoid_gated(&mut oc, &s, &gate, d).unwrap();
-        let mut og = up(&x);
-        ops.add_sigmoid_gated(&mut og, &up(&s), &up(&gate), d).unwrap();
-        check("add_sigmoid_gated", &gpu.download(&og).unwrap(), &oc, BOUND);
     }
 
     // KV attention: two calls per sequence (a prefill, then new rows after it), GQA and not,
@@ -130,20 +124,23 @@ fn cuda_llm_ops_match_cpu() {
     // The routed experts against the CPU's loop: up to GEMV_MAX_ROWS rows routed on the device
     // (routed GEMVs, then the combine), more with their slots sorted by expert (each expert's
     // products over its rows, then the combine through the sorted positions); top-k past the
-    // device routing's limit routes on the host.
+    // device routing's limit routes on the host. A shared expert (width `sw`, 0: none; its gate
+    // the logits' last column) of the routed experts' width is each row's last routed slot in
+    // a decode step, of another width a dense MLP added after the combine, as in a prompt.
     // Q8_0 experts (whole 32-weight blocks: d and width multiples of 32) take the routed Q8_0
     // GEMVs, or are expanded for the sorted rows' products.
-    for &(rows, d, width, ne, k, q8) in &[
-        (1usize, 64usize, 32usize, 8usize, 2usize, false),
-        (5, 64, 32, 16, 4, false),
-        (8, 128, 48, 40, 8, false),
-        (45, 128, 48, 16, 4, false),
-        (9, 64, 32, 4, 4, false),
-        (300, 64, 32, 24, 24, false),
-        (1, 64, 64, 8, 2, true),
-        (7, 128, 64, 16, 4, true),
-        (300, 128, 64, 64, 8, true),
-        (33, 64, 32, 40, 17, true),
+    for &(rows, d, width, ne, k, q8, sw) in &[
+        (1usize, 64usize, 32usize, 8usize, 2usize, false, 0usize),
+        (5, 64, 32, 16, 4, false, 32),
+        (3, 64, 32, 8, 2, false, 40),
+        (8, 128, 48, 40, 8, false, 48),
+        (45, 128, 48, 16, 4, false, 48),
+        (9, 64, 32, 4, 4, false, 0),
+        (300, 64, 32, 24, 24, false, 40),
+        (1, 64, 64, 8, 2, true, 64),
+        (7, 128, 64, 16, 4, true, 32),
+        (300, 128, 64, 64, 8, true, 64),
+        (33, 64, 32, 40, 17, true, 0),
     ] {
         use crate::formats::{Matrix, Q8Tensor, Tensor};
         let mk = |r: usize, c: usize, rng: &mut crate::kernels::gated_delta::test_util::Lcg| {
@@ -157,15 +154,17 @@ fn cuda_llm_ops_match_cpu() {
             Matrix::Q8_0(Q8Tensor::mapped("e".into(), vec![r, c], std::sync::Arc::new(map.make_read_only().unwrap()), 0).unwrap())
         };
         let experts: Vec<[Matrix; 3]> = (0..ne).map(|_| [mk(width, d, &mut rng), mk(width, d, &mut rng), mk(d, width, &mut rng)]).collect();
+        let shared = (sw > 0).then(|| [mk(sw, d, &mut rng), mk(sw, d, &mut rng), mk(d, sw, &mut rng)]);
         let x = rng.vec(rows * d, -1.0, 1.0);
-        let logits = rng.vec(rows * ne, -3.0, 3.0);
-        let want = cpu.moe(&x, d, &logits, &cpu.experts(experts.clone()).unwrap(), k).unwrap();
-        let got = ops.moe(&up(&x), d, &up(&logits), &ops.experts(experts.clone()).unwrap(), k).unwrap();
-        check(&format!("moe {rows}×{d}, {ne} experts top-{k}, q8_0 {q8}"), &gpu.download(&got).unwrap(), &want, BOUND);
+        let logits = rng.vec(rows * (ne + (sw > 0) as usize), -3.0, 3.0);
+        let want = cpu.moe(&x, d, &logits, &cpu.experts(experts.clone(), shared.clone()).unwrap(), k).unwrap();
+        let got = ops.moe(&up(&x), d, &up(&logits), &ops.experts(experts.clone(), shared.clone()).unwrap(), k).unwrap();
+        let what = format!("moe {rows}×{d}, {ne} experts top-{k}, q8_0 {q8}, shared width {sw}");
+        check(&what, &gpu.download(&got).unwrap(), &want, BOUND);
         // Fast mode: bf16 operands (tensor-core products for the sorted rows), the same
         // routing; the error is that of the operands' bf16 rounding.
-        let fast = ops16.moe(&up(&x), d, &up(&logits), &ops16.experts(experts).unwrap(), k).unwrap();
-        check(&format!("fast moe {rows}×{d}, {ne} experts top-{k}, q8_0 {q8}"), &gpu.download(&fast).unwrap(), &want, FAST_MOE_BOUND);
+        let fast = ops16.moe(&up(&x), d, &up(&logits), &ops16.experts(experts, shared).unwrap(), k).unwrap();
+        check(&format!("fast {what}"), &gpu.download(&fast).unwrap(), &want, FAST_MOE_BOUND);
     }
 }
 

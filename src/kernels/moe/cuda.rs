@@ -6,7 +6,10 @@
 //!   each slot's output back by its sorted position;
 //! - a few rows (a decode step): the products read each slot's expert from the ids on the
 //!   device ([`crate::kernels::matmul::cuda::Blas::routed`]) and [`MoeCuda::combine`] adds them
-//!   up: nothing goes back to the host, so the step can be recorded as a graph.
+//!   up: nothing goes back to the host, so the step can be recorded as a graph. A shared
+//!   expert of the routed experts' shape is one more slot of each row there (its gate's
+//!   sigmoid as the weight, added last), so its products cost no launches of their own;
+//!   elsewhere it runs as a dense MLP and [`MoeCuda::add_sigmoid_gated`] adds it.
 
 use std::sync::Arc;
 
@@ -43,30 +46,35 @@ impl MoeCuda {
         })
     }
 
-    /// Routes `rows` rows of router logits ([rows][ne]) on the device: each row's top-k experts
-    /// (ascending) in `ids` and their renormalised weights in `weights`, [rows][k]. CPU twin:
-    /// [`super::route`].
-    pub fn route(&self, logits: &CudaSlice<f32>, ne: usize, k: usize, ids: &mut CudaSlice<i32>, weights: &mut CudaSlice<f32>) -> Result<()> {
-        if ne == 0 || k == 0 || k > ne || k > MAX_DEVICE_TOP_K || ne > MAX_DEVICE_EXPERTS || logits.len() % ne != 0 {
+    /// Routes the rows of router logits ([rows][stride], the experts' logits first) on the
+    /// device: each row's top-k experts (ascending) in `ids` and their renormalised weights in
+    /// `weights`, [rows][k]; with `shared`, column `ne` is the shared expert's gate logit and
+    /// each row gets one more slot, [rows][k + 1]: id `ne`, weight sigmoid(gate). CPU twin:
+    /// [`super::route`] (and the CPU backend's sigmoid gate of the shared expert).
+    #[allow(clippy::too_many_arguments)]
+    pub fn route(&self, logits: &CudaSlice<f32>, ne: usize, stride: usize, k: usize, shared: bool, ids: &mut CudaSlice<i32>, weights: &mut CudaSlice<f32>) -> Result<()> {
+        if ne == 0 || k == 0 || k > ne || k > MAX_DEVICE_TOP_K || ne > MAX_DEVICE_EXPERTS || stride < ne + shared as usize || logits.len() % stride != 0 {
             return Err(Error::Shape(format!(
-                "moe routing on the device: top-{k} of {ne} experts over {} logits (at most top-{MAX_DEVICE_TOP_K} of {MAX_DEVICE_EXPERTS})",
+                "moe routing on the device: top-{k} of {ne} experts over {} logits in rows of {stride} (at most top-{MAX_DEVICE_TOP_K} of {MAX_DEVICE_EXPERTS})",
                 logits.len()
             )));
         }
-        let rows = logits.len() / ne;
-        check_len("moe route ids", ids.len(), rows * k)?;
-        check_len("moe route weights", weights.len(), rows * k)?;
+        let rows = logits.len() / stride;
+        let slots = rows * (k + shared as usize);
+        check_len("moe route ids", ids.len(), slots)?;
+        check_len("moe route weights", weights.len(), slots)?;
         if rows == 0 {
             return Ok(());
         }
         let g = &self.gpu;
-        let (nei, ki) = (int_arg("experts", ne)?, int_arg("top-k", k)?);
+        let (nei, si, ki, shi) = (int_arg("experts", ne)?, int_arg("logit stride", stride)?, int_arg("top-k", k)?, shared as i32);
         let (lp, ip, wp) = (g.ptr(logits), g.ptr(ids), g.ptr(weights));
         let mut l = g.launch_builder(&self.route);
-        l.arg(&lp).arg(&nei).arg(&ki).arg(&ip).arg(&wp);
+        l.arg(&lp).arg(&nei).arg(&si).arg(&ki).arg(&shi).arg(&ip).arg(&wp);
         let cfg = LaunchConfig { grid_dim: (grid_for(rows, 1)?, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: (4 * ne) as u32 };
-        // SAFETY: argument types match tern_moe_route; one warp per row reads its ne logits and
-        // writes k ids (each below ne) and k weights; ne floats of shared memory (<= 48 KB).
+        // SAFETY: argument types match tern_moe_route; one warp per row reads its ne (+ 1)
+        // logits and writes k (+ 1) ids (each at most ne) and weights; ne floats of shared
+        // memory (<= 48 KB).
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_moe_route"))?;
         Ok(())
     }
@@ -103,19 +111,23 @@ impl MoeCuda {
         Ok(())
     }
 
-    /// out[r] += sigmoid(gate[r])·y[r], rows of `d`. CPU twin: the CPU backend's add_sigmoid_gated.
-    pub fn add_sigmoid_gated(&self, out: &mut CudaSlice<f32>, y: &CudaSlice<f32>, gate: &CudaSlice<f32>, d: usize) -> Result<()> {
+    /// out[r] += sigmoid(gate[r·stride + at])·y[r], rows of `d` (the shared expert's gate: a
+    /// column of the router's output). CPU twin: the CPU backend's shared expert in its moe.
+    pub fn add_sigmoid_gated(&self, out: &mut CudaSlice<f32>, y: &CudaSlice<f32>, gate: &CudaSlice<f32>, at: usize, stride: usize, d: usize) -> Result<()> {
         check_len("add_sigmoid_gated input", y.len(), out.len())?;
-        check_len("add_sigmoid_gated gate", gate.len() * d, out.len())?;
+        if d == 0 || out.len() % d != 0 || at >= stride || gate.len() != out.len() / d * stride {
+            return Err(Error::Shape(format!("add_sigmoid_gated: {} outputs in rows of {d}, gates at {at} of rows of {stride} in {}", out.len(), gate.len())));
+        }
         if out.is_empty() {
             return Ok(());
         }
         let g = &self.gpu;
-        let (n, dw) = (int_arg("gated rows", gate.len())?, int_arg("gated width", d)?);
-        let (op, yp, gp) = (g.ptr(out), g.ptr(y), g.ptr(gate));
+        let (n, dw, gs) = (int_arg("gated rows", out.len() / d)?, int_arg("gated width", d)?, int_arg("gate stride", stride)?);
+        let (op, yp, gp) = (g.ptr(out), g.ptr(y), g.ptr(gate) + 4 * at as u64);
         let mut l = g.launch_builder(&self.gated);
-        l.arg(&op).arg(&yp).arg(&gp).arg(&n).arg(&dw);
-        // SAFETY: argument types match; out and y hold n × d, gate n (checked).
+        l.arg(&op).arg(&yp).arg(&gp).arg(&gs).arg(&n).arg(&dw);
+        // SAFETY: argument types match; out and y hold n × d, gate n rows of `stride` with
+        // column `at` inside them (checked).
         unsafe { l.launch(grid(out.len())?) }.map_err(driver_err("launching tern_add_sigmoid_gated"))?;
         Ok(())
     }

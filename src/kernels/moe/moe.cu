@@ -5,13 +5,18 @@
 // rounded before the add (__fmul_rn keeps the compiler from fusing them into one FMA), as on
 // the CPU, so each addition rounds the same way there and here.
 
-// out[r] += sigmoid(gate[r])·y[r], rows of d.
+// The shared expert's gate: the sigmoid of its logit, one form for the two kernels that use it
+// (the decode step's routing writes it as the shared slot's weight).
+__device__ __forceinline__ float tern_moe_shared_gate(float logit) { return 1.0f / (1.0f + expf(-logit)); }
+
+// out[r] += sigmoid(gate[r·gate_stride])·y[r], rows of d (the gate logit: a column of the
+// router's [rows][experts + 1] output).
 extern "C" __global__ void tern_add_sigmoid_gated(float* __restrict__ out, const float* __restrict__ y,
-                                                  const float* __restrict__ gate, int n, int d) {
+                                                  const float* __restrict__ gate, int gate_stride, int n, int d) {
     tern_await_prior_kernel();
     const size_t total = (size_t)n * d;
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
-        const float s = 1.0f / (1.0f + expf(-gate[e / d]));
+        const float s = tern_moe_shared_gate(gate[(e / d) * gate_stride]);
         out[e] = out[e] + __fmul_rn(s, y[e]);
     }
 }
@@ -23,12 +28,17 @@ extern "C" __global__ void tern_add_sigmoid_gated(float* __restrict__ out, const
 // index, as the CPU's sort and torch.topk), the chosen probabilities summed in the order they
 // were chosen, and the weights p / sum. A row's k choices are written in ascending expert
 // order: the order tern_moe_combine adds them in, which is the CPU's (experts in index order).
-extern "C" __global__ void tern_moe_route(const float* __restrict__ logits, int ne, int k, int* __restrict__ ids,
-                                          float* __restrict__ weights) {
+//
+// Rows of the logits are `stride` apart. With `shared`, column ne of a row is the shared
+// expert's gate logit and the row gets k + 1 slots: the k routed ones, then the shared expert
+// (id ne, the tables' entry after the routed experts) weighted by sigmoid(gate), added last as
+// the CPU adds it.
+extern "C" __global__ void tern_moe_route(const float* __restrict__ logits, int ne, int stride, int k, int shared,
+                                          int* __restrict__ ids, float* __restrict__ weights) {
     tern_await_prior_kernel();
     extern __shared__ float tern_moe_p[];
     const int row = blockIdx.x, lane = threadIdx.x;
-    const float* l = logits + (size_t)row * ne;
+    const float* l = logits + (size_t)row * stride;
     float mx = -tern_inf();
     for (int e = lane; e < ne; e += 32) mx = fmaxf(mx, l[e]);
     mx = tern_warp_max(mx);
@@ -80,9 +90,14 @@ extern "C" __global__ void tern_moe_route(const float* __restrict__ logits, int 
                 chosen[i] = chosen[i - 1];
                 chosen[i - 1] = t;
             }
+        const size_t at = (size_t)row * (k + shared);
         for (int j = 0; j < k; ++j) {
-            ids[(size_t)row * k + j] = chosen[j];
-            weights[(size_t)row * k + j] = tern_moe_p[chosen[j]] / sum;
+            ids[at + j] = chosen[j];
+            weights[at + j] = tern_moe_p[chosen[j]] / sum;
+        }
+        if (shared) {
+            ids[at + k] = ne;
+            weights[at + k] = tern_moe_shared_gate(l[ne]);
         }
     }
 }
