@@ -156,7 +156,9 @@ fn cuda_llm_ops_match_cpu() {
         let experts: Vec<[Matrix; 3]> = (0..ne).map(|_| [mk(width, d, &mut rng), mk(width, d, &mut rng), mk(d, width, &mut rng)]).collect();
         let shared = (sw > 0).then(|| [mk(sw, d, &mut rng), mk(sw, d, &mut rng), mk(d, sw, &mut rng)]);
         let x = rng.vec(rows * d, -1.0, 1.0);
-        let logits = rng.vec(rows * (ne + (sw > 0) as usize), -3.0, 3.0);
+        // Logits on a grid of quarters: many equal probabilities, whose ties both routings
+        // must break alike (the lower expert first).
+        let logits: Vec<f32> = rng.vec(rows * (ne + (sw > 0) as usize), -3.0, 3.0).iter().map(|v| (v * 4.0).round() / 4.0).collect();
         let want = cpu.moe(&x, d, &logits, &cpu.experts(experts.clone(), shared.clone()).unwrap(), k).unwrap();
         let got = ops.moe(&up(&x), d, &up(&logits), &ops.experts(experts.clone(), shared.clone()).unwrap(), k).unwrap();
         let what = format!("moe {rows}×{d}, {ne} experts top-{k}, q8_0 {q8}, shared width {sw}");

@@ -27,7 +27,8 @@ pub struct MoeCuda {
     combine: CudaFunction,
 }
 
-/// Choices per row the device routing holds (TERN_MOE_MAX_K).
+/// Choices per row the device routing takes (each is held by one lane of the row's warp,
+/// which would allow 32); past it the host routes.
 pub const MAX_DEVICE_TOP_K: usize = 16;
 /// Experts whose probabilities fit the routing block's shared memory at the default limit.
 pub const MAX_DEVICE_EXPERTS: usize = 12 * 1024;

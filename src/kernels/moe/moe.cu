@@ -1,7 +1,5 @@
-#define TERN_MOE_MAX_K 16
-
 // The routed experts' combine and the shared expert's gate, CUDA form. CPU twins: moe/mod.rs
-// (`out[t] += y·w`, experts in index order) and the backend's add_sigmoid_gated. The product is
+// (`out[t] += y·w`, experts in index order) and the CPU backend's shared expert in its moe. The product is
 // rounded before the add (__fmul_rn keeps the compiler from fusing them into one FMA), as on
 // the CPU, so each addition rounds the same way there and here.
 
@@ -50,15 +48,17 @@ extern "C" __global__ void tern_moe_route(const float* __restrict__ logits, int 
     total = __shfl_sync(0xffffffffu, total, 0);
     for (int e = lane; e < ne; e += 32) tern_moe_p[e] = tern_moe_p[e] / total;
     __syncwarp();
-    int chosen[TERN_MOE_MAX_K];
+    // Round j's expert is marked taken in shared memory (-inf: below every probability, and
+    // not a NaN's fallback either) and kept, with its probability, by lane j (k <= 32), so
+    // nothing is indexed at run time in registers (which would go to local memory).
+    int my_id = ne;
+    float my_p = 0.0f;
     for (int j = 0; j < k; ++j) {
         float best = -1.0f;
         int at = ne;
         for (int e = lane; e < ne; e += 32) {
-            bool taken = false;
-            for (int i = 0; i < j; ++i) taken = taken || chosen[i] == e;
             const float p = tern_moe_p[e];
-            if (!taken && (p > best || (p == best && e < at))) {
+            if (p > best || (p == best && e < at)) {
                 best = p;
                 at = e;
             }
@@ -73,32 +73,33 @@ extern "C" __global__ void tern_moe_route(const float* __restrict__ logits, int 
         }
         // NaN probabilities compare false everywhere: take the first untaken expert so that
         // an id never leaves the table (the output is NaN either way).
-        for (int e = 0; at >= ne && e < ne; ++e) {
-            bool taken = false;
-            for (int i = 0; i < j; ++i) taken = taken || chosen[i] == e;
-            if (!taken) at = e;
+        for (int e = 0; at >= ne && e < ne; ++e)
+            if (tern_moe_p[e] != -tern_inf()) at = e;
+        const float p = tern_moe_p[at];
+        if (lane == j) {
+            my_id = at;
+            my_p = p;
         }
-        chosen[j] = at;
+        __syncwarp();
+        if (lane == 0) tern_moe_p[at] = -tern_inf();
+        __syncwarp();
     }
-    if (lane == 0) {
-        float sum = 0.0f;
-        for (int j = 0; j < k; ++j) sum += tern_moe_p[chosen[j]];
-        // Insertion sort of k <= TERN_MOE_MAX_K choices into expert order.
-        for (int j = 1; j < k; ++j)
-            for (int i = j; i > 0 && chosen[i - 1] > chosen[i]; --i) {
-                const int t = chosen[i];
-                chosen[i] = chosen[i - 1];
-                chosen[i - 1] = t;
-            }
-        const size_t at = (size_t)row * (k + shared);
-        for (int j = 0; j < k; ++j) {
-            ids[at + j] = chosen[j];
-            weights[at + j] = tern_moe_p[chosen[j]] / sum;
-        }
-        if (shared) {
-            ids[at + k] = ne;
-            weights[at + k] = tern_moe_shared_gate(l[ne]);
-        }
+    // The chosen probabilities summed in the order they were chosen; each choice's place in
+    // ascending expert order is the count of chosen ids below it (the ids are distinct).
+    float sum = 0.0f;
+    int rank = 0;
+    for (int j = 0; j < k; ++j) {
+        sum += __shfl_sync(0xffffffffu, my_p, j);
+        rank += __shfl_sync(0xffffffffu, my_id, j) < my_id;
+    }
+    const size_t at = (size_t)row * (k + shared);
+    if (lane < k) {
+        ids[at + rank] = my_id;
+        weights[at + rank] = my_p / sum;
+    }
+    if (shared && lane == 0) {
+        ids[at + k] = ne;
+        weights[at + k] = tern_moe_shared_gate(l[ne]);
     }
 }
 
