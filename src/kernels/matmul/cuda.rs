@@ -36,6 +36,10 @@ pub const SOURCE: KernelSource = KernelSource {
 /// Products of at most this many rows take the GEMV kernel (they read the weights once, and
 /// a GEMM's tiles would be mostly empty).
 pub const GEMV_MAX_ROWS: usize = 8;
+/// Most scratch bytes a prompt's MoE products expand Q8_0 experts into at once
+/// ([`Blas::grouped_linear`]): a chunk of experts per launch, not the whole layer's. The unit
+/// tests' tiny experts take many chunks.
+const EXPAND_CHUNK_BYTES: usize = if cfg!(test) { 64 << 10 } else { 256 << 20 };
 /// Output features per GEMV block (one warp each; TERN_GEMV_WARPS).
 const GEMV_WARPS: usize = 8;
 
@@ -281,6 +285,8 @@ pub struct Blas {
     expand_bf16_f32: CudaFunction,
     expand_q8_f32: CudaFunction,
     expand_q8_bf16: CudaFunction,
+    /// `tern_expand_q8_bf16_many`: many Q8_0 matrices' expansion in one launch.
+    expand_q8_bf16_many: CudaFunction,
 }
 
 fn blas_err(what: &str) -> impl FnOnce(cudarc::cublas::result::CublasError) -> Error + '_ {
@@ -320,6 +326,7 @@ impl Blas {
             expand_bf16_f32: f("tern_expand_bf16_f32")?,
             expand_q8_f32: f("tern_expand_q8_f32")?,
             expand_q8_bf16: f("tern_expand_q8_bf16")?,
+            expand_q8_bf16_many: f("tern_expand_q8_bf16_many")?,
             tensor_cores,
             handle,
             gpu,
@@ -495,8 +502,38 @@ impl Blas {
         } else {
             (g.ptr(x), blas_sys::cudaDataType_t::CUDA_R_32F, 4)
         };
-        let (mut w32, mut w16) = (None, None);
         let yp = g.ptr(y);
+        let product = |w: &GpuMatrix, wp: u64, w_type, r0: usize, n: usize| {
+            self.gemm((wp, w_type, xp + (r0 * inp * x_bytes) as u64, x_type), n, w, yp + (r0 * out * 4) as u64)
+        };
+        if bf16 && matches!(first.w, GpuWeights::Q8 { .. }) {
+            // Q8_0 experts in fast mode: a chunk of the experts that have rows expanded to bf16
+            // in one launch (scratch of at most EXPAND_CHUNK_BYTES), then their products.
+            let busy: Vec<&(&GpuMatrix, usize, usize)> = groups.iter().filter(|gr| gr.2 > 0).collect();
+            let per_chunk = (EXPAND_CHUNK_BYTES / (2 * n_w)).clamp(1, 65_535);
+            let scratch = g.alloc::<u16>(per_chunk.min(busy.len()) * n_w)?;
+            let mut tables = Vec::new();
+            for chunk in busy.chunks(per_chunk) {
+                let (quants, scales): (Vec<u64>, Vec<u64>) = chunk.iter().map(|gr| gr.0.pointers(g)).unzip();
+                let (qt, st) = (g.upload(&quants)?, g.upload(&scales)?);
+                let (qp, sp, dp, count) = (g.ptr(&qt), g.ptr(&st), g.ptr(&scratch), n_w as u64);
+                let mut l = g.launch_builder(&self.expand_q8_bf16_many);
+                l.arg(&qp).arg(&sp).arg(&count).arg(&dp);
+                let cfg = LaunchConfig { grid_dim: (grid_for(n_w / 8, 256)?.min(4096), chunk.len() as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: argument types match tern_expand_q8_bf16_many; each table entry is a
+                // Q8_0 matrix of n_w weights (n_w % 32 == 0: whole blocks, so the quants' 8-byte
+                // and the output's 16-byte accesses stay aligned) and the scratch holds
+                // chunk.len() × n_w outputs.
+                unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_expand_q8_bf16_many"))?;
+                for (i, &&(w, r0, n)) in chunk.iter().enumerate() {
+                    product(w, g.ptr(&scratch) + (2 * i * n_w) as u64, blas_sys::cudaDataType_t::CUDA_R_16BF, r0, n)?;
+                }
+                // The tables live until the stream has read them (freed after the last product).
+                tables.push((qt, st));
+            }
+            return Ok(());
+        }
+        let (mut w32, mut w16) = (None, None);
         for &(w, r0, n) in groups {
             if n == 0 {
                 continue;
@@ -529,8 +566,7 @@ impl Blas {
                     (g.ptr(e), blas_sys::cudaDataType_t::CUDA_R_16BF)
                 }
             };
-            let at = (r0 * inp * x_bytes) as u64;
-            self.gemm((wp, w_type, xp + at, x_type), n, w, yp + (r0 * out * 4) as u64)?;
+            product(w, wp, w_type, r0, n)?;
         }
         Ok(())
     }

@@ -507,3 +507,31 @@ extern "C" __global__ void tern_expand_q8_bf16(const signed char* __restrict__ q
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x)
         y[e] = tern_bf16_from_f32(tern_f16_to_f32(d[e / 32]) * (float)q[e]);
 }
+
+// Many Q8_0 matrices of n weights each at once (a MoE layer's experts for a prompt's products):
+// matrix blockIdx.y's quants and scales at quants[y] and scales[y], expanded as
+// tern_expand_q8_bf16 does (the same value per weight) into y + blockIdx.y·n. Eight weights a
+// thread, one 8-byte load and one 16-byte store: the per-weight form's byte loads and 2-byte
+// stores reach a fraction of the bandwidth, and one launch per matrix is a launch per expert.
+// n % 32 == 0; each buffer 8-byte (quants) and 16-byte (output) aligned.
+extern "C" __global__ void tern_expand_q8_bf16_many(const unsigned long long* __restrict__ quants,
+                                                    const unsigned long long* __restrict__ scales, size_t n,
+                                                    tern_bf16* __restrict__ y) {
+    tern_await_prior_kernel();
+    const uint2* q = reinterpret_cast<const uint2*>(quants[blockIdx.y]);
+    const unsigned short* d = reinterpret_cast<const unsigned short*>(scales[blockIdx.y]);
+    uint4* out = reinterpret_cast<uint4*>(y + (size_t)blockIdx.y * n);
+    for (size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x; g < n / 8; g += (size_t)gridDim.x * blockDim.x) {
+        const uint2 b = q[g];
+        const float s = tern_f16_to_f32(d[g / 4]);
+        const unsigned w[2] = {b.x, b.y};
+        unsigned h[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int lo = (signed char)((w[i / 2] >> (16 * (i % 2))) & 0xff);
+            const int hi = (signed char)((w[i / 2] >> (16 * (i % 2) + 8)) & 0xff);
+            h[i] = (unsigned)tern_bf16_from_f32(s * (float)lo) | ((unsigned)tern_bf16_from_f32(s * (float)hi) << 16);
+        }
+        out[g] = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+}
