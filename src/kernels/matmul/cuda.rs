@@ -465,9 +465,10 @@ impl Blas {
     /// Y[r0 .. r0 + n] = X[r0 .. r0 + n]·W_gᵀ for each group (W_g, r0, n) of the rows of one X
     /// ([rows][in]) into one Y ([rows][out]): a mixture-of-experts layer's products over its
     /// rows sorted by expert, each expert's weights read once for all its rows. The matrices
-    /// share one shape and storage type. X is rounded to bf16 once (fast mode), and each
-    /// expert's stored weights are expanded into one scratch buffer that every group reuses
-    /// in stream order. CPU twin: [`super::linear_w`] of each group's rows.
+    /// share one shape and storage type. X is rounded to bf16 once (fast mode), and stored
+    /// weights the product cannot take as they are are expanded into scratch that the groups
+    /// reuse in stream order: one expert at a time, or for Q8_0 in fast mode a chunk of experts
+    /// per launch. CPU twin: [`super::linear_w`] of each group's rows.
     pub fn grouped_linear(&self, x: &CudaSlice<f32>, groups: &[(&GpuMatrix, usize, usize)], y: &mut CudaSlice<f32>) -> Result<()> {
         let Some(&(first, ..)) = groups.first() else { return Ok(()) };
         let (out, inp) = (first.out, first.inp);
@@ -533,7 +534,7 @@ impl Blas {
             }
             return Ok(());
         }
-        let (mut w32, mut w16) = (None, None);
+        let mut w32 = None;
         for &(w, r0, n) in groups {
             if n == 0 {
                 continue;
@@ -541,29 +542,20 @@ impl Blas {
             let (wp, w_type) = match (&w.w, bf16) {
                 (GpuWeights::F32(wd), _) => (g.ptr(wd), blas_sys::cudaDataType_t::CUDA_R_32F),
                 (GpuWeights::Bf16(wd), true) => (g.ptr(wd), blas_sys::cudaDataType_t::CUDA_R_16BF),
-                (GpuWeights::Bf16(wd), false) => {
+                // f32 mode: stored bf16 or Q8_0 weights expanded to f32 (Q8_0 experts in fast
+                // mode took the chunked path above).
+                (stored, _) => {
+                    let (p, sp) = w.pointers(g);
+                    let (kernel, ptrs) = match stored {
+                        GpuWeights::Q8 { .. } => (&self.expand_q8_f32, vec![p, sp]),
+                        _ => (&self.expand_bf16_f32, vec![p]),
+                    };
                     let e = match &mut w32 {
                         Some(e) => e,
                         None => w32.insert(g.alloc::<f32>(n_w)?),
                     };
-                    self.expand(&self.expand_bf16_f32, &[g.ptr(wd)], n_w, g.ptr(e))?;
+                    self.expand(kernel, &ptrs, n_w, g.ptr(e))?;
                     (g.ptr(e), blas_sys::cudaDataType_t::CUDA_R_32F)
-                }
-                (GpuWeights::Q8 { quants, scales }, false) => {
-                    let e = match &mut w32 {
-                        Some(e) => e,
-                        None => w32.insert(g.alloc::<f32>(n_w)?),
-                    };
-                    self.expand(&self.expand_q8_f32, &[g.ptr(quants), g.ptr(scales)], n_w, g.ptr(e))?;
-                    (g.ptr(e), blas_sys::cudaDataType_t::CUDA_R_32F)
-                }
-                (GpuWeights::Q8 { quants, scales }, true) => {
-                    let e = match &mut w16 {
-                        Some(e) => e,
-                        None => w16.insert(g.alloc::<u16>(n_w)?),
-                    };
-                    self.expand(&self.expand_q8_bf16, &[g.ptr(quants), g.ptr(scales)], n_w, g.ptr(e))?;
-                    (g.ptr(e), blas_sys::cudaDataType_t::CUDA_R_16BF)
                 }
             };
             product(w, wp, w_type, r0, n)?;
