@@ -6,7 +6,7 @@
 # DIR/whl with the transformers 5.24 wheel (../shared/tools/device-wheels.sh); optionally DIR/llama-convert.tgz (llama.cpp's converter:
 # convert_hf_to_gguf.py, conversion/ and gguf-py/ from ../shared/tools/llama-cpp-src.sh, plus
 # ../shared/tools/hf-to-gguf.py) and DIR/llama-bench.xz (llama.cpp's own benchmark, built for
-# sm_90 with GGML_CUDA=ON). Makes the random-weight Qwen3.5-0.8B on the device
+# sm_90 with GGML_CUDA=ON by scripts/build-llama-bench.sh). Makes the random-weight Qwen3.5-0.8B on the device
 # (scripts/make_bench_qwen35.py: real shapes, bf16 safetensors) and, with the converter, its
 # BF16 and Q8_0 GGUFs; then runs `tern bench generate` on each file in f32 and bf16 (prefill of
 # 4096 tokens, batch-1 decode, decode rounds of 1, 8, 32 and 128 sequences, each with the
