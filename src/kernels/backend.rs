@@ -17,7 +17,7 @@ use crate::kernels::gated_delta::{
     DELTA_RULE_CHUNK,
 };
 use crate::kernels::matmul::{linear_w, linear_w_into};
-use crate::kernels::moe::{moe_experts, Expert};
+use crate::kernels::moe::{mlp_shape, moe_experts, Expert};
 use crate::kernels::norm::{add_norm, residual_norm, rms_norm};
 use crate::kernels::pool::mean_pool;
 use crate::kernels::rope::{head_prep_view, HeadPrep, RopeTable};
@@ -454,9 +454,10 @@ impl Ops for CpuOps {
     fn experts(&self, experts: Vec<[Matrix; 3]>, shared: Option<[Matrix; 3]>) -> Result<CpuExperts> {
         let routed = experts.into_iter().map(Expert::new).collect::<Result<Vec<_>>>()?;
         let shared = match shared {
-            Some([gate, up, down]) => {
-                let (width, hidden) = matrix_shape(&gate)?;
-                if matrix_shape(&up)? != (width, hidden) || matrix_shape(&down)? != (hidden, width) || routed.iter().any(|e| e.hidden != hidden) {
+            Some(matrices) => {
+                let (width, hidden) = mlp_shape(&matrices)?;
+                let [gate, up, down] = matrices;
+                if routed.iter().any(|e| e.hidden != hidden) {
                     return Err(Error::tensor(down.name(), "shared expert matrices do not fit the experts' hidden size"));
                 }
                 let name = gate.name().to_string();

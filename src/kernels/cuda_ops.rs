@@ -26,6 +26,7 @@ use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
 use crate::kernels::matmul::cuda::{Blas, GemvOutput, GpuMatrix, GpuMatrixTable, GEMV_MAX_ROWS};
 use crate::kernels::matmul::Weights;
 use crate::kernels::moe::cuda::{MoeCuda, MAX_DEVICE_EXPERTS, MAX_DEVICE_TOP_K};
+use crate::kernels::moe::mlp_shape;
 use crate::kernels::norm::cuda::{NormCuda, NormOut};
 use crate::kernels::pool::cuda::PoolCuda;
 use crate::kernels::rope::cuda::{GpuHeadPrep, GpuRope, RopeCuda};
@@ -490,32 +491,36 @@ impl Ops for CudaOps {
     }
 
     fn experts(&self, experts: Vec<[Matrix; 3]>, shared: Option<[Matrix; 3]>) -> Result<GpuExperts> {
+        // An MLP on the device: gate and up stacked into one matrix, and down.
+        let upload = |[gate, up, down]: [Matrix; 3]| -> Result<(GpuMatrix, GpuMatrix)> {
+            let name = gate.name().to_string();
+            Ok((self.stacked(name, vec![gate, up])?, self.upload_matrix(&down)?))
+        };
         let (mut width, mut hidden) = (0, 0);
         let mut out = Vec::with_capacity(experts.len());
-        for [gate, up, down] in experts {
-            let (w, h) = matrix_shape(&gate)?;
-            if matrix_shape(&up)? != (w, h) || matrix_shape(&down)? != (h, w) || (!out.is_empty() && (w, h) != (width, hidden)) {
-                return Err(Error::tensor(down.name(), "expert matrices do not fit one MLP shape"));
+        for matrices in experts {
+            let shape = mlp_shape(&matrices)?;
+            if !out.is_empty() && shape != (width, hidden) {
+                return Err(Error::tensor(matrices[2].name(), "expert matrices do not fit one MLP shape"));
             }
-            (width, hidden) = (w, h);
-            let name = gate.name().to_string();
-            out.push((self.stacked(name, vec![gate, up])?, self.upload_matrix(&down)?));
+            (width, hidden) = shape;
+            out.push(upload(matrices)?);
         }
         let shared = match shared {
-            Some([gate, up, down]) => {
-                let (w, h) = matrix_shape(&gate)?;
-                if matrix_shape(&up)? != (w, h) || matrix_shape(&down)? != (h, w) || (!out.is_empty() && h != hidden) {
-                    return Err(Error::tensor(down.name(), "shared expert matrices do not fit the experts' hidden size"));
+            Some(matrices) => {
+                let (w, h) = mlp_shape(&matrices)?;
+                if !out.is_empty() && h != hidden {
+                    return Err(Error::tensor(matrices[2].name(), "shared expert matrices do not fit the experts' hidden size"));
                 }
-                let name = gate.name().to_string();
-                Some((self.stacked(name, vec![gate, up])?, self.upload_matrix(&down)?, w))
+                let (gate_up, down) = upload(matrices)?;
+                Some((gate_up, down, w))
             }
             None => None,
         };
-        let tables = |with_shared: bool| -> Result<Option<(GpuMatrixTable, GpuMatrixTable)>> {
-            let shared = shared.iter().filter(|_| with_shared);
-            let gate_ups: Vec<&GpuMatrix> = out.iter().map(|(gu, _)| gu).chain(shared.clone().map(|s| &s.0)).collect();
-            let downs: Vec<&GpuMatrix> = out.iter().map(|(_, d)| d).chain(shared.map(|s| &s.1)).collect();
+        // The routed GEMVs' address tables of the experts, and `extra` after them.
+        let tables = |extra: Option<&(GpuMatrix, GpuMatrix, usize)>| -> Result<Option<(GpuMatrixTable, GpuMatrixTable)>> {
+            let gate_ups: Vec<&GpuMatrix> = out.iter().map(|(gu, _)| gu).chain(extra.map(|s| &s.0)).collect();
+            let downs: Vec<&GpuMatrix> = out.iter().map(|(_, d)| d).chain(extra.map(|s| &s.1)).collect();
             Ok(match (self.blas.matrix_table(&gate_ups)?, self.blas.matrix_table(&downs)?) {
                 (Some(gu), Some(d)) if out.len() <= MAX_DEVICE_EXPERTS => Some((gu, d)),
                 _ => None,
@@ -524,11 +529,11 @@ impl Ops for CudaOps {
         // The shared expert joins the tables where it has the routed experts' shape (and their
         // storage type: the tables' own check); a decode step then runs it as one more slot.
         let with_shared = match &shared {
-            Some((_, _, w)) if *w == width && !out.is_empty() => tables(true)?,
+            Some(s) if s.2 == width && !out.is_empty() => tables(Some(s))?,
             _ => None,
         };
         let shared_routed = with_shared.is_some();
-        let routed = if shared_routed { with_shared } else { tables(false)? };
+        let routed = if shared_routed { with_shared } else { tables(None)? };
         Ok(GpuExperts { experts: out, shared, routed, shared_routed, width, hidden })
     }
 

@@ -22,12 +22,20 @@ pub struct Expert {
     pub hidden: usize,
 }
 
+/// The (intermediate width, hidden size) of a gated MLP's gate, up and down matrices
+/// ([width][hidden] twice, then [hidden][width]), or an error naming its down matrix.
+pub fn mlp_shape([gate, up, down]: &[Matrix; 3]) -> Result<(usize, usize)> {
+    let (width, hidden) = matrix_shape(gate)?;
+    if matrix_shape(up)? != (width, hidden) || matrix_shape(down)? != (hidden, width) {
+        return Err(Error::tensor(down.name(), format!("expert matrices do not fit a {hidden} → {width} → {hidden} MLP")));
+    }
+    Ok((width, hidden))
+}
+
 impl Expert {
-    pub fn new([gate, up, down]: [Matrix; 3]) -> Result<Expert> {
-        let (width, hidden) = matrix_shape(&gate)?;
-        if matrix_shape(&up)? != (width, hidden) || matrix_shape(&down)? != (hidden, width) {
-            return Err(Error::tensor(down.name(), format!("expert matrices do not fit a {hidden} → {width} → {hidden} MLP")));
-        }
+    pub fn new(matrices: [Matrix; 3]) -> Result<Expert> {
+        let (width, hidden) = mlp_shape(&matrices)?;
+        let [gate, up, down] = matrices;
         Ok(Expert { gate, up, down, width, hidden })
     }
 
