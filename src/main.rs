@@ -256,6 +256,10 @@ struct BenchGenerateArgs {
     /// sequence after a 16-token prompt).
     #[arg(long, value_delimiter = ',')]
     concurrent: Vec<usize>,
+    /// Also time prefills of these prompt lengths, comma-separated (short prompts, a chat
+    /// turn's, take other kernels than a long one's).
+    #[arg(long, value_delimiter = ',')]
+    prefill_also: Vec<usize>,
     /// Copy every step's whole logits row to the host and take the greedy token there (what a
     /// sampler with penalties or a request that keeps its logits costs), instead of asking the
     /// step for its best entry as a greedy generation does.
@@ -789,8 +793,8 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
     if args.prompt_tokens == 0 || args.gen_tokens == 0 {
         return Err(Error::Input("--prompt-tokens and --gen-tokens must be at least 1".into()));
     }
-    if args.concurrent.contains(&0) {
-        return Err(Error::Input("--concurrent sizes must be at least 1".into()));
+    if args.concurrent.contains(&0) || args.prefill_also.contains(&0) {
+        return Err(Error::Input("--concurrent and --prefill-also sizes must be at least 1".into()));
     }
     let placement = LoadOptions { threads, max_tokens: None, device: args.device, dtype: args.dtype }.placement()?;
     pool.install(|| {
@@ -819,17 +823,26 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
         let mut greedy = Sampler::new(SamplingOptions::greedy())?;
         let want = if args.full_logits { LogitsWant::Full } else { greedy.wants() };
 
-        // Prefill: the whole prompt in one forward from an empty state.
-        let mut prefill_times = Vec::new();
-        for i in 0..=args.iters.max(1) {
-            let mut st = model.new_state()?;
-            let t = Instant::now();
-            std::hint::black_box(model.forward(&prompt, &mut st)?);
-            if i > 0 {
-                prefill_times.push(t.elapsed().as_secs_f64());
+        // Prefill: the whole prompt in one forward from an empty state, median of the timed runs.
+        let time_prefill = |prompt: &[u32]| -> Result<f64> {
+            let mut times = Vec::new();
+            for i in 0..=args.iters.max(1) {
+                let mut st = model.new_state()?;
+                let t = Instant::now();
+                std::hint::black_box(model.forward(prompt, &mut st)?);
+                if i > 0 {
+                    times.push(t.elapsed().as_secs_f64());
+                }
             }
+            Ok(median(&mut times))
+        };
+        let prefill_s = time_prefill(&prompt)?;
+        let mut prefill_also = Vec::new();
+        for &n in &args.prefill_also {
+            let ids: Vec<u32> = (0..n).map(|_| next_id()).collect();
+            let s = time_prefill(&ids)?;
+            prefill_also.push(serde_json::json!({"prompt_tokens": n, "prefill_s": s, "prefill_tokens_per_s": n as f64 / s}));
         }
-        let prefill_s = median(&mut prefill_times);
         let profile = || match &model {
             PlacedQwen35::Cuda(q) => op_profile_json(q.ops()),
             PlacedQwen35::Cpu(_) => serde_json::Value::Null,
@@ -918,6 +931,7 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             "gen_tokens": args.gen_tokens,
             "prefill_s": prefill_s,
             "prefill_tokens_per_s": args.prompt_tokens as f64 / prefill_s,
+            "prefill_also": prefill_also,
             "decode_tokens_per_s": 1.0 / decode_s,
             "decode_tokens_per_s_mean": 1.0 / decode_mean_s,
             "decode_logits": if args.full_logits { "whole rows to the host" } else { "greedy token's entry" },
