@@ -80,3 +80,20 @@ __device__ __forceinline__ bool tern_att_visible(int qi, int kj, int hi, int max
     if (max_distance == TERN_ATT_CAUSAL) visible = visible && kj <= qi;
     return visible;
 }
+
+// Tensor cores (sm_80 and later): two f32 -> one u32 of two bf16 (RNE), lo in the low half (the
+// lower address / column); and c += A·B, mma.sync m16n8k16 with bf16 operands and f32
+// accumulation, fragments as the PTX ISA lays them out (g = lane / 4, t = lane % 4): A (16 x 16,
+// row-major) a0 = (g, 2t..2t+1), a1 = (g + 8, 2t..), a2 = (g, 2t + 8..), a3 = (g + 8, 2t + 8..);
+// B (16 x 8, by column) b0 = (2t..2t+1, g), b1 = (2t + 8.., g); C (16 x 8) c[0..1] = (g, 2t..2t+1),
+// c[2..3] = (g + 8, 2t..2t+1).
+__device__ __forceinline__ tern_u32 tern_tc_pack(float lo, float hi) {
+    tern_u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ void tern_tc_mma(float* c, tern_u32 a0, tern_u32 a1, tern_u32 a2, tern_u32 a3, tern_u32 b0, tern_u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}

@@ -34,12 +34,6 @@ __device__ __forceinline__ tern_u32 tern_tc_smem(const void* p) {
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
     return r;
 }
-// Two f32 -> one u32 of two bf16 (RNE), lo in the low half (the lower address / column).
-__device__ __forceinline__ tern_u32 tern_tc_pack(float lo, float hi) {
-    tern_u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
 __device__ __forceinline__ void tern_tc_ldsm4(tern_u32 addr, tern_u32& r0, tern_u32& r1, tern_u32& r2, tern_u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
@@ -47,11 +41,6 @@ __device__ __forceinline__ void tern_tc_ldsm4(tern_u32 addr, tern_u32& r0, tern_
 __device__ __forceinline__ void tern_tc_ldsm4t(tern_u32 addr, tern_u32& r0, tern_u32& r1, tern_u32& r2, tern_u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void tern_tc_mma(float* c, tern_u32 a0, tern_u32 a1, tern_u32 a2, tern_u32 a3, tern_u32 b0, tern_u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 // 16 bytes global -> shared, asynchronously; bytes == 0 writes zeros and reads nothing.
 __device__ __forceinline__ void tern_tc_cp16(tern_u32 dst, const void* src, int bytes) {
