@@ -44,7 +44,7 @@ fn cuda_norms_match_cpu() {
     let gpu = gpu();
     let k = NormCuda::new(gpu.clone()).unwrap();
     let mut rng = rng("cuda_norms_match_cpu");
-    for &(rows, d) in &[(1usize, 32usize), (7, 768), (300, 1152), (5, 3072), (2, 100)] {
+    for &(rows, d) in &[(1usize, 32usize), (7, 768), (300, 1152), (5, 3072), (2, 100), (8, 1152), (9, 768)] {
         let x = rng.vec(rows * d, -3.0, 3.0);
         let w = rng.vec(d, -1.0, 2.0);
         let (dx, dw) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap());
