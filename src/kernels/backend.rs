@@ -341,6 +341,25 @@ pub trait Ops: Send + Sync + Sized {
     /// or [rows][experts + 1] with the shared expert's gate logit g last (the router and that
     /// gate stacked into one product).
     fn moe(&self, x: &Self::Buf, d: usize, router_logits: &Self::Buf, experts: &Self::Experts, top_k: usize) -> Result<Self::Buf>;
+    /// A MoE layer and the residual step after it: `x += moe(a)` ([`Ops::moe`] of the normed
+    /// input `a`), then `a = rms(x)·norm` per row of `d` ([`Ops::residual_norm`]), the next
+    /// sublayer's input replacing this one's. A backend may do both in fewer passes, with the
+    /// same results.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_residual_norm(
+        &self,
+        a: &mut Self::Buf,
+        d: usize,
+        router_logits: &Self::Buf,
+        experts: &Self::Experts,
+        top_k: usize,
+        x: &mut Self::Buf,
+        norm: &Self::Vector,
+        eps: f32,
+    ) -> Result<()> {
+        let y = self.moe(a, d, router_logits, experts, top_k)?;
+        self.residual_norm(x, &y, norm, d, eps, a)
+    }
 }
 
 /// A MoE layer's experts on the host: the routed ones, and the shared expert (gate|up, down,

@@ -23,7 +23,7 @@ use crate::kernels::backend::{check_past, gated_delta_in_steps, split_rows, matr
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::cuda::{ChunkAccumulate, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows, FUSED_MAX_DV};
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
-use crate::kernels::matmul::cuda::{Blas, GemvOutput, GpuMatrix, GpuMatrixTable, GEMV_MAX_ROWS};
+use crate::kernels::matmul::cuda::{expert_tiles, Blas, GemvOutput, GpuMatrix, GpuMatrixTable, GEMV_MAX_ROWS};
 use crate::kernels::matmul::Weights;
 use crate::kernels::moe::cuda::{MoeCuda, MAX_DEVICE_EXPERTS, MAX_DEVICE_TOP_K};
 use crate::kernels::moe::mlp_shape;
@@ -164,6 +164,27 @@ pub struct GpuExperts {
     hidden: usize,
 }
 
+/// Rows an expert averages up to which a prompt's MoE products run as GEMVs over tiles of
+/// rows rather than one GEMM per expert ([`CudaOps::moe`]). Measured on Qwen3.5-35B-A3B's first
+/// 8 layers (256 experts, top 8; H200, fast mode, tokens/s of a prompt, tiles against GEMMs):
+/// - BF16 GGUF (tiles on the tensor cores): 16 tokens (0.5 rows an expert) 4 191 / 829, 128
+///   (4) 21 396 / 2 472, 512 (16) 48 337 / 8 756; GEMMs for 1024 tokens (32) 17 925.
+/// - Q8_0 GGUF (tiles on the CUDA cores): 16 tokens 2 347 / 772, 128 7 749 / 3 071, 512
+///   11 255 / 12 057; and the CUDA-core tiles on the BF16 GGUF at 2048 tokens (64): 15.9k
+///   against 40.3k.
+const MOE_TILE_ROWS: usize = 16;
+
+/// A decode step's routed MoE slots ([`CudaOps::routed_slots`]): per row `per_row` slots of
+/// expert ids and weights, and each slot's gated activation (rows of the experts' width).
+struct RoutedSlots<'a> {
+    /// The experts' down matrices (the slots' second product).
+    down: &'a GpuMatrixTable,
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    per_row: usize,
+}
+
 /// The LLM-only kernel families, loaded on first use (an embedding model never compiles them).
 struct LlmKernels {
     gdn: GatedDeltaCuda,
@@ -185,6 +206,14 @@ pub struct CudaOps {
     llm: OnceLock<LlmKernels>,
     /// Bytes of weights uploaded so far.
     weight_bytes: AtomicUsize,
+    /// A prompt's MoE products take GEMVs over tiles of each expert's rows while its experts
+    /// average at most this many rows ([`MOE_TILE_ROWS`]; TERN_MOE_TILE_ROWS overrides, to
+    /// measure the two forms on the same run), else one GEMM per expert.
+    moe_tile_rows: usize,
+    /// Whether a one-row decode step's MoE ends in one launch with the residual step and the
+    /// norm ([`Ops::moe_residual_norm`]); TERN_MOE_FUSED_RESIDUAL=0 turns it off, to measure the
+    /// two forms on the same run.
+    moe_fused_residual: bool,
     /// cuBLAS handles are not thread-safe and forward passes share the stream: one at a time.
     exclusive: Mutex<()>,
     /// Recorded steps by their keys (Err: recording failed, run plainly).
@@ -223,6 +252,27 @@ impl Drop for OpTimer<'_> {
 }
 
 impl CudaOps {
+    /// The first half of a MoE layer on few rows (a decode step), on the device: the rows'
+    /// routing and each slot's silu(gate)·up straight from its gate|up product, the shared
+    /// expert being each row's last slot where it shares the tables. None where the layer does
+    /// not take that form (many rows, or experts the routed GEMV or the routing kernel do not
+    /// take). The router's output is [rows][stride], the experts' logits first.
+    fn routed_slots<'e>(&self, x: &CudaSlice<f32>, rows: usize, router_logits: &CudaSlice<f32>, experts: &'e GpuExperts, top_k: usize) -> Result<Option<RoutedSlots<'e>>> {
+        let ne = experts.experts.len();
+        let Some((gate_up, down)) = &experts.routed else { return Ok(None) };
+        if rows > GEMV_MAX_ROWS || top_k > MAX_DEVICE_TOP_K || top_k > ne {
+            return Ok(None);
+        }
+        let stride = ne + experts.shared.is_some() as usize;
+        let per_row = top_k + experts.shared_routed as usize;
+        let slots = rows * per_row;
+        let (mut ids, mut weights) = (self.gpu.alloc::<i32>(slots)?, self.gpu.alloc::<f32>(slots)?);
+        self.llm()?.moe.route(router_logits, ne, stride, top_k, experts.shared_routed, &mut ids, &mut weights)?;
+        let mut act = self.gpu.alloc::<f32>(slots * experts.width)?;
+        self.blas.routed(gate_up, &ids, slots, x, per_row, GemvOutput::Silu, &mut act)?;
+        Ok(Some(RoutedSlots { down, ids, weights, act, per_row }))
+    }
+
     /// out += sigmoid(gate)·shared(x) for a MoE layer's `rows` rows, the shared expert as a
     /// dense MLP (a prompt's rows, or a shared expert of another shape than the routed ones),
     /// its gate logit the router's last column.
@@ -249,6 +299,8 @@ impl CudaOps {
             gpu,
             precision,
             weight_bytes: AtomicUsize::new(0),
+            moe_fused_residual: std::env::var("TERN_MOE_FUSED_RESIDUAL").map_or(true, |v| v != "0"),
+            moe_tile_rows: std::env::var("TERN_MOE_TILE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(MOE_TILE_ROWS),
             exclusive: Mutex::new(()),
             graphs: Mutex::new(HashMap::new()),
             profile: std::env::var_os("TERN_CUDA_PROFILE").map(|v| Profile {
@@ -1006,15 +1058,9 @@ impl Ops for CudaOps {
         check_len("moe router logits", router_logits.len(), rows * stride)?;
         // A few rows (decode) route on the device: nothing is read back, so the step records.
         // The shared expert, where it shares the tables, is each row's last slot.
-        if let (Some((gate_up, down)), true) = (&experts.routed, rows <= GEMV_MAX_ROWS && top_k <= MAX_DEVICE_TOP_K && top_k <= ne) {
+        if let Some(RoutedSlots { down, ids, weights, act, per_row }) = self.routed_slots(x, rows, router_logits, experts, top_k)? {
             let moe = &self.llm()?.moe;
-            let per_row = top_k + experts.shared_routed as usize;
             let slots = rows * per_row;
-            let (mut ids, mut weights) = (self.gpu.alloc::<i32>(slots)?, self.gpu.alloc::<f32>(slots)?);
-            moe.route(router_logits, ne, stride, top_k, experts.shared_routed, &mut ids, &mut weights)?;
-            // Each slot's silu(gate)·up straight from its gate|up product, then its down product.
-            let mut act = self.gpu.alloc::<f32>(slots * experts.width)?;
-            self.blas.routed(gate_up, &ids, slots, x, per_row, GemvOutput::Silu, &mut act)?;
             let mut y = self.gpu.alloc::<f32>(slots * d)?;
             self.blas.routed(down, &ids, slots, &act, 1, GemvOutput::Plain, &mut y)?;
             let mut out = self.gpu.alloc::<f32>(rows * d)?;
@@ -1065,21 +1111,65 @@ impl Ops for CudaOps {
         let mut gathered = self.gpu.alloc::<f32>(slots * d)?;
         self.embedding.embed_lookup(x, d, &GpuIds::new(&self.gpu, &token)?, 1.0, &mut gathered)?;
         let w = experts.width;
-        let groups = |m: fn(&(GpuMatrix, GpuMatrix)) -> &GpuMatrix| -> Vec<(&GpuMatrix, usize, usize)> {
-            experts.experts.iter().enumerate().map(|(e, pair)| (m(pair), start[e], start[e + 1] - start[e])).collect()
-        };
-        let mut gu = self.gpu.alloc::<f32>(slots * 2 * w)?;
-        self.blas.grouped_linear(&gathered, &groups(|p| &p.0), &mut gu)?;
-        drop(gathered);
-        let act = self.silu_mul(View::new(&gu, 0, 2 * w), View::new(&gu, w, 2 * w), slots, w)?;
-        drop(gu);
         let mut y = self.gpu.alloc::<f32>(slots * d)?;
-        self.blas.grouped_linear(&act, &groups(|p| &p.1), &mut y)?;
+        let used = start.windows(2).filter(|r| r[1] > r[0]).count();
+        match &experts.routed {
+            // Few rows an expert: GEMVs over tiles of each expert's rows, which read the
+            // stored weights as they are, in one launch a product.
+            Some((gate_up, down)) if slots <= self.moe_tile_rows * used => {
+                let tiles = expert_tiles(&start)?;
+                let mut act = self.gpu.alloc::<f32>(slots * w)?;
+                self.blas.tiles(gate_up, &tiles, &gathered, GemvOutput::Silu, &mut act)?;
+                drop(gathered);
+                self.blas.tiles(down, &tiles, &act, GemvOutput::Plain, &mut y)?;
+            }
+            // Many rows an expert: one GEMM per expert over its rows (tensor cores in fast mode).
+            _ => {
+                let groups = |m: fn(&(GpuMatrix, GpuMatrix)) -> &GpuMatrix| -> Vec<(&GpuMatrix, usize, usize)> {
+                    experts.experts.iter().enumerate().map(|(e, pair)| (m(pair), start[e], start[e + 1] - start[e])).collect()
+                };
+                let mut gu = self.gpu.alloc::<f32>(slots * 2 * w)?;
+                self.blas.grouped_linear(&gathered, &groups(|p| &p.0), &mut gu)?;
+                drop(gathered);
+                let act = self.silu_mul(View::new(&gu, 0, 2 * w), View::new(&gu, w, 2 * w), slots, w)?;
+                drop(gu);
+                self.blas.grouped_linear(&act, &groups(|p| &p.1), &mut y)?;
+            }
+        }
         let mut out = self.gpu.alloc::<f32>(rows * d)?;
         let moe = &self.llm()?.moe;
         moe.combine(&y, Some(&pos), &weights, top_k, d, &mut out)?;
         self.add_shared_expert(x, rows, router_logits, experts, &mut out)?;
         Ok(out)
+    }
+
+    fn moe_residual_norm(
+        &self,
+        a: &mut CudaSlice<f32>,
+        d: usize,
+        router_logits: &CudaSlice<f32>,
+        experts: &GpuExperts,
+        top_k: usize,
+        x: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<()> {
+        // A decode step of one sequence whose shared expert (if any) is a routed slot: the down
+        // products, their sum, the residual step and the norm in one launch. (With 8 rows the
+        // fused sum, then a norm launch, measured slower than the routed GEMV's 8 × 9 slots of
+        // blocks and the combine: 3 539 against 3 855 tok/s, Qwen3.5-35B-A3B's first 8 layers,
+        // BF16, H200.)
+        let fused = experts.hidden == d && x.len() == d && a.len() == d && (experts.shared.is_none() || experts.shared_routed);
+        if fused && self.moe_fused_residual {
+            let _timer = self.op_timer("moe_residual_norm");
+            let stride = experts.experts.len() + experts.shared.is_some() as usize;
+            check_len("moe router logits", router_logits.len(), stride)?;
+            if let Some(RoutedSlots { down, ids, weights, act, per_row }) = self.routed_slots(a, 1, router_logits, experts, top_k)? {
+                return self.blas.routed_residual_norm(down, &ids, &weights, per_row, &act, x, norm, eps, a);
+            }
+        }
+        let y = self.moe(a, d, router_logits, experts, top_k)?;
+        self.residual_norm(x, &y, norm, d, eps, a)
     }
 
 }

@@ -342,11 +342,13 @@ fn cuda_pool_embedding_and_linear_match_cpu() {
             blas.linear(&dx, rows, &m, &mut y).unwrap();
             check(&format!("linear {name} weights, f32 mode, {rows} rows"), &gpu.download(&y).unwrap(), &want, BOUND);
         }
-        // Fast mode: a GEMV takes f32 rows against the bf16 weights; a GEMM the CPU product of
-        // the same bf16-rounded operands, f32 accumulation.
+        // Fast mode: the CUDA-core GEMV takes f32 rows against the bf16 weights (one row, or
+        // rows not of whole 32-weight chunks; and Q8_0 weights); the tensor-core GEMV (2 to 8
+        // rows) and a GEMM the CPU product of the same bf16-rounded operands, f32 accumulation.
         let r16 = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect() };
         let gemv = rows <= GEMV_MAX_ROWS && in_f % 8 == 0;
-        let want16 = super::matmul::linear(&if gemv { x.clone() } else { r16(&x) }, rows, &r16(&w), out_f, in_f).unwrap();
+        let f32_rows = gemv && (rows == 1 || in_f % 32 != 0);
+        let want16 = super::matmul::linear(&if f32_rows { x.clone() } else { r16(&x) }, rows, &r16(&w), out_f, in_f).unwrap();
         let m16 = blas16.matrix(&Weights::F32(&w), out_f, in_f).unwrap();
         let mut y = nan(&gpu, rows * out_f);
         blas16.linear(&dx, rows, &m16, &mut y).unwrap();
@@ -552,6 +554,60 @@ fn cuda_split_gemv_matches_cpu_and_is_row_invariant() {
             let eg = check(&format!("split glu {name} {out_f}x{in_f}"), &gpu.download(&y).unwrap(), &want, BOUND);
             eprintln!("split gemv {name} {out_f}x{in_f}: {e:.2e}, gated {eg:.2e}; rows alone == in a batch");
         }
+    }
+}
+
+/// Fast mode's products of 2 to 8 rows with bf16 weights on the tensor cores: against the CPU
+/// on the same bf16-rounded x (exact products, so only the summation order differs: the f32
+/// bound), plain, silu- and gelu-gated and as several parts of one launch; a row's bits the same
+/// in 2, 5 and 8 rows; features that end inside a block, rows shorter than the block's warps'
+/// chunks.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows() {
+    use crate::kernels::activation::{gelu_tanh_mul_views, silu_mul_views};
+    use crate::kernels::matmul::cuda::GemvOutput;
+    let gpu = gpu();
+    let mut rng = rng("cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows");
+    let blas = Blas::new(gpu.clone(), true).unwrap();
+    let round = |v: &[f32]| -> Vec<f32> { v.iter().map(|&a| half::bf16::from_f32(a).to_f32()).collect() };
+    for &(out_f, in_f) in &[(1280usize, 768usize), (100, 64), (48, 1152), (34, 96)] {
+        let bits: Vec<u16> = rng.vec(out_f * in_f, -0.1, 0.1).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let sw = Weights::Bf16(&bits);
+        let m = blas.matrix(&sw, out_f, in_f).unwrap();
+        let x = rng.vec(8 * in_f, -1.0, 1.0);
+        let want = super::matmul::linear_w(&round(&x), 8, sw, out_f, in_f).unwrap();
+        let run = |rows: usize| -> Vec<f32> {
+            let mut y = nan(&gpu, rows * out_f);
+            blas.linear(&gpu.upload(&x[..rows * in_f]).unwrap(), rows, &m, &mut y).unwrap();
+            gpu.download(&y).unwrap()
+        };
+        let all = run(8);
+        let e = check(&format!("mma gemv {out_f}x{in_f}"), &all, &want, BOUND);
+        for rows in [2usize, 5] {
+            assert_eq!(run(rows), all[..rows * out_f], "mma gemv {out_f}x{in_f}: {rows} rows vs the same rows among 8");
+        }
+        // Gated: the matrix as a gate [out/2][in] over an up [out/2][in].
+        let h = out_f / 2;
+        let dx = gpu.upload(&x[..6 * in_f]).unwrap();
+        let mut eg = [0.0f64; 2];
+        for (i, output) in [GemvOutput::Silu, GemvOutput::GeluTanh].into_iter().enumerate() {
+            let gu = &want[..6 * out_f];
+            let views = ((gu, 0, out_f), (gu, h, out_f));
+            let want_g = if i == 0 { silu_mul_views(views.0, views.1, 6, h) } else { gelu_tanh_mul_views(views.0, views.1, 6, h) }.unwrap();
+            let mut y = nan(&gpu, 6 * h);
+            blas.glu(&dx, 6, &m, output, &mut y, |_, _| unreachable!("6 rows take the GEMV")).unwrap();
+            eg[i] = check(&format!("mma glu {output:?} {out_f}x{in_f}"), &gpu.download(&y).unwrap(), &want_g, BOUND);
+        }
+        // Two parts of one launch reading the same x.
+        let bits2: Vec<u16> = rng.vec(40 * in_f, -0.1, 0.1).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let m2 = blas.matrix(&Weights::Bf16(&bits2), 40, in_f).unwrap();
+        let want2 = super::matmul::linear_w(&round(&x[..3 * in_f]), 3, Weights::Bf16(&bits2), 40, in_f).unwrap();
+        let (mut y1, mut y2) = (nan(&gpu, 3 * out_f), nan(&gpu, 3 * 40));
+        blas.linears(&gpu.upload(&x[..3 * in_f]).unwrap(), 3, &mut [(&m, &mut y1), (&m2, &mut y2)]).unwrap();
+        assert_eq!(gpu.download(&y1).unwrap(), all[..3 * out_f], "mma gemv {out_f}x{in_f}: part 0 of two == alone");
+        let ep = check(&format!("mma gemv part 1 40x{in_f}"), &gpu.download(&y2).unwrap(), &want2, BOUND);
+        eprintln!("mma gemv {out_f}x{in_f}: {e:.2e}, silu {:.2e}, gelu {:.2e}, second part {ep:.2e}; rows alike in 2, 5, 8", eg[0], eg[1]);
     }
 }
 

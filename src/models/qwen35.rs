@@ -777,8 +777,7 @@ impl<O: Ops> Qwen35<O> {
             }
             Ffn::Moe { router, experts, top_k } => {
                 let logits = ops.linear(a, n, router, None)?;
-                let out = ops.moe(a, h, &logits, experts, *top_k)?;
-                ops.residual_norm(x, &out, next, h, c.eps, a)
+                ops.moe_residual_norm(a, h, &logits, experts, *top_k, x, next, c.eps)
             }
         }
     }

@@ -12,6 +12,8 @@ use crate::cuda::test_util::{check, gpu, nan, rng};
 use crate::kernels::attention::AttentionShape;
 use crate::kernels::backend::{CpuOps, Ops, View};
 use crate::kernels::cuda_ops::{CudaOps, Precision};
+use crate::kernels::matmul::cuda::GEMV_MAX_ROWS;
+use crate::kernels::moe::cuda::MAX_DEVICE_TOP_K;
 use crate::kernels::pack;
 use crate::kernels::sample::{select_rows, LogitsWant};
 use crate::models::qwen35::{Qwen35, Qwen35State};
@@ -141,6 +143,10 @@ fn cuda_llm_ops_match_cpu() {
         (7, 128, 64, 16, 4, true, 32),
         (300, 128, 64, 64, 8, true, 64),
         (33, 64, 32, 40, 17, true, 0),
+        (2, 64, 32, 20, 16, false, 32),
+        (1, 100, 32, 8, 2, false, 32),
+        (40, 64, 32, 16, 4, true, 0),
+        (20, 64, 36, 8, 2, false, 0),
     ] {
         use crate::formats::{Matrix, Q8Tensor, Tensor};
         let mk = |r: usize, c: usize, rng: &mut crate::kernels::gated_delta::test_util::Lcg| {
@@ -159,14 +165,54 @@ fn cuda_llm_ops_match_cpu() {
         // Logits on a grid of quarters: many equal probabilities, whose ties both routings
         // must break alike (the lower expert first).
         let logits: Vec<f32> = rng.vec(rows * (ne + (sw > 0) as usize), -3.0, 3.0).iter().map(|v| (v * 4.0).round() / 4.0).collect();
-        let want = cpu.moe(&x, d, &logits, &cpu.experts(experts.clone(), shared.clone()).unwrap(), k).unwrap();
-        let got = ops.moe(&up(&x), d, &up(&logits), &ops.experts(experts.clone(), shared.clone()).unwrap(), k).unwrap();
+        let cpu_experts = cpu.experts(experts.clone(), shared.clone()).unwrap();
+        let want = cpu.moe(&x, d, &logits, &cpu_experts, k).unwrap();
+        let gpu_experts = ops.experts(experts.clone(), shared.clone()).unwrap();
+        let got = ops.moe(&up(&x), d, &up(&logits), &gpu_experts, k).unwrap();
         let what = format!("moe {rows}×{d}, {ne} experts top-{k}, q8_0 {q8}, shared width {sw}");
         check(&what, &gpu.download(&got).unwrap(), &want, BOUND);
         // Fast mode: bf16 operands (tensor-core products for the sorted rows), the same
         // routing; the error is that of the operands' bf16 rounding.
-        let fast = ops16.moe(&up(&x), d, &up(&logits), &ops16.experts(experts, shared).unwrap(), k).unwrap();
+        let gpu_experts16 = ops16.experts(experts, shared).unwrap();
+        let fast = ops16.moe(&up(&x), d, &up(&logits), &gpu_experts16, k).unwrap();
         check(&format!("fast {what}"), &gpu.download(&fast).unwrap(), &want, FAST_MOE_BOUND);
+        // A prompt's rows whose experts get few rows each run as GEMVs over tiles of them,
+        // which in f32 mode give each row the bits of a decode step of that row alone (without
+        // a shared expert, which a prompt runs as a dense MLP; device routing only). Every
+        // expert is taken in these shapes (k of ne experts for each of many rows), so the tiles
+        // are chosen by rows·k <= 16·ne. (Fast mode's bf16 tiles run on the tensor cores, x
+        // rounded to bf16, where a decode step keeps f32 x: the bound above.)
+        if sw == 0 && rows > GEMV_MAX_ROWS && k <= MAX_DEVICE_TOP_K && width % 8 == 0 && rows * k <= 16 * ne {
+            let got = gpu.download(&got).unwrap();
+            for r in [0, rows / 2, rows - 1] {
+                let one = gpu.download(&ops.moe(&up(&x[r * d..(r + 1) * d]), d, &up(&logits[r * ne..(r + 1) * ne]), &gpu_experts, k).unwrap()).unwrap();
+                assert_eq!(one, got[r * d..(r + 1) * d], "{what}: row {r} of the prompt == the row alone");
+            }
+        }
+
+        // The layer's MoE and the residual step after it (a decode step fuses the down
+        // products, their sum and the residual add, and for one row the norm, into one
+        // launch): against the CPU, and the same bits as the two ops on the GPU; twice over
+        // (the fused norm's arrival counter resets).
+        let (x0, nw) = (rng.vec(rows * d, -2.0, 2.0), rng.vec(d, 0.5, 1.5));
+        let (mut want_x, mut want_a) = (x0.clone(), x.clone());
+        cpu.moe_residual_norm(&mut want_a, d, &logits, &cpu_experts, k, &mut want_x, &nw, 1e-6).unwrap();
+        for (mode, o, e, bound) in [("f32", &ops, &gpu_experts, BOUND), ("fast", &ops16, &gpu_experts16, FAST_MOE_BOUND)] {
+            let (dl, dnw) = (up(&logits), up(&nw));
+            let y = o.moe(&up(&x), d, &dl, e, k).unwrap();
+            let (mut xu, mut au) = (up(&x0), nan(&gpu, rows * d));
+            o.residual_norm(&mut xu, &y, &dnw, d, 1e-6, &mut au).unwrap();
+            let (xu, au) = (gpu.download(&xu).unwrap(), gpu.download(&au).unwrap());
+            for pass in 0..2 {
+                let (mut xg, mut ag) = (up(&x0), up(&x));
+                o.moe_residual_norm(&mut ag, d, &dl, e, k, &mut xg, &dnw, 1e-6).unwrap();
+                let (xg, ag) = (gpu.download(&xg).unwrap(), gpu.download(&ag).unwrap());
+                assert_eq!(xg, xu, "{mode} {what}: moe_residual_norm stream == moe, residual_norm (pass {pass})");
+                assert_eq!(ag, au, "{mode} {what}: moe_residual_norm norm == moe, residual_norm (pass {pass})");
+            }
+            check(&format!("{mode} {what}: moe + residual stream"), &xu, &want_x, bound);
+            check(&format!("{mode} {what}: moe + residual norm"), &au, &want_a, bound);
+        }
     }
 }
 

@@ -52,6 +52,9 @@ pub enum GpuWeights {
     Q8 { quants: CudaSlice<i8>, scales: CudaSlice<u16> },
 }
 
+/// [`GpuMatrix::kind`] of bf16 weights (the kernels' tables are [f32, bf16, Q8_0]).
+const KIND_BF16: usize = 1;
+
 pub struct GpuMatrix {
     pub w: GpuWeights,
     pub out: usize,
@@ -72,7 +75,7 @@ impl GpuMatrix {
     fn kind(&self) -> usize {
         match &self.w {
             GpuWeights::F32(_) => 0,
-            GpuWeights::Bf16(_) => 1,
+            GpuWeights::Bf16(_) => KIND_BF16,
             GpuWeights::Q8 { .. } => 2,
         }
     }
@@ -225,6 +228,19 @@ fn gemv_split(features: usize, inp: usize, multiprocessors: usize) -> usize {
     ks
 }
 
+/// Tiles (expert, first row, rows) of at most [`GEMV_MAX_ROWS`] rows covering rows sorted by
+/// expert, `start[e] .. start[e + 1]` being expert e's rows ([`Blas::tiles`]).
+pub fn expert_tiles(start: &[usize]) -> Result<Vec<[i32; 3]>> {
+    let mut tiles = Vec::new();
+    for (e, w) in start.windows(2).enumerate() {
+        for r0 in (w[0]..w[1]).step_by(GEMV_MAX_ROWS) {
+            let n = (w[1] - r0).min(GEMV_MAX_ROWS);
+            tiles.push([int_arg("tile expert", e)?, int_arg("tile row", r0)?, n as i32]);
+        }
+    }
+    Ok(tiles)
+}
+
 /// Weights of a row one GEMV warp step takes: 32 lanes × the kernels' STEP, 8 weights a lane
 /// for every stored type (gemv.cu).
 const GEMV_STEP_WEIGHTS: usize = 32 * 8;
@@ -277,11 +293,25 @@ pub struct Blas {
     q8_paired: bool,
     /// `tern_gemv_q8_1x2`: a one-row Q8_0 product, two features a warp.
     q8_paired_kernel: CudaFunction,
+    /// Whether fast mode's products of several rows with bf16 weights take the tensor-core
+    /// GEMV ([`Blas::gemv_mma_fits`]); TERN_GEMV_MMA=0 turns it off, to measure the two forms
+    /// on the same run.
+    gemv_mma: bool,
+    /// The tensor-core GEMV: [plain, silu-gated, gelu-gated output].
+    mma_kernels: [CudaFunction; 3],
+    /// The tensor-core GEMV over tiles of expert rows: [plain, silu-gated output].
+    mma_tiles: [CudaFunction; 2],
     /// The arrival counter of the blocks of a GEMV ending in a norm (zero between launches;
     /// launches on the one stream never overlap).
     residual_counter: CudaSlice<u32>,
     /// The routed GEMV: [plain, silu-gated output][f32, bf16, Q8_0].
     routed: [[CudaFunction; 3]; 2],
+    /// Expert products over tiles of a few rows sorted by expert: [plain, silu-gated output]
+    /// [f32, bf16, Q8_0] ([`Blas::tiles`]).
+    tiles: [[CudaFunction; 3]; 2],
+    /// The routed down products, their weighted sum and the residual step in one launch:
+    /// [f32, bf16, Q8_0] ([`Blas::routed_residual`]).
+    routed_residual: [CudaFunction; 3],
     expand_bf16_f32: CudaFunction,
     expand_q8_f32: CudaFunction,
     expand_q8_bf16: CudaFunction,
@@ -318,11 +348,19 @@ impl Blas {
             gemv_split: std::env::var("TERN_GEMV_SPLIT").map_or(true, |v| v != "0"),
             q8_paired: std::env::var("TERN_GEMV_Q8_PAIRED").map_or(true, |v| v != "0"),
             q8_paired_kernel: f("tern_gemv_q8_1x2")?,
+            gemv_mma: std::env::var("TERN_GEMV_MMA").map_or(true, |v| v != "0"),
+            mma_kernels: [f("tern_gemv_mma_bf16")?, f("tern_gemv_mma_silu_bf16")?, f("tern_gemv_mma_gelu_bf16")?],
+            mma_tiles: [f("tern_gemv_mma_tiles_bf16")?, f("tern_gemv_mma_tiles_silu_bf16")?],
             residual_counter: gpu.zeros::<u32>(1)?,
             routed: [
                 [f("tern_gemv_routed_f32")?, f("tern_gemv_routed_bf16")?, f("tern_gemv_routed_q8")?],
                 [f("tern_gemv_routed_silu_f32")?, f("tern_gemv_routed_silu_bf16")?, f("tern_gemv_routed_silu_q8")?],
             ],
+            tiles: [
+                [f("tern_gemv_tiles_f32")?, f("tern_gemv_tiles_bf16")?, f("tern_gemv_tiles_q8")?],
+                [f("tern_gemv_tiles_silu_f32")?, f("tern_gemv_tiles_silu_bf16")?, f("tern_gemv_tiles_silu_q8")?],
+            ],
+            routed_residual: [f("tern_gemv_routed_res_f32")?, f("tern_gemv_routed_res_bf16")?, f("tern_gemv_routed_res_q8")?],
             expand_bf16_f32: f("tern_expand_bf16_f32")?,
             expand_q8_f32: f("tern_expand_q8_f32")?,
             expand_q8_bf16: f("tern_expand_q8_bf16")?,
@@ -760,6 +798,9 @@ impl Blas {
         let g = &self.gpu;
         let first = parts.first().map(|(w, _)| *w).ok_or_else(|| Error::Shape("gemv: no product".into()))?;
         let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", first.inp)?);
+        if tail.is_none() && self.gemv_mma_fits(rows, output, parts.iter().map(|(w, _)| *w)) {
+            return self.gemv_mma(x, output, r, inp, parts);
+        }
         let features: usize = parts.iter().map(|(w, _)| output.features(w)).sum();
         let ks = if self.gemv_split { gemv_split(features, first.inp, self.multiprocessors) } else { 1 };
         let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, tail: tail.unwrap_or_default(), ..Default::default() };
@@ -778,18 +819,7 @@ impl Blas {
         // The wide form unless its blocks would not cover every multiprocessor twice.
         let wide_blocks: usize = parts.iter().map(|(w, _)| output.features(w).div_ceil(per_block(false))).sum();
         let narrow = !paired && wide_blocks < 2 * self.multiprocessors;
-        let mut blocks = 0u32;
-        for (i, (w, y)) in parts.iter().enumerate() {
-            let (wp, sp) = w.pointers(g);
-            p.w[i] = wp;
-            p.scales[i] = sp;
-            p.y[i] = g.ptr(&**y);
-            let features = output.features(w);
-            p.out[i] = int_arg("gemv out", features)?;
-            p.block0[i] = blocks as i32;
-            blocks += grid_for(features, per_block(narrow) as u32)?;
-        }
-        p.block0[parts.len()] = int_arg("gemv blocks", blocks as usize)?;
+        let blocks = self.gemv_parts(&mut p, output, parts, per_block(narrow) as u32)?;
         let xp = g.ptr(x);
         let kernel = if paired { &self.q8_paired_kernel } else { self.gemv.get(output, first, rows, narrow) };
         let mut l = g.launch_builder(kernel);
@@ -800,6 +830,58 @@ impl Blas {
         // outputs (out, or out / 2 gated; lengths checked by the callers); x holds rows × in
         // values; in % 8 == 0 keeps the vector loads aligned.
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv"))?;
+        Ok(())
+    }
+
+    /// Fills `p`'s matrices, outputs and block ranges for `parts`, `per_block` features a
+    /// block; the launch's block count.
+    fn gemv_parts(&self, p: &mut GemvParts, output: GemvOutput, parts: &[(&GpuMatrix, &mut CudaSlice<f32>)], per_block: u32) -> Result<u32> {
+        let g = &self.gpu;
+        let mut blocks = 0u32;
+        for (i, (w, y)) in parts.iter().enumerate() {
+            let (wp, sp) = w.pointers(g);
+            p.w[i] = wp;
+            p.scales[i] = sp;
+            p.y[i] = g.ptr(&**y);
+            let features = output.features(w);
+            p.out[i] = int_arg("gemv out", features)?;
+            p.block0[i] = blocks as i32;
+            blocks += grid_for(features, per_block)?;
+        }
+        p.block0[parts.len()] = int_arg("gemv blocks", blocks as usize)?;
+        Ok(blocks)
+    }
+
+    /// Whether a product of `rows` rows with these matrices takes the tensor-core GEMV: fast
+    /// mode, 2 to [`GEMV_MAX_ROWS`] rows (one row keeps the CUDA-core form and its f32 x: a
+    /// decode step of one sequence), bf16 weights, rows of whole 32-weight chunks, plain or
+    /// gated outputs.
+    fn gemv_mma_fits<'m>(&self, rows: usize, output: GemvOutput, mut ms: impl Iterator<Item = &'m GpuMatrix>) -> bool {
+        self.tensor_cores
+            && self.gemv_mma
+            && (2..=GEMV_MAX_ROWS).contains(&rows)
+            && matches!(output, GemvOutput::Plain | GemvOutput::Silu | GemvOutput::GeluTanh)
+            && ms.all(|w| matches!(w.w, GpuWeights::Bf16(_)) && w.inp % 32 == 0)
+    }
+
+    /// [`Blas::gemv`] on the tensor cores (`tern_gemv_mma_*`): 16 features a block.
+    fn gemv_mma(&self, x: &CudaSlice<f32>, output: GemvOutput, rows: i32, inp: i32, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)]) -> Result<()> {
+        let g = &self.gpu;
+        let mut p = GemvParts { n: parts.len() as i32, ks: 1, ..Default::default() };
+        let blocks = self.gemv_parts(&mut p, output, parts, 16)?;
+        let kernel = match output {
+            GemvOutput::Silu => &self.mma_kernels[1],
+            GemvOutput::GeluTanh => &self.mma_kernels[2],
+            _ => &self.mma_kernels[0],
+        };
+        let xp = g.ptr(x);
+        let mut l = g.launch_builder(kernel);
+        l.arg(&p).arg(&xp).arg(&rows).arg(&inp);
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match tern_gemv_mma_*; each part's out × in bf16 weights (in %
+        // 32 == 0: whole 16-byte loads) and rows × features outputs (lengths checked by the
+        // callers); x holds rows <= 8 rows of in values.
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_mma"))?;
         Ok(())
     }
 
@@ -863,6 +945,102 @@ impl Blas {
         // out × in weights of the kernel's type, and the ids (written by the routing kernel) are
         // below `len`; x, y and ids hold what the slots read and write (checked above).
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_routed"))?;
+        Ok(())
+    }
+
+    /// Expert products over rows sorted by expert, as GEMVs of tiles of at most
+    /// [`GEMV_MAX_ROWS`] rows: for each tile (e, r0, n) of `tiles` ([`expert_tiles`]), rows
+    /// r0 .. r0 + n of `y` are the products of expert e's matrix (`table`) with the same rows of
+    /// `x` (rows of `in`): plain outputs, or the gated activation of a stacked gate|up matrix.
+    /// Each row's result is the one [`Blas::routed`] gives it alone, except in fast mode with
+    /// bf16 weights, where the tiles run on the tensor cores as [`Blas::gemv`]'s products of
+    /// several rows do (x rounded to bf16). CPU twin: [`super::linear_w`] of each row's expert
+    /// (and the gated activation).
+    pub fn tiles(&self, table: &GpuMatrixTable, tiles: &[[i32; 3]], x: &CudaSlice<f32>, output: GemvOutput, y: &mut CudaSlice<f32>) -> Result<()> {
+        let features = match output {
+            GemvOutput::Plain => table.out,
+            GemvOutput::Silu if table.out % 2 == 0 => table.out / 2,
+            _ => return Err(Error::Shape(format!("tiles: plain or silu-gated products of {} rows", table.out))),
+        };
+        if table.inp == 0 || x.len() % table.inp != 0 {
+            return Err(Error::Shape(format!("tiles: {} inputs are not rows of {}", x.len(), table.inp)));
+        }
+        let rows = x.len() / table.inp;
+        check_len("tiles output", y.len(), rows * features)?;
+        for &[e, r0, n] in tiles {
+            let fits = usize::try_from(e).is_ok_and(|e| e < table.len) && r0 >= 0 && (1..=GEMV_MAX_ROWS as i32).contains(&n) && r0 as usize + n as usize <= rows;
+            if !fits {
+                return Err(Error::Shape(format!("tiles: tile ({e}, {r0}, {n}) of {rows} rows and {} experts", table.len)));
+            }
+        }
+        let g = &self.gpu;
+        let (inp, out) = (int_arg("tiles in", table.inp)?, int_arg("tiles out", features)?);
+        let silu = (output == GemvOutput::Silu) as usize;
+        // bf16 weights in fast mode: the tensor-core form, 16 features a block.
+        let mma = self.tensor_cores && self.gemv_mma && table.kind == KIND_BF16 && table.inp % 32 == 0;
+        let (f, per_block) = if mma { (&self.mma_tiles[silu], 16) } else { (&self.tiles[silu][table.kind], GEMV_WARPS as u32) };
+        // The grid's y dimension holds at most 65535 tiles a launch.
+        for chunk in tiles.chunks(65_535) {
+            let flat: Vec<i32> = chunk.iter().flatten().copied().collect();
+            let dt = g.upload(&flat)?;
+            let (wt, st, tp, xp, yp) = (g.ptr(&table.weights), g.ptr(&table.scales), g.ptr(&dt), g.ptr(x), g.ptr(&*y));
+            let mut l = g.launch_builder(f);
+            l.arg(&wt).arg(&st).arg(&tp).arg(&xp).arg(&inp).arg(&out).arg(&yp);
+            let cfg = LaunchConfig { grid_dim: (grid_for(features, per_block)?, chunk.len() as u32, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: argument types match tern_gemv_tiles_* and tern_gemv_mma_tiles_* (bf16
+            // weights, in % 32 == 0: whole 16-byte loads); each tile's expert is below the
+            // tables' `len` (matrices of out × in weights of the kernel's type) and its rows lie
+            // in x (rows × in) and y (rows × features), checked above; the tiles' buffer lives
+            // until the stream has run the launch (freed in stream order).
+            unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_tiles"))?;
+        }
+        Ok(())
+    }
+
+    /// A one-row decode step's routed experts summed into the residual stream, then its norm:
+    /// `x += Σ_j weights[j] · (W_{ids[j]} · act[j])` over the row's `per_row` slots (in slot
+    /// order), then `a = rms(x)·norm` (x and a: one row of `table.out`). One launch whose last
+    /// block normalises; the same bits as [`Blas::routed`] (plain), the MoE combine and the
+    /// residual norm kernel. CPU twin: the MoE's expert sum ([`crate::kernels::moe`]), then
+    /// [`crate::kernels::norm::residual_norm`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn routed_residual_norm(
+        &self,
+        table: &GpuMatrixTable,
+        ids: &CudaSlice<i32>,
+        weights: &CudaSlice<f32>,
+        per_row: usize,
+        act: &CudaSlice<f32>,
+        x: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        a: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let d = table.out;
+        if d == 0 || per_row == 0 || per_row > 32 {
+            return Err(Error::Shape(format!("routed_residual_norm: rows of {d}, {per_row} slots a row (1 to 32)")));
+        }
+        for (what, len) in [("residual", x.len()), ("norm weight", norm.len()), ("norm output", a.len())] {
+            check_len(&format!("routed_residual_norm {what}"), len, d)?;
+        }
+        check_len("routed_residual_norm ids", ids.len(), per_row)?;
+        check_len("routed_residual_norm weights", weights.len(), per_row)?;
+        check_len("routed_residual_norm input", act.len(), per_row * table.inp)?;
+        let g = &self.gpu;
+        let tail = NormTail { norm_w: g.ptr(norm), norm_out: g.ptr(&*a), counter: g.ptr(&self.residual_counter), eps, stream: 0, next_w: 0, post: 1.0 };
+        let mut p = GemvParts { n: 1, ks: 1, tail, ..Default::default() };
+        p.y[0] = g.ptr(&*x);
+        p.out[0] = int_arg("routed_residual_norm out", d)?;
+        let (pr, inp) = (int_arg("routed_residual_norm slots", per_row)?, int_arg("routed_residual_norm in", table.inp)?);
+        let (wt, st, ip, wp, ap) = (g.ptr(&table.weights), g.ptr(&table.scales), g.ptr(ids), g.ptr(weights), g.ptr(act));
+        let mut l = g.launch_builder(&self.routed_residual[table.kind]);
+        l.arg(&p).arg(&wt).arg(&st).arg(&ip).arg(&wp).arg(&pr).arg(&ap).arg(&inp);
+        let cfg = LaunchConfig { grid_dim: (grid_for(d, GEMV_WARPS as u32)?, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match tern_gemv_routed_res_*; the tables hold `len` matrices of
+        // out × in weights of the kernel's type and the ids (the routing kernel's) are below
+        // `len`; ids and weights hold per_row slots, act a row of `in` per slot, x, norm and a
+        // d values (checked above); one row, so the grid's blocks are the counter's arrivals.
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_routed_res"))?;
         Ok(())
     }
 

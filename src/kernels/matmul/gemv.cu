@@ -26,7 +26,11 @@
 //   (TERN_Y_SILU, TERN_Y_GELU);
 // - a mixture-of-experts layer's routed products, the expert of each (row, choice) read from
 //   device memory (routed on the device), so that a decode step of a MoE model records as a
-//   graph like a dense one (tern_gemv_routed).
+//   graph like a dense one (tern_gemv_routed); for one row, the down products end in their
+//   weighted sum, the residual step and the norm (tern_gemv_routed_res);
+// - a prompt's expert products over tiles of its rows sorted by expert (tern_gemv_tiles).
+// Fast mode's products of 2 to 8 rows with bf16 weights run on the tensor cores instead
+// (tern_gemv_mma, tern_gemv_mma_tiles).
 
 #define TERN_GEMV_WARPS 8
 #define TERN_GEMV_PARTS 4
@@ -417,6 +421,128 @@ __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float*
     if constexpr (tail) tern_gemv_norm_tail<R, OMODE>(p, rows);
 }
 
+// Fast mode's products of 2 to 8 rows with bf16 weights, on the tensor cores: x rounded to
+// bf16 (as the fast mode's GEMMs round it), f32 accumulation. The CUDA-core form above reads
+// every x value once per feature from L1, 8 rows of it per weight, which for a short query's
+// products (EmbeddingGemma's 768-wide rows) costs more than their weights' bytes; here one
+// mma.sync m16n8k16 multiplies 16 features by the 8 rows (x's rows are B's columns), x is read
+// once per 16 features, and a block's warps split the row's 32-weight chunks (warp w takes
+// chunks w, w + 8, ...), their partial sums added in warp order through shared memory. A block
+// is 16 features (and, gated, their 16 up rows) of one part of p.
+//
+// The weights are read as the GEMV reads them, 8 consecutive ones a lane (one 16-byte load),
+// and the dot product's k order is permuted to fit: lane (g, t) loads weights 8t .. 8t + 7 of a
+// chunk for features g and g + 8, and x's row g at the same 8 positions, and passes them as the
+// fragments' k positions {2t, 2t + 1, 2t + 8, 2t + 9} of two mma steps (weights 8t + 0..3, then
+// 8t + 4..7). A and B see the same permutation, so the products pair up as in the plain order;
+// only the summation order differs. A row's result depends on its own x and the matrix only,
+// never on the other rows. in % 32 == 0 (checked by the host).
+// Features o0 .. o0 + 15 of w ([out][in], or gated [2·out][in]: gate rows, then up rows) for
+// rows r < rows <= 8 of x, written to y[r·out + o]; one block of TERN_GEMV_WARPS warps.
+template <int OMODE>
+__device__ __forceinline__ void tern_gemv_mma_block(const tern_bf16* __restrict__ w, int out, int o0, const float* __restrict__ x,
+                                                    int rows, int in, float* __restrict__ y) {
+    constexpr bool GATED = OMODE == TERN_Y_SILU || OMODE == TERN_Y_GELU;
+    constexpr int NT = GATED ? 2 : 1;  // A tiles: the features, and gated, their up rows
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    // The lane's weight rows: features o0 + g and o0 + g + 8 (a feature past `out` reads the
+    // last one in its place and is never written); gated, tile 1 is their up rows.
+    const tern_bf16* wr[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int o = min(o0 + g + 8 * h, out - 1);
+            wr[j][h] = w + (size_t)(j == 0 ? o : o + out) * in;
+        }
+    const bool has_x = g < rows;
+    const float* xr = x + (size_t)(has_x ? g : 0) * in;
+    float c[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+#pragma unroll 2
+    for (int k = 32 * warp + 8 * t; k < in; k += 32 * TERN_GEMV_WARPS) {
+        uint4 a[NT][2];
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) a[j][h] = *reinterpret_cast<const uint4*>(wr[j][h] + k);
+        float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
+        if (has_x) {
+            x0 = *reinterpret_cast<const float4*>(xr + k);
+            x1 = *reinterpret_cast<const float4*>(xr + k + 4);
+        }
+        const tern_u32 b00 = tern_tc_pack(x0.x, x0.y), b01 = tern_tc_pack(x0.z, x0.w);
+        const tern_u32 b10 = tern_tc_pack(x1.x, x1.y), b11 = tern_tc_pack(x1.z, x1.w);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            tern_tc_mma(c[j], a[j][0].x, a[j][1].x, a[j][0].y, a[j][1].y, b00, b01);
+            tern_tc_mma(c[j], a[j][0].z, a[j][1].z, a[j][0].w, a[j][1].w, b10, b11);
+        }
+    }
+    __shared__ float partial[TERN_GEMV_WARPS][NT][4][32];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) partial[warp][j][i][lane] = c[j][i];
+    __syncthreads();
+    if (warp != 0) return;
+    for (int v = 1; v < TERN_GEMV_WARPS; ++v)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[j][i] += partial[v][j][i][lane];
+    // c[j][2h + q]: feature o0 + g + 8h, row 2t + q.
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int o = o0 + g + 8 * h, r = 2 * t + q;
+            if (o >= out || r >= rows) continue;
+            float s = c[0][2 * h + q];
+            if constexpr (GATED) s = (OMODE == TERN_Y_SILU ? tern_silu(s) : tern_gelu_tanh(s)) * c[NT - 1][2 * h + q];
+            y[(size_t)r * out + o] = s;
+        }
+}
+
+// The parts of p, 16 features a block.
+template <int OMODE>
+__device__ __forceinline__ void tern_gemv_mma(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
+    int part = 0;
+    while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
+    tern_gemv_mma_block<OMODE>((const tern_bf16*)p.w[part], p.out[part], ((int)blockIdx.x - p.block0[part]) * 16, x, rows, in,
+                               (float*)p.y[part]);
+}
+
+// Fast mode's tiles of a prompt's expert rows (tern_gemv_tiles) on the tensor cores: tile
+// blockIdx.y's rows, 16 features a block.
+template <int OMODE>
+__device__ __forceinline__ void tern_gemv_mma_tiles(const unsigned long long* __restrict__ w_table, const int* __restrict__ tiles,
+                                                    const float* __restrict__ x, int in, int out, float* __restrict__ y) {
+    const int* tile = tiles + 3 * (size_t)blockIdx.y;
+    const int e = tile[0], r0 = tile[1], n = tile[2];
+    tern_gemv_mma_block<OMODE>((const tern_bf16*)w_table[e], out, (int)blockIdx.x * 16, x + (size_t)r0 * in, n, in, y + (size_t)r0 * out);
+}
+
+#define TERN_GEMV_MMA_KERNEL(name, OMODE)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                               \
+        name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                               \
+        tern_await_prior_kernel();                                                                                   \
+        tern_gemv_mma<OMODE>(p, x, rows, in);                                                                        \
+    }
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_bf16, TERN_Y_PLAIN)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_silu_bf16, TERN_Y_SILU)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_gelu_bf16, TERN_Y_GELU)
+#define TERN_GEMV_MMA_TILES_KERNEL(name, OMODE)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                               \
+        name(const unsigned long long* __restrict__ w_table, const unsigned long long* __restrict__ s_table,        \
+             const int* __restrict__ tiles, const float* __restrict__ x, int in, int out, float* __restrict__ y) {  \
+        tern_await_prior_kernel();                                                                                   \
+        tern_gemv_mma_tiles<OMODE>(w_table, tiles, x, in, out, y);                                                  \
+    }
+TERN_GEMV_MMA_TILES_KERNEL(tern_gemv_mma_tiles_bf16, TERN_Y_PLAIN)
+TERN_GEMV_MMA_TILES_KERNEL(tern_gemv_mma_tiles_silu_bf16, TERN_Y_SILU)
+
 // Routed experts (a mixture-of-experts layer's few rows, routed on the device): slot s =
 // blockIdx.y is row s / k's choice s % k, expert ids[s], whose matrix comes from the tables of
 // every expert's weights (and Q8_0 scales). Its input is row s / x_div of x (x_div = k: the
@@ -432,6 +558,95 @@ __device__ __forceinline__ void tern_gemv_routed(const unsigned long long* __res
     if (o >= out) return;
     tern_gemv_rows<1, 1, OMODE>(W(w_table[e], s_table[e]), x + (size_t)(slot / x_div) * in, 1, in, o, out,
                                 y + (size_t)slot * out);
+}
+
+// A prompt's expert products as GEMVs of a few rows (the rows sorted by expert): tile
+// t = blockIdx.y is rows r0 .. r0 + n - 1 (n <= 8) of x and y, all routed to expert e, with
+// tiles[t] = (e, r0, n); each warp computes one feature of the tile's rows as tern_gemv_rows
+// does for a batch of n decode rows (so a row's result is the one it gets in a decode step,
+// whatever other rows share its tile). An expert's weights are read once per tile of its rows,
+// and its tiles are neighbours in the grid, so the re-reads mostly come from L2: for prompts
+// whose experts get few rows each this beats one cuBLAS GEMM per expert, whose launches and
+// small-M kernels cost far more than its weights' bytes.
+template <int OMODE, typename W>
+__device__ __forceinline__ void tern_gemv_tiles(const unsigned long long* __restrict__ w_table,
+                                                const unsigned long long* __restrict__ s_table,
+                                                const int* __restrict__ tiles, const float* __restrict__ x, int in,
+                                                int out, float* __restrict__ y) {
+    const int* tile = tiles + 3 * (size_t)blockIdx.y;
+    const int e = tile[0], r0 = tile[1], n = tile[2];
+    const int o = (int)blockIdx.x * TERN_GEMV_WARPS + threadIdx.x / 32;
+    if (o >= out) return;
+    tern_gemv_rows<8, 1, OMODE>(W(w_table[e], s_table[e]), x + (size_t)r0 * in, n, in, o, out, y + (size_t)r0 * out);
+}
+
+// A one-row decode step's routed down products, their weighted sum, the residual step and the
+// norm in one launch (CPU twin: the MoE's expert sum, moe/mod.rs, then norm/mod.rs
+// residual_norm). The residual stream x = p.y[0] (d = p.out[0] values) gets, at feature o (one
+// warp),
+//   x[o] += Σ_j weights[j] · (W_{ids[j]}[o] · act[j])    (j < k = per_row)
+// each slot's product formed as tern_gemv_rows forms it (the routed GEMV's bits), the slots
+// added from zero in slot order with each product rounded first (tern_moe_combine's sequence),
+// and the sum added to x as tern_residual_norm adds; the last block then writes a = rms(x)·w
+// (tern_gemv_norm_tail): the bits of those three launches.
+//
+// One warp's slots are different experts' rows, so their loads do not depend on each other:
+// TERN_ROUTED_GROUP slots' loads of a step are issued together (a row's k routed experts and the
+// shared one, Qwen3.5's 8 + 1), where the routed GEMV put each slot in a block of its own.
+#define TERN_ROUTED_GROUP 9
+template <typename W>
+__device__ __forceinline__ void tern_gemv_routed_residual(const tern_gemv_parts& p, const unsigned long long* __restrict__ w_table,
+                                                          const unsigned long long* __restrict__ s_table,
+                                                          const int* __restrict__ ids, const float* __restrict__ weights,
+                                                          int per_row, const float* __restrict__ act, int in) {
+    constexpr int S = W::STEP, G = TERN_ROUTED_GROUP;
+    const int lane = threadIdx.x % 32, d = p.out[0];
+    const int o = (int)blockIdx.x * TERN_GEMV_WARPS + threadIdx.x / 32;
+    // A warp past d still meets the tail's barriers.
+    if (o < d) {
+        // Lane j holds slot j's expert and weight (per_row <= 32, checked by the host).
+        const int my_e = lane < per_row ? ids[lane] : 0;
+        const float my_w = lane < per_row ? weights[lane] : 0.0f;
+        float sum = 0.0f;
+#pragma unroll 1
+        for (int j0 = 0; j0 < per_row; j0 += G) {
+            unsigned long long wp[G], sp[G];
+            float acc[G][1][1];
+#pragma unroll
+            for (int u = 0; u < G; ++u) {
+                const int e = __shfl_sync(0xffffffffu, my_e, min(j0 + u, 31));
+                wp[u] = w_table[e];
+                sp[u] = s_table[e];
+                acc[u][0][0] = 0.0f;
+            }
+#pragma unroll 1
+            for (int c = lane * S; c < in; c += 32 * S) {
+                typename W::Raw raw[G];
+#pragma unroll
+                for (int u = 0; u < G; ++u)
+                    if (j0 + u < per_row) raw[u] = W(wp[u], sp[u]).load_raw((size_t)o * in + c);
+#pragma unroll
+                for (int u = 0; u < G; ++u) {
+                    if (j0 + u < per_row) {
+                        float v[1][S];
+                        W::expand(raw[u], v[0]);
+                        tern_gemv_step<1, 1, S>(acc[u], v, act + (size_t)(j0 + u) * in, 1, in, c);
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < G; ++u) {
+                const float wu = __shfl_sync(0xffffffffu, my_w, min(j0 + u, 31));
+                const float dot = tern_warp_sum(acc[u][0][0]);
+                if (j0 + u < per_row) sum = sum + __fmul_rn(dot, wu);
+            }
+        }
+        if (lane == 0) {
+            float* at = (float*)p.y[0] + o;
+            *at = *at + sum;
+        }
+    }
+    tern_gemv_norm_tail<1, TERN_Y_RESIDUAL>(p, 1);
 }
 
 // OPW, output features per warp for R rows of x (plain, and gated products, whose warps hold
@@ -485,6 +700,32 @@ TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_q8, TernWeightsQ8, TERN_Y_PLAIN)
 TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_f32, TernWeightsF32, TERN_Y_SILU)
 TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_bf16, TernWeightsBf16, TERN_Y_SILU)
 TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_q8, TernWeightsQ8, TERN_Y_SILU)
+
+#define TERN_GEMV_TILES_KERNEL(name, W, OMODE)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                               \
+        name(const unsigned long long* __restrict__ w_table, const unsigned long long* __restrict__ s_table,        \
+             const int* __restrict__ tiles, const float* __restrict__ x, int in, int out, float* __restrict__ y) {  \
+        tern_await_prior_kernel();                                                                                   \
+        tern_gemv_tiles<OMODE, W>(w_table, s_table, tiles, x, in, out, y);                                          \
+    }
+TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_f32, TernWeightsF32, TERN_Y_PLAIN)
+TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_bf16, TernWeightsBf16, TERN_Y_PLAIN)
+TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_q8, TernWeightsQ8, TERN_Y_PLAIN)
+TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_silu_f32, TernWeightsF32, TERN_Y_SILU)
+TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_silu_bf16, TernWeightsBf16, TERN_Y_SILU)
+TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_silu_q8, TernWeightsQ8, TERN_Y_SILU)
+
+#define TERN_GEMV_ROUTED_RESIDUAL_KERNEL(name, W)                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                               \
+        name(const tern_gemv_parts p, const unsigned long long* __restrict__ w_table,                                \
+             const unsigned long long* __restrict__ s_table, const int* __restrict__ ids,                           \
+             const float* __restrict__ weights, int per_row, const float* __restrict__ act, int in) {               \
+        tern_await_prior_kernel();                                                                                   \
+        tern_gemv_routed_residual<W>(p, w_table, s_table, ids, weights, per_row, act, in);                          \
+    }
+TERN_GEMV_ROUTED_RESIDUAL_KERNEL(tern_gemv_routed_res_f32, TernWeightsF32)
+TERN_GEMV_ROUTED_RESIDUAL_KERNEL(tern_gemv_routed_res_bf16, TernWeightsBf16)
+TERN_GEMV_ROUTED_RESIDUAL_KERNEL(tern_gemv_routed_res_q8, TernWeightsQ8)
 
 // Stored weights expanded to a GEMM operand (prefill): bf16 -> f32 (exact), Q8_0 -> f32
 // (exact) or -> bf16 (d·q rounded to nearest even: the fast mode's operand rounding).

@@ -1,12 +1,16 @@
 //! Launchers of `moe.cu`, with the checks of the CPU twins in this folder. Rows are routed on
 //! the device ([`MoeCuda::route`]; on the host, [`super::route`], past its limits), then:
 //! - many rows (a prompt): the ids come back to the host, which sorts the (row, choice) slots
-//!   by expert; each expert's products run once over its slice of the gathered rows
-//!   ([`crate::kernels::matmul::cuda::Blas::grouped_linear`]), and [`MoeCuda::combine`] reads
+//!   by expert; while the experts get few rows each, GEMVs run over tiles of up to 8 of an
+//!   expert's rows, one launch a product ([`crate::kernels::matmul::cuda::Blas::tiles`]), else
+//!   each expert's products run once over its slice of the gathered rows
+//!   ([`crate::kernels::matmul::cuda::Blas::grouped_linear`]); [`MoeCuda::combine`] reads
 //!   each slot's output back by its sorted position;
 //! - a few rows (a decode step): the products read each slot's expert from the ids on the
 //!   device ([`crate::kernels::matmul::cuda::Blas::routed`]) and [`MoeCuda::combine`] adds them
-//!   up: nothing goes back to the host, so the step can be recorded as a graph. A shared
+//!   up (for one row, the down products, their sum, the residual step and the norm are one
+//!   launch: [`crate::kernels::matmul::cuda::Blas::routed_residual_norm`]): nothing goes back
+//!   to the host, so the step can be recorded as a graph. A shared
 //!   expert of the routed experts' shape is one more slot of each row there (its gate's
 //!   sigmoid as the weight, added last), so its products cost no launches of their own;
 //!   elsewhere it runs as a dense MLP and [`MoeCuda::add_sigmoid_gated`] adds it.
