@@ -608,6 +608,35 @@ fn cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows() {
         assert_eq!(gpu.download(&y1).unwrap(), all[..3 * out_f], "mma gemv {out_f}x{in_f}: part 0 of two == alone");
         let ep = check(&format!("mma gemv part 1 40x{in_f}"), &gpu.download(&y2).unwrap(), &want2, BOUND);
         eprintln!("mma gemv {out_f}x{in_f}: {e:.2e}, silu {:.2e}, gelu {:.2e}, second part {ep:.2e}; rows alike in 2, 5, 8", eg[0], eg[1]);
+
+        // Q8_0 weights (opted in): d·q rounded to bf16, against the CPU's product of those
+        // weights and the rounded rows; and tiles of an expert's rows (two experts, bf16 and
+        // Q8_0) against the CPU's product of each tile's expert.
+        let blas_q8 = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_q8(true);
+        let q8 = quantize_q8_0(&rng.vec(out_f * in_f, -0.1, 0.1));
+        let deq16 = round(&Weights::Q8_0(&q8).to_f32(in_f).unwrap());
+        let mq = blas_q8.matrix(&Weights::Q8_0(&q8), out_f, in_f).unwrap();
+        let want_q = super::matmul::linear(&round(&x), 8, &deq16, out_f, in_f).unwrap();
+        let mut y = nan(&gpu, 8 * out_f);
+        blas_q8.linear(&gpu.upload(&x).unwrap(), 8, &mq, &mut y).unwrap();
+        let eq = check(&format!("mma gemv q8_0 {out_f}x{in_f}"), &gpu.download(&y).unwrap(), &want_q, BOUND);
+        let mut et = Vec::new();
+        for name in ["bf16", "q8_0"] {
+            // Two experts' matrices as stored, and the bf16 values the tensor cores multiply.
+            let ws: Vec<Vec<f32>> = (0..2).map(|_| rng.vec(out_f * in_f, -0.1, 0.1)).collect();
+            let stored: Vec<(Vec<u16>, Vec<u8>)> = ws.iter().map(|w| (w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect(), quantize_q8_0(w))).collect();
+            let forms: Vec<Weights> = stored.iter().map(|(b, q)| if name == "bf16" { Weights::Bf16(b) } else { Weights::Q8_0(q) }).collect();
+            let ms: Vec<_> = forms.iter().map(|f| blas_q8.matrix(f, out_f, in_f).unwrap()).collect();
+            let table = blas_q8.matrix_table(&[&ms[0], &ms[1]]).unwrap().unwrap();
+            let tiles = [[0, 0, 3], [1, 3, 5]];
+            let mut y = nan(&gpu, 8 * out_f);
+            blas_q8.tiles(&table, &tiles, &gpu.upload(&x).unwrap(), GemvOutput::Plain, &mut y).unwrap();
+            let values = |f: &Weights| round(&f.to_f32(in_f).unwrap());
+            let mut want = super::matmul::linear(&round(&x[..3 * in_f]), 3, &values(&forms[0]), out_f, in_f).unwrap();
+            want.extend(super::matmul::linear(&round(&x[3 * in_f..]), 5, &values(&forms[1]), out_f, in_f).unwrap());
+            et.push(check(&format!("mma tiles {name} {out_f}x{in_f}"), &gpu.download(&y).unwrap(), &want, BOUND));
+        }
+        eprintln!("mma gemv q8_0 {out_f}x{in_f}: {eq:.2e}; tiles bf16 {:.2e}, q8_0 {:.2e}", et[0], et[1]);
     }
 }
 

@@ -52,8 +52,9 @@ pub enum GpuWeights {
     Q8 { quants: CudaSlice<i8>, scales: CudaSlice<u16> },
 }
 
-/// [`GpuMatrix::kind`] of bf16 weights (the kernels' tables are [f32, bf16, Q8_0]).
+/// [`GpuMatrix::kind`] of bf16 and of Q8_0 weights (the kernels' tables are [f32, bf16, Q8_0]).
 const KIND_BF16: usize = 1;
+const KIND_Q8: usize = 2;
 
 pub struct GpuMatrix {
     pub w: GpuWeights,
@@ -76,7 +77,7 @@ impl GpuMatrix {
         match &self.w {
             GpuWeights::F32(_) => 0,
             GpuWeights::Bf16(_) => KIND_BF16,
-            GpuWeights::Q8 { .. } => 2,
+            GpuWeights::Q8 { .. } => KIND_Q8,
         }
     }
 
@@ -297,10 +298,13 @@ pub struct Blas {
     /// GEMV ([`Blas::gemv_mma_fits`]); TERN_GEMV_MMA=0 turns it off, to measure the two forms
     /// on the same run.
     gemv_mma: bool,
-    /// The tensor-core GEMV: [plain, silu-gated, gelu-gated output].
-    mma_kernels: [CudaFunction; 3],
-    /// The tensor-core GEMV over tiles of expert rows: [plain, silu-gated output].
-    mma_tiles: [CudaFunction; 2],
+    /// Whether Q8_0 weights take the tensor-core GEMV too (TERN_GEMV_MMA_Q8=1; off by default
+    /// until measured on a GPU).
+    gemv_mma_q8: bool,
+    /// The tensor-core GEMV: [bf16, Q8_0 weights][plain, silu-gated, gelu-gated output].
+    mma_kernels: [[CudaFunction; 3]; 2],
+    /// The tensor-core GEMV over tiles of expert rows: [bf16, Q8_0 weights][plain, silu-gated].
+    mma_tiles: [[CudaFunction; 2]; 2],
     /// The arrival counter of the blocks of a GEMV ending in a norm (zero between launches;
     /// launches on the one stream never overlap).
     residual_counter: CudaSlice<u32>,
@@ -349,8 +353,15 @@ impl Blas {
             q8_paired: std::env::var("TERN_GEMV_Q8_PAIRED").map_or(true, |v| v != "0"),
             q8_paired_kernel: f("tern_gemv_q8_1x2")?,
             gemv_mma: std::env::var("TERN_GEMV_MMA").map_or(true, |v| v != "0"),
-            mma_kernels: [f("tern_gemv_mma_bf16")?, f("tern_gemv_mma_silu_bf16")?, f("tern_gemv_mma_gelu_bf16")?],
-            mma_tiles: [f("tern_gemv_mma_tiles_bf16")?, f("tern_gemv_mma_tiles_silu_bf16")?],
+            gemv_mma_q8: std::env::var("TERN_GEMV_MMA_Q8").is_ok_and(|v| v == "1"),
+            mma_kernels: [
+                [f("tern_gemv_mma_bf16")?, f("tern_gemv_mma_silu_bf16")?, f("tern_gemv_mma_gelu_bf16")?],
+                [f("tern_gemv_mma_q8")?, f("tern_gemv_mma_silu_q8")?, f("tern_gemv_mma_gelu_q8")?],
+            ],
+            mma_tiles: [
+                [f("tern_gemv_mma_tiles_bf16")?, f("tern_gemv_mma_tiles_silu_bf16")?],
+                [f("tern_gemv_mma_tiles_q8")?, f("tern_gemv_mma_tiles_silu_q8")?],
+            ],
             residual_counter: gpu.zeros::<u32>(1)?,
             routed: [
                 [f("tern_gemv_routed_f32")?, f("tern_gemv_routed_bf16")?, f("tern_gemv_routed_q8")?],
@@ -857,11 +868,31 @@ impl Blas {
     /// decode step of one sequence), bf16 weights, rows of whole 32-weight chunks, plain or
     /// gated outputs.
     fn gemv_mma_fits<'m>(&self, rows: usize, output: GemvOutput, mut ms: impl Iterator<Item = &'m GpuMatrix>) -> bool {
-        self.tensor_cores
-            && self.gemv_mma
-            && (2..=GEMV_MAX_ROWS).contains(&rows)
+        (2..=GEMV_MAX_ROWS).contains(&rows)
             && matches!(output, GemvOutput::Plain | GemvOutput::Silu | GemvOutput::GeluTanh)
-            && ms.all(|w| matches!(w.w, GpuWeights::Bf16(_)) && w.inp % 32 == 0)
+            && ms.all(|w| self.mma_kind(w.kind()).is_some() && w.inp % 32 == 0)
+    }
+
+    /// The tensor-core GEMV's weight index (0: bf16, 1: Q8_0) for weights of [`GpuMatrix::kind`]
+    /// `kind`, or None where they keep the CUDA-core GEMV (f32 mode, f32 weights, Q8_0 unless
+    /// opted in, TERN_GEMV_MMA=0).
+    fn mma_kind(&self, kind: usize) -> Option<usize> {
+        if !self.tensor_cores || !self.gemv_mma {
+            return None;
+        }
+        match kind {
+            KIND_BF16 => Some(0),
+            KIND_Q8 if self.gemv_mma_q8 => Some(1),
+            _ => None,
+        }
+    }
+
+    /// This handle with Q8_0 weights on the tensor-core GEMV (`true`) or not: the device test
+    /// runs it whatever TERN_GEMV_MMA_Q8 says.
+    #[cfg(test)]
+    pub(crate) fn with_gemv_mma_q8(mut self, on: bool) -> Self {
+        self.gemv_mma_q8 = on;
+        self
     }
 
     /// [`Blas::gemv`] on the tensor cores (`tern_gemv_mma_*`): 16 features a block.
@@ -869,10 +900,12 @@ impl Blas {
         let g = &self.gpu;
         let mut p = GemvParts { n: parts.len() as i32, ks: 1, ..Default::default() };
         let blocks = self.gemv_parts(&mut p, output, parts, 16)?;
+        // Every part has the first's weight type (the caller's check).
+        let m = self.mma_kind(parts[0].0.kind()).ok_or_else(|| Error::Shape("gemv: weights the tensor-core GEMV does not take".into()))?;
         let kernel = match output {
-            GemvOutput::Silu => &self.mma_kernels[1],
-            GemvOutput::GeluTanh => &self.mma_kernels[2],
-            _ => &self.mma_kernels[0],
+            GemvOutput::Silu => &self.mma_kernels[m][1],
+            GemvOutput::GeluTanh => &self.mma_kernels[m][2],
+            _ => &self.mma_kernels[m][0],
         };
         let xp = g.ptr(x);
         let mut l = g.launch_builder(kernel);
@@ -977,8 +1010,11 @@ impl Blas {
         let (inp, out) = (int_arg("tiles in", table.inp)?, int_arg("tiles out", features)?);
         let silu = (output == GemvOutput::Silu) as usize;
         // bf16 weights in fast mode: the tensor-core form, 16 features a block.
-        let mma = self.tensor_cores && self.gemv_mma && table.kind == KIND_BF16 && table.inp % 32 == 0;
-        let (f, per_block) = if mma { (&self.mma_tiles[silu], 16) } else { (&self.tiles[silu][table.kind], GEMV_WARPS as u32) };
+        let mma = self.mma_kind(table.kind).filter(|_| table.inp % 32 == 0);
+        let (f, per_block) = match mma {
+            Some(m) => (&self.mma_tiles[m][silu], 16),
+            None => (&self.tiles[silu][table.kind], GEMV_WARPS as u32),
+        };
         // The grid's y dimension holds at most 65535 tiles a launch.
         for chunk in tiles.chunks(65_535) {
             let flat: Vec<i32> = chunk.iter().flatten().copied().collect();

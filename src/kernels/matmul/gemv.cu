@@ -29,8 +29,8 @@
 //   graph like a dense one (tern_gemv_routed); for one row, the down products end in their
 //   weighted sum, the residual step and the norm (tern_gemv_routed_res);
 // - a prompt's expert products over tiles of its rows sorted by expert (tern_gemv_tiles).
-// Fast mode's products of 2 to 8 rows with bf16 weights run on the tensor cores instead
-// (tern_gemv_mma, tern_gemv_mma_tiles).
+// Fast mode's products of 2 to 8 rows with bf16 weights (and, opted in, Q8_0 weights) run on
+// the tensor cores instead (tern_gemv_mma, tern_gemv_mma_tiles).
 
 #define TERN_GEMV_WARPS 8
 #define TERN_GEMV_PARTS 4
@@ -421,8 +421,9 @@ __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float*
     if constexpr (tail) tern_gemv_norm_tail<R, OMODE>(p, rows);
 }
 
-// Fast mode's products of 2 to 8 rows with bf16 weights, on the tensor cores: x rounded to
-// bf16 (as the fast mode's GEMMs round it), f32 accumulation. The CUDA-core form above reads
+// Fast mode's products of 2 to 8 rows with bf16 weights (Q8_0 weights: d·q rounded to bf16,
+// see tern_mma_weights8), on the tensor cores: x rounded to bf16 (as the fast mode's GEMMs
+// round it), f32 accumulation. The CUDA-core form above reads
 // every x value once per feature from L1, 8 rows of it per weight, which for a short query's
 // products (EmbeddingGemma's 768-wide rows) costs more than their weights' bytes; here one
 // mma.sync m16n8k16 multiplies 16 features by the 8 rows (x's rows are B's columns), x is read
@@ -430,30 +431,41 @@ __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float*
 // chunks w, w + 8, ...), their partial sums added in warp order through shared memory. A block
 // is 16 features (and, gated, their 16 up rows) of one part of p.
 //
-// The weights are read as the GEMV reads them, 8 consecutive ones a lane (one 16-byte load),
-// and the dot product's k order is permuted to fit: lane (g, t) loads weights 8t .. 8t + 7 of a
+// The weights are read as the GEMV reads them, 8 consecutive ones a lane (one 16-byte load of
+// bf16, one 8-byte load of Q8_0 quants and the block's scale), and the dot product's k order
+// is permuted to fit: lane (g, t) loads weights 8t .. 8t + 7 of a
 // chunk for features g and g + 8, and x's row g at the same 8 positions, and passes them as the
 // fragments' k positions {2t, 2t + 1, 2t + 8, 2t + 9} of two mma steps (weights 8t + 0..3, then
 // 8t + 4..7). A and B see the same permutation, so the products pair up as in the plain order;
 // only the summation order differs. A row's result depends on its own x and the matrix only,
 // never on the other rows. in % 32 == 0 (checked by the host).
+// Eight consecutive weights of a row as four bf16 pairs, the tensor-core GEMV's A operand:
+// bf16 weights as stored; Q8_0 weights d·q (exact in f32) rounded to bf16 to nearest even, the
+// value fast mode's expansion of Q8_0 weights gives its GEMMs (tern_expand_q8_bf16).
+__device__ __forceinline__ uint4 tern_mma_weights8(const TernWeightsBf16& w, size_t at) { return w.load_raw(at); }
+__device__ __forceinline__ uint4 tern_mma_weights8(const TernWeightsQ8& w, size_t at) {
+    float v[8];
+    w.load(at, v);
+    return make_uint4(tern_tc_pack(v[0], v[1]), tern_tc_pack(v[2], v[3]), tern_tc_pack(v[4], v[5]), tern_tc_pack(v[6], v[7]));
+}
+
 // Features o0 .. o0 + 15 of w ([out][in], or gated [2·out][in]: gate rows, then up rows) for
 // rows r < rows <= 8 of x, written to y[r·out + o]; one block of TERN_GEMV_WARPS warps.
-template <int OMODE>
-__device__ __forceinline__ void tern_gemv_mma_block(const tern_bf16* __restrict__ w, int out, int o0, const float* __restrict__ x,
+template <int OMODE, typename W>
+__device__ __forceinline__ void tern_gemv_mma_block(const W& w, int out, int o0, const float* __restrict__ x,
                                                     int rows, int in, float* __restrict__ y) {
     constexpr bool GATED = OMODE == TERN_Y_SILU || OMODE == TERN_Y_GELU;
     constexpr int NT = GATED ? 2 : 1;  // A tiles: the features, and gated, their up rows
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
     // The lane's weight rows: features o0 + g and o0 + g + 8 (a feature past `out` reads the
     // last one in its place and is never written); gated, tile 1 is their up rows.
-    const tern_bf16* wr[NT][2];
+    size_t wr[NT][2];
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int o = min(o0 + g + 8 * h, out - 1);
-            wr[j][h] = w + (size_t)(j == 0 ? o : o + out) * in;
+            wr[j][h] = (size_t)(j == 0 ? o : o + out) * in;
         }
     const bool has_x = g < rows;
     const float* xr = x + (size_t)(has_x ? g : 0) * in;
@@ -466,7 +478,7 @@ __device__ __forceinline__ void tern_gemv_mma_block(const tern_bf16* __restrict_
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) a[j][h] = *reinterpret_cast<const uint4*>(wr[j][h] + k);
+            for (int h = 0; h < 2; ++h) a[j][h] = tern_mma_weights8(w, wr[j][h] + k);
         float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
         if (has_x) {
             x0 = *reinterpret_cast<const float4*>(xr + k);
@@ -506,42 +518,48 @@ __device__ __forceinline__ void tern_gemv_mma_block(const tern_bf16* __restrict_
 }
 
 // The parts of p, 16 features a block.
-template <int OMODE>
+template <int OMODE, typename W>
 __device__ __forceinline__ void tern_gemv_mma(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
     int part = 0;
     while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
-    tern_gemv_mma_block<OMODE>((const tern_bf16*)p.w[part], p.out[part], ((int)blockIdx.x - p.block0[part]) * 16, x, rows, in,
+    tern_gemv_mma_block<OMODE>(W(p.w[part], p.scales[part]), p.out[part], ((int)blockIdx.x - p.block0[part]) * 16, x, rows, in,
                                (float*)p.y[part]);
 }
 
 // Fast mode's tiles of a prompt's expert rows (tern_gemv_tiles) on the tensor cores: tile
 // blockIdx.y's rows, 16 features a block.
-template <int OMODE>
-__device__ __forceinline__ void tern_gemv_mma_tiles(const unsigned long long* __restrict__ w_table, const int* __restrict__ tiles,
+template <int OMODE, typename W>
+__device__ __forceinline__ void tern_gemv_mma_tiles(const unsigned long long* __restrict__ w_table,
+                                                    const unsigned long long* __restrict__ s_table, const int* __restrict__ tiles,
                                                     const float* __restrict__ x, int in, int out, float* __restrict__ y) {
     const int* tile = tiles + 3 * (size_t)blockIdx.y;
     const int e = tile[0], r0 = tile[1], n = tile[2];
-    tern_gemv_mma_block<OMODE>((const tern_bf16*)w_table[e], out, (int)blockIdx.x * 16, x + (size_t)r0 * in, n, in, y + (size_t)r0 * out);
+    tern_gemv_mma_block<OMODE>(W(w_table[e], s_table[e]), out, (int)blockIdx.x * 16, x + (size_t)r0 * in, n, in, y + (size_t)r0 * out);
 }
 
-#define TERN_GEMV_MMA_KERNEL(name, OMODE)                                                                           \
+#define TERN_GEMV_MMA_KERNEL(name, W, OMODE)                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                               \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                               \
         tern_await_prior_kernel();                                                                                   \
-        tern_gemv_mma<OMODE>(p, x, rows, in);                                                                        \
+        tern_gemv_mma<OMODE, W>(p, x, rows, in);                                                                     \
     }
-TERN_GEMV_MMA_KERNEL(tern_gemv_mma_bf16, TERN_Y_PLAIN)
-TERN_GEMV_MMA_KERNEL(tern_gemv_mma_silu_bf16, TERN_Y_SILU)
-TERN_GEMV_MMA_KERNEL(tern_gemv_mma_gelu_bf16, TERN_Y_GELU)
-#define TERN_GEMV_MMA_TILES_KERNEL(name, OMODE)                                                                     \
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_bf16, TernWeightsBf16, TERN_Y_PLAIN)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_silu_bf16, TernWeightsBf16, TERN_Y_SILU)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_gelu_bf16, TernWeightsBf16, TERN_Y_GELU)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_q8, TernWeightsQ8, TERN_Y_PLAIN)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_silu_q8, TernWeightsQ8, TERN_Y_SILU)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_gelu_q8, TernWeightsQ8, TERN_Y_GELU)
+#define TERN_GEMV_MMA_TILES_KERNEL(name, W, OMODE)                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                               \
         name(const unsigned long long* __restrict__ w_table, const unsigned long long* __restrict__ s_table,        \
              const int* __restrict__ tiles, const float* __restrict__ x, int in, int out, float* __restrict__ y) {  \
         tern_await_prior_kernel();                                                                                   \
-        tern_gemv_mma_tiles<OMODE>(w_table, tiles, x, in, out, y);                                                  \
+        tern_gemv_mma_tiles<OMODE, W>(w_table, s_table, tiles, x, in, out, y);                                      \
     }
-TERN_GEMV_MMA_TILES_KERNEL(tern_gemv_mma_tiles_bf16, TERN_Y_PLAIN)
-TERN_GEMV_MMA_TILES_KERNEL(tern_gemv_mma_tiles_silu_bf16, TERN_Y_SILU)
+TERN_GEMV_MMA_TILES_KERNEL(tern_gemv_mma_tiles_bf16, TernWeightsBf16, TERN_Y_PLAIN)
+TERN_GEMV_MMA_TILES_KERNEL(tern_gemv_mma_tiles_silu_bf16, TernWeightsBf16, TERN_Y_SILU)
+TERN_GEMV_MMA_TILES_KERNEL(tern_gemv_mma_tiles_q8, TernWeightsQ8, TERN_Y_PLAIN)
+TERN_GEMV_MMA_TILES_KERNEL(tern_gemv_mma_tiles_silu_q8, TernWeightsQ8, TERN_Y_SILU)
 
 // Routed experts (a mixture-of-experts layer's few rows, routed on the device): slot s =
 // blockIdx.y is row s / k's choice s % k, expert ids[s], whose matrix comes from the tables of
