@@ -1101,6 +1101,28 @@ impl Blas {
 mod tests {
     use super::*;
 
+    /// Tiles cover each expert's rows in order, at most GEMV_MAX_ROWS a tile, and skip experts
+    /// without rows.
+    #[test]
+    fn expert_tiles_cover_each_experts_rows_in_order() {
+        // Expert 0: rows 0..3; 1: none; 2: rows 3..20 (17 rows: 8, 8, 1); 3: none; 4: rows 20..28.
+        let tiles = expert_tiles(&[0, 3, 3, 20, 20, 28]).unwrap();
+        assert_eq!(tiles, vec![[0, 0, 3], [2, 3, 8], [2, 11, 8], [2, 19, 1], [4, 20, 8]]);
+        assert!(expert_tiles(&[0, 0, 0]).unwrap().is_empty());
+        assert!(expert_tiles(&[0]).unwrap().is_empty());
+        // Every row once, each tile within its expert's range.
+        let start = [0usize, 9, 9, 40, 41];
+        let tiles = expert_tiles(&start).unwrap();
+        let mut next = 0;
+        for [e, r0, n] in tiles {
+            let (e, r0, n) = (e as usize, r0 as usize, n as usize);
+            assert_eq!(r0, next);
+            assert!((1..=GEMV_MAX_ROWS).contains(&n) && start[e] <= r0 && r0 + n <= start[e + 1]);
+            next = r0 + n;
+        }
+        assert_eq!(next, 41);
+    }
+
     /// The host's count of features per warp (block counts, output ranges) must be the one each
     /// kernel is compiled with: a warp covering more features than the host counted writes past
     /// its output.
