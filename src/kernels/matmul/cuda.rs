@@ -985,9 +985,9 @@ impl Blas {
     /// [`GEMV_MAX_ROWS`] rows: for each tile (e, r0, n) of `tiles` ([`expert_tiles`]), rows
     /// r0 .. r0 + n of `y` are the products of expert e's matrix (`table`) with the same rows of
     /// `x` (rows of `in`): plain outputs, or the gated activation of a stacked gate|up matrix.
-    /// Each row's result is the one [`Blas::routed`] gives it alone, except in fast mode with
-    /// bf16 weights, where the tiles run on the tensor cores as [`Blas::gemv`]'s products of
-    /// several rows do (x rounded to bf16). CPU twin: [`super::linear_w`] of each row's expert
+    /// Each row's result is the one [`Blas::routed`] gives it alone, except where the weights
+    /// take the tensor-core GEMV (fast mode's bf16 weights, Q8_0 opted in): the tiles then run
+    /// there as [`Blas::gemv`]'s products of several rows do (x rounded to bf16). CPU twin: [`super::linear_w`] of each row's expert
     /// (and the gated activation).
     pub fn tiles(&self, table: &GpuMatrixTable, tiles: &[[i32; 3]], x: &CudaSlice<f32>, output: GemvOutput, y: &mut CudaSlice<f32>) -> Result<()> {
         let features = match output {

@@ -421,24 +421,6 @@ __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float*
     if constexpr (tail) tern_gemv_norm_tail<R, OMODE>(p, rows);
 }
 
-// Fast mode's products of 2 to 8 rows with bf16 weights (Q8_0 weights: d·q rounded to bf16,
-// see tern_mma_weights8), on the tensor cores: x rounded to bf16 (as the fast mode's GEMMs
-// round it), f32 accumulation. The CUDA-core form above reads
-// every x value once per feature from L1, 8 rows of it per weight, which for a short query's
-// products (EmbeddingGemma's 768-wide rows) costs more than their weights' bytes; here one
-// mma.sync m16n8k16 multiplies 16 features by the 8 rows (x's rows are B's columns), x is read
-// once per 16 features, and a block's warps split the row's 32-weight chunks (warp w takes
-// chunks w, w + 8, ...), their partial sums added in warp order through shared memory. A block
-// is 16 features (and, gated, their 16 up rows) of one part of p.
-//
-// The weights are read as the GEMV reads them, 8 consecutive ones a lane (one 16-byte load of
-// bf16, one 8-byte load of Q8_0 quants and the block's scale), and the dot product's k order
-// is permuted to fit: lane (g, t) loads weights 8t .. 8t + 7 of a
-// chunk for features g and g + 8, and x's row g at the same 8 positions, and passes them as the
-// fragments' k positions {2t, 2t + 1, 2t + 8, 2t + 9} of two mma steps (weights 8t + 0..3, then
-// 8t + 4..7). A and B see the same permutation, so the products pair up as in the plain order;
-// only the summation order differs. A row's result depends on its own x and the matrix only,
-// never on the other rows. in % 32 == 0 (checked by the host).
 // Eight consecutive weights of a row as four bf16 pairs, the tensor-core GEMV's A operand:
 // bf16 weights as stored; Q8_0 weights d·q (exact in f32) rounded to bf16 to nearest even, the
 // value fast mode's expansion of Q8_0 weights gives its GEMMs (tern_expand_q8_bf16).
@@ -449,6 +431,25 @@ __device__ __forceinline__ uint4 tern_mma_weights8(const TernWeightsQ8& w, size_
     return make_uint4(tern_tc_pack(v[0], v[1]), tern_tc_pack(v[2], v[3]), tern_tc_pack(v[4], v[5]), tern_tc_pack(v[6], v[7]));
 }
 
+// Fast mode's products of 2 to 8 rows with bf16 weights (Q8_0 weights: d·q rounded to bf16,
+// tern_mma_weights8), on the tensor cores: x rounded to bf16 (as the fast mode's GEMMs round
+// it), f32 accumulation. The CUDA-core form above reads every x value once per feature from
+// L1, 8 rows of it per weight, which for a short query's products (EmbeddingGemma's 768-wide
+// rows) costs more than their weights' bytes; here one mma.sync m16n8k16 multiplies 16
+// features by the 8 rows (x's rows are B's columns), x is read once per 16 features, and a
+// block's warps split the row's 32-weight chunks (warp w takes chunks w, w + 8, ...), their
+// partial sums added in warp order through shared memory. A block is 16 features (and, gated,
+// their 16 up rows) of one part of p, or of one tile of an expert's rows.
+//
+// The weights are read as the GEMV reads them, 8 consecutive ones a lane (one 16-byte load of
+// bf16, one 8-byte load of Q8_0 quants and the block's scale), and the dot product's k order
+// is permuted to fit: lane (g, t) loads weights 8t .. 8t + 7 of a chunk for features g and
+// g + 8, and x's row g at the same 8 positions, and passes them as the fragments' k positions
+// {2t, 2t + 1, 2t + 8, 2t + 9} of two mma steps (weights 8t + 0..3, then 8t + 4..7). A and B
+// see the same permutation, so the products pair up as in the plain order; only the summation
+// order differs. A row's result depends on its own x and the matrix only, never on the other
+// rows. in % 32 == 0 (checked by the host).
+//
 // Features o0 .. o0 + 15 of w ([out][in], or gated [2·out][in]: gate rows, then up rows) for
 // rows r < rows <= 8 of x, written to y[r·out + o]; one block of TERN_GEMV_WARPS warps.
 template <int OMODE, typename W>
