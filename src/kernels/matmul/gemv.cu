@@ -550,17 +550,6 @@ TERN_GEMV_MMA_KERNEL(tern_gemv_mma_gelu_bf16, TernWeightsBf16, TERN_Y_GELU)
 TERN_GEMV_MMA_KERNEL(tern_gemv_mma_q8, TernWeightsQ8, TERN_Y_PLAIN)
 TERN_GEMV_MMA_KERNEL(tern_gemv_mma_silu_q8, TernWeightsQ8, TERN_Y_SILU)
 TERN_GEMV_MMA_KERNEL(tern_gemv_mma_gelu_q8, TernWeightsQ8, TERN_Y_GELU)
-#define TERN_GEMV_MMA_TILES_KERNEL(name, W, OMODE)                                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                               \
-        name(const unsigned long long* __restrict__ w_table, const unsigned long long* __restrict__ s_table,        \
-             const int* __restrict__ tiles, const float* __restrict__ x, int in, int out, float* __restrict__ y) {  \
-        tern_await_prior_kernel();                                                                                   \
-        tern_gemv_mma_tiles<OMODE, W>(w_table, s_table, tiles, x, in, out, y);                                      \
-    }
-TERN_GEMV_MMA_TILES_KERNEL(tern_gemv_mma_tiles_bf16, TernWeightsBf16, TERN_Y_PLAIN)
-TERN_GEMV_MMA_TILES_KERNEL(tern_gemv_mma_tiles_silu_bf16, TernWeightsBf16, TERN_Y_SILU)
-TERN_GEMV_MMA_TILES_KERNEL(tern_gemv_mma_tiles_q8, TernWeightsQ8, TERN_Y_PLAIN)
-TERN_GEMV_MMA_TILES_KERNEL(tern_gemv_mma_tiles_silu_q8, TernWeightsQ8, TERN_Y_SILU)
 
 // Routed experts (a mixture-of-experts layer's few rows, routed on the device): slot s =
 // blockIdx.y is row s / k's choice s % k, expert ids[s], whose matrix comes from the tables of
@@ -720,19 +709,24 @@ TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_f32, TernWeightsF32, TERN_Y_SILU)
 TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_bf16, TernWeightsBf16, TERN_Y_SILU)
 TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_q8, TernWeightsQ8, TERN_Y_SILU)
 
-#define TERN_GEMV_TILES_KERNEL(name, W, OMODE)                                                                     \
+// FORM: tern_gemv_tiles (CUDA cores) or tern_gemv_mma_tiles (tensor cores), one signature.
+#define TERN_GEMV_TILES_KERNEL(name, FORM, W, OMODE)                                                               \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                               \
         name(const unsigned long long* __restrict__ w_table, const unsigned long long* __restrict__ s_table,        \
              const int* __restrict__ tiles, const float* __restrict__ x, int in, int out, float* __restrict__ y) {  \
         tern_await_prior_kernel();                                                                                   \
-        tern_gemv_tiles<OMODE, W>(w_table, s_table, tiles, x, in, out, y);                                          \
+        FORM<OMODE, W>(w_table, s_table, tiles, x, in, out, y);                                                      \
     }
-TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_f32, TernWeightsF32, TERN_Y_PLAIN)
-TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_bf16, TernWeightsBf16, TERN_Y_PLAIN)
-TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_q8, TernWeightsQ8, TERN_Y_PLAIN)
-TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_silu_f32, TernWeightsF32, TERN_Y_SILU)
-TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_silu_bf16, TernWeightsBf16, TERN_Y_SILU)
-TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_silu_q8, TernWeightsQ8, TERN_Y_SILU)
+TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_f32, tern_gemv_tiles, TernWeightsF32, TERN_Y_PLAIN)
+TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_bf16, tern_gemv_tiles, TernWeightsBf16, TERN_Y_PLAIN)
+TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_q8, tern_gemv_tiles, TernWeightsQ8, TERN_Y_PLAIN)
+TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_silu_f32, tern_gemv_tiles, TernWeightsF32, TERN_Y_SILU)
+TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_silu_bf16, tern_gemv_tiles, TernWeightsBf16, TERN_Y_SILU)
+TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_silu_q8, tern_gemv_tiles, TernWeightsQ8, TERN_Y_SILU)
+TERN_GEMV_TILES_KERNEL(tern_gemv_mma_tiles_bf16, tern_gemv_mma_tiles, TernWeightsBf16, TERN_Y_PLAIN)
+TERN_GEMV_TILES_KERNEL(tern_gemv_mma_tiles_silu_bf16, tern_gemv_mma_tiles, TernWeightsBf16, TERN_Y_SILU)
+TERN_GEMV_TILES_KERNEL(tern_gemv_mma_tiles_q8, tern_gemv_mma_tiles, TernWeightsQ8, TERN_Y_PLAIN)
+TERN_GEMV_TILES_KERNEL(tern_gemv_mma_tiles_silu_q8, tern_gemv_mma_tiles, TernWeightsQ8, TERN_Y_SILU)
 
 #define TERN_GEMV_ROUTED_RESIDUAL_KERNEL(name, W)                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                               \
