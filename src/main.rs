@@ -823,6 +823,12 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
         let mut greedy = Sampler::new(SamplingOptions::greedy())?;
         let want = if args.full_logits { LogitsWant::Full } else { greedy.wants() };
 
+        // TERN_CUDA_PROFILE's op times since the last call (and cleared): each phase reports
+        // its timed runs, not its warm-up (first-call costs such as cuBLAS's set-up).
+        let profile = || match &model {
+            PlacedQwen35::Cuda(q) => op_profile_json(q.ops()),
+            PlacedQwen35::Cpu(_) => serde_json::Value::Null,
+        };
         // Prefill: the whole prompt in one forward from an empty state, median of the timed runs.
         let time_prefill = |prompt: &[u32]| -> Result<f64> {
             let mut times = Vec::new();
@@ -832,22 +838,20 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
                 std::hint::black_box(model.forward(prompt, &mut st)?);
                 if i > 0 {
                     times.push(t.elapsed().as_secs_f64());
+                } else {
+                    profile();
                 }
             }
             Ok(median(&mut times))
         };
         let prefill_s = time_prefill(&prompt)?;
+        let prefill_profile = profile();
         let mut prefill_also = Vec::new();
         for &n in &args.prefill_also {
             let ids: Vec<u32> = (0..n).map(|_| next_id()).collect();
             let s = time_prefill(&ids)?;
-            prefill_also.push(serde_json::json!({"prompt_tokens": n, "prefill_s": s, "prefill_tokens_per_s": n as f64 / s}));
+            prefill_also.push(serde_json::json!({"prompt_tokens": n, "prefill_s": s, "prefill_tokens_per_s": n as f64 / s, "op_profile": profile()}));
         }
-        let profile = || match &model {
-            PlacedQwen35::Cuda(q) => op_profile_json(q.ops()),
-            PlacedQwen35::Cpu(_) => serde_json::Value::Null,
-        };
-        let prefill_profile = profile();
 
         // Decode: gen_tokens single-token steps from a fresh state, feeding back the argmax.
         let mut per_token = Vec::new();
@@ -867,6 +871,8 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             }
             if i > 0 {
                 run_means.push(t_run.elapsed().as_secs_f64() / args.gen_tokens as f64);
+            } else {
+                profile();
             }
         }
         let decode_s = median(&mut per_token);
