@@ -164,6 +164,14 @@ pub struct GpuExperts {
     hidden: usize,
 }
 
+impl GpuExperts {
+    /// Columns of a row of the router's output: the experts' logits, then the shared expert's
+    /// gate logit where there is a shared expert.
+    fn router_stride(&self) -> usize {
+        self.experts.len() + self.shared.is_some() as usize
+    }
+}
+
 /// Rows an expert averages up to which a prompt's MoE products run as GEMVs over tiles of
 /// rows rather than one GEMM per expert ([`CudaOps::moe`]). Measured on Qwen3.5-35B-A3B's first
 /// 8 layers (256 experts, top 8; H200, fast mode, tokens/s of a prompt, tiles against GEMMs):
@@ -263,7 +271,7 @@ impl CudaOps {
         if rows > GEMV_MAX_ROWS || top_k > MAX_DEVICE_TOP_K || top_k > ne {
             return Ok(None);
         }
-        let stride = ne + experts.shared.is_some() as usize;
+        let stride = experts.router_stride();
         let per_row = top_k + experts.shared_routed as usize;
         let slots = rows * per_row;
         let (mut ids, mut weights) = (self.gpu.alloc::<i32>(slots)?, self.gpu.alloc::<f32>(slots)?);
@@ -282,7 +290,7 @@ impl CudaOps {
         let y = self.linear(&act, rows, down, None)?;
         let ne = experts.experts.len();
         let _timer = self.op_timer("add_sigmoid_gated");
-        self.llm()?.moe.add_sigmoid_gated(out, &y, router_logits, ne, ne + 1, experts.hidden)
+        self.llm()?.moe.add_sigmoid_gated(out, &y, router_logits, ne, experts.router_stride(), experts.hidden)
     }
 
     /// Compiles (through the cache) and loads every encoder kernel on `gpu`.
@@ -1053,8 +1061,7 @@ impl Ops for CudaOps {
         }
         let rows = x.len() / d;
         let ne = experts.experts.len();
-        // The router's output: the experts' logits, then the shared expert's gate.
-        let stride = ne + experts.shared.is_some() as usize;
+        let stride = experts.router_stride();
         check_len("moe router logits", router_logits.len(), rows * stride)?;
         // A few rows (decode) route on the device: nothing is read back, so the step records.
         // The shared expert, where it shares the tables, is each row's last slot.
@@ -1162,8 +1169,7 @@ impl Ops for CudaOps {
         let fused = experts.hidden == d && x.len() == d && a.len() == d && (experts.shared.is_none() || experts.shared_routed);
         if fused && self.moe_fused_residual {
             let _timer = self.op_timer("moe_residual_norm");
-            let stride = experts.experts.len() + experts.shared.is_some() as usize;
-            check_len("moe router logits", router_logits.len(), stride)?;
+            check_len("moe router logits", router_logits.len(), experts.router_stride())?;
             if let Some(RoutedSlots { down, ids, weights, act, per_row }) = self.routed_slots(a, 1, router_logits, experts, top_k)? {
                 return self.blas.routed_residual_norm(down, &ids, &weights, per_row, &act, x, norm, eps, a);
             }
