@@ -421,18 +421,22 @@ __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float*
     if constexpr (tail) tern_gemv_norm_tail<R, OMODE>(p, rows);
 }
 
-// Eight consecutive weights of a row as four bf16 pairs, the tensor-core GEMV's A operand:
-// bf16 weights as stored; Q8_0 weights d·q (exact in f32) rounded to bf16 to nearest even, the
-// value fast mode's expansion of Q8_0 weights gives its GEMMs (tern_expand_q8_bf16).
-__device__ __forceinline__ uint4 tern_mma_weights8(const TernWeightsBf16& w, size_t at) { return w.load_raw(at); }
-__device__ __forceinline__ uint4 tern_mma_weights8(const TernWeightsQ8& w, size_t at) {
+// Eight consecutive weights of a row (at % 8 == 0) as four bf16 pairs, lower index in the low
+// half: the tensor-core GEMV's A operand and the fast mode's expansion of Q8_0 experts for its
+// GEMMs (tern_expand_q8_bf16_many). bf16 weights as stored; Q8_0 weights d·q (exact in f32)
+// rounded to bf16 as tern_bf16_from_f32 rounds (tern_expand_q8_bf16's value per weight).
+__device__ __forceinline__ uint4 tern_weights_bf16x8(const TernWeightsBf16& w, size_t at) { return w.load_raw(at); }
+__device__ __forceinline__ uint4 tern_weights_bf16x8(const TernWeightsQ8& w, size_t at) {
     float v[8];
     w.load(at, v);
-    return make_uint4(tern_tc_pack(v[0], v[1]), tern_tc_pack(v[2], v[3]), tern_tc_pack(v[4], v[5]), tern_tc_pack(v[6], v[7]));
+    unsigned h[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = (unsigned)tern_bf16_from_f32(v[2 * i]) | ((unsigned)tern_bf16_from_f32(v[2 * i + 1]) << 16);
+    return make_uint4(h[0], h[1], h[2], h[3]);
 }
 
 // Fast mode's products of 2 to 8 rows with bf16 weights (Q8_0 weights: d·q rounded to bf16,
-// tern_mma_weights8), on the tensor cores: x rounded to bf16 (as the fast mode's GEMMs round
+// tern_weights_bf16x8), on the tensor cores: x rounded to bf16 (as the fast mode's GEMMs round
 // it), f32 accumulation. The CUDA-core form above reads every x value once per feature from
 // L1, 8 rows of it per weight, which for a short query's products (EmbeddingGemma's 768-wide
 // rows) costs more than their weights' bytes; here one mma.sync m16n8k16 multiplies 16
@@ -479,7 +483,7 @@ __device__ __forceinline__ void tern_gemv_mma_block(const W& w, int out, int o0,
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) a[j][h] = tern_mma_weights8(w, wr[j][h] + k);
+            for (int h = 0; h < 2; ++h) a[j][h] = tern_weights_bf16x8(w, wr[j][h] + k);
         float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
         if (has_x) {
             x0 = *reinterpret_cast<const float4*>(xr + k);
@@ -765,27 +769,15 @@ extern "C" __global__ void tern_expand_q8_bf16(const signed char* __restrict__ q
 // Many Q8_0 matrices of n weights each at once (a MoE layer's experts for a prompt's products):
 // matrix blockIdx.y's quants and scales at quants[y] and scales[y], expanded as
 // tern_expand_q8_bf16 does (the same value per weight) into y + blockIdx.y·n. Eight weights a
-// thread, one 8-byte load and one 16-byte store: the per-weight form's byte loads and 2-byte
-// stores reach a fraction of the bandwidth, and one launch per matrix is a launch per expert.
-// n % 32 == 0; each buffer 8-byte (quants) and 16-byte (output) aligned.
+// thread (tern_weights_bf16x8: one 8-byte load and one 16-byte store): the per-weight form's
+// byte loads and 2-byte stores reach a fraction of the bandwidth, and one launch per matrix is
+// a launch per expert. n % 32 == 0; each buffer 8-byte (quants) and 16-byte (output) aligned.
 extern "C" __global__ void tern_expand_q8_bf16_many(const unsigned long long* __restrict__ quants,
                                                     const unsigned long long* __restrict__ scales, size_t n,
                                                     tern_bf16* __restrict__ y) {
     tern_await_prior_kernel();
-    const uint2* q = reinterpret_cast<const uint2*>(quants[blockIdx.y]);
-    const unsigned short* d = reinterpret_cast<const unsigned short*>(scales[blockIdx.y]);
+    const TernWeightsQ8 w(quants[blockIdx.y], scales[blockIdx.y]);
     uint4* out = reinterpret_cast<uint4*>(y + (size_t)blockIdx.y * n);
-    for (size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x; g < n / 8; g += (size_t)gridDim.x * blockDim.x) {
-        const uint2 b = q[g];
-        const float s = tern_f16_to_f32(d[g / 4]);
-        const unsigned w[2] = {b.x, b.y};
-        unsigned h[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int lo = (signed char)((w[i / 2] >> (16 * (i % 2))) & 0xff);
-            const int hi = (signed char)((w[i / 2] >> (16 * (i % 2) + 8)) & 0xff);
-            h[i] = (unsigned)tern_bf16_from_f32(s * (float)lo) | ((unsigned)tern_bf16_from_f32(s * (float)hi) << 16);
-        }
-        out[g] = make_uint4(h[0], h[1], h[2], h[3]);
-    }
+    for (size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x; g < n / 8; g += (size_t)gridDim.x * blockDim.x)
+        out[g] = tern_weights_bf16x8(w, 8 * g);
 }
