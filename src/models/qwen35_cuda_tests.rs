@@ -190,10 +190,10 @@ fn cuda_llm_ops_match_cpu() {
             }
         }
 
-        // The layer's MoE and the residual step after it (a decode step fuses the down
-        // products, their sum and the residual add, and for one row the norm, into one
-        // launch): against the CPU, and the same bits as the two ops on the GPU; twice over
-        // (the fused norm's arrival counter resets).
+        // The layer's MoE and the residual step after it (a one-row decode step fuses the down
+        // products, their sum, the residual add and the norm into one launch): against the
+        // CPU, and the same bits as the two ops on the GPU; twice over (the fused norm's
+        // arrival counter resets).
         let (x0, nw) = (rng.vec(rows * d, -2.0, 2.0), rng.vec(d, 0.5, 1.5));
         let (mut want_x, mut want_a) = (x0.clone(), x.clone());
         cpu.moe_residual_norm(&mut want_a, d, &logits, &cpu_experts, k, &mut want_x, &nw, 1e-6).unwrap();

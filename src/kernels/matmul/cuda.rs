@@ -313,8 +313,8 @@ pub struct Blas {
     /// Expert products over tiles of a few rows sorted by expert: [plain, silu-gated output]
     /// [f32, bf16, Q8_0] ([`Blas::tiles`]).
     tiles: [[CudaFunction; 3]; 2],
-    /// The routed down products, their weighted sum and the residual step in one launch:
-    /// [f32, bf16, Q8_0] ([`Blas::routed_residual`]).
+    /// The routed down products, their weighted sum, the residual step and the norm in one
+    /// launch: [f32, bf16, Q8_0] ([`Blas::routed_residual_norm`]).
     routed_residual: [CudaFunction; 3],
     expand_bf16_f32: CudaFunction,
     expand_q8_f32: CudaFunction,
@@ -865,8 +865,8 @@ impl Blas {
 
     /// Whether a product of `rows` rows with these matrices takes the tensor-core GEMV: fast
     /// mode, 2 to [`GEMV_MAX_ROWS`] rows (one row keeps the CUDA-core form and its f32 x: a
-    /// decode step of one sequence), bf16 weights, rows of whole 32-weight chunks, plain or
-    /// gated outputs.
+    /// decode step of one sequence), weights it takes ([`Blas::mma_kind`]), rows of whole
+    /// 32-weight chunks, plain or gated outputs.
     fn gemv_mma_fits<'m>(&self, rows: usize, output: GemvOutput, mut ms: impl Iterator<Item = &'m GpuMatrix>) -> bool {
         (2..=GEMV_MAX_ROWS).contains(&rows)
             && matches!(output, GemvOutput::Plain | GemvOutput::Silu | GemvOutput::GeluTanh)
@@ -911,9 +911,9 @@ impl Blas {
         let mut l = g.launch_builder(kernel);
         l.arg(&p).arg(&xp).arg(&rows).arg(&inp);
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: argument types match tern_gemv_mma_*; each part's out × in bf16 weights (in %
-        // 32 == 0: whole 16-byte loads) and rows × features outputs (lengths checked by the
-        // callers); x holds rows <= 8 rows of in values.
+        // SAFETY: argument types match tern_gemv_mma_*; each part's out × in weights of the
+        // kernel's type (in % 32 == 0: whole chunks of 8-weight loads) and rows × features
+        // outputs (lengths checked by the callers); x holds rows <= 8 rows of in values.
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_mma"))?;
         Ok(())
     }
@@ -987,8 +987,8 @@ impl Blas {
     /// `x` (rows of `in`): plain outputs, or the gated activation of a stacked gate|up matrix.
     /// Each row's result is the one [`Blas::routed`] gives it alone, except where the weights
     /// take the tensor-core GEMV (fast mode's bf16 weights, Q8_0 opted in): the tiles then run
-    /// there as [`Blas::gemv`]'s products of several rows do (x rounded to bf16). CPU twin: [`super::linear_w`] of each row's expert
-    /// (and the gated activation).
+    /// there as [`Blas::gemv`]'s products of several rows do (x rounded to bf16). CPU twin:
+    /// [`super::linear_w`] of each row's expert (and the gated activation).
     pub fn tiles(&self, table: &GpuMatrixTable, tiles: &[[i32; 3]], x: &CudaSlice<f32>, output: GemvOutput, y: &mut CudaSlice<f32>) -> Result<()> {
         let features = match output {
             GemvOutput::Plain => table.out,
@@ -1009,7 +1009,7 @@ impl Blas {
         let g = &self.gpu;
         let (inp, out) = (int_arg("tiles in", table.inp)?, int_arg("tiles out", features)?);
         let silu = (output == GemvOutput::Silu) as usize;
-        // bf16 weights in fast mode: the tensor-core form, 16 features a block.
+        // Weights the tensor-core GEMV takes: its form, 16 features a block.
         let mma = self.mma_kind(table.kind).filter(|_| table.inp % 32 == 0);
         let (f, per_block) = match mma {
             Some(m) => (&self.mma_tiles[m][silu], 16),
@@ -1023,8 +1023,8 @@ impl Blas {
             let mut l = g.launch_builder(f);
             l.arg(&wt).arg(&st).arg(&tp).arg(&xp).arg(&inp).arg(&out).arg(&yp);
             let cfg = LaunchConfig { grid_dim: (grid_for(features, per_block)?, chunk.len() as u32, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: argument types match tern_gemv_tiles_* and tern_gemv_mma_tiles_* (bf16
-            // weights, in % 32 == 0: whole 16-byte loads); each tile's expert is below the
+            // SAFETY: argument types match tern_gemv_tiles_* and tern_gemv_mma_tiles_* (in % 32
+            // == 0: whole chunks of 8-weight loads); each tile's expert is below the
             // tables' `len` (matrices of out × in weights of the kernel's type) and its rows lie
             // in x (rows × in) and y (rows × features), checked above; the tiles' buffer lives
             // until the stream has run the launch (freed in stream order).
