@@ -42,8 +42,7 @@ const FAST_COSINE: f64 = 0.99;
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_norms_match_cpu() {
     let gpu = gpu();
-    let k = NormCuda::new(gpu.clone()).unwrap().with_warp_rows(false);
-    let k_warp = NormCuda::new(gpu.clone()).unwrap().with_warp_rows(true);
+    let k = NormCuda::new(gpu.clone()).unwrap();
     let mut rng = rng("cuda_norms_match_cpu");
     for &(rows, d) in &[(1usize, 32usize), (7, 768), (300, 1152), (5, 3072), (2, 100), (8, 1152), (9, 768)] {
         let x = rng.vec(rows * d, -3.0, 3.0);
@@ -68,18 +67,15 @@ fn cuda_norms_match_cpu() {
             super::norm::add_norm(&mut h_cpu, &y, &w, post, d, 1e-6, Some((&w2, &mut a_cpu))).unwrap();
             let mut h_alone = x.clone();
             super::norm::add_norm(&mut h_alone, &y, &w, post, d, 1e-6, None).unwrap();
-            // Both forms of the launcher: one block per row, and (up to 8 rows) one warp per row.
-            for (form, k) in [("block", &k), ("warp", &k_warp)] {
-                let mut h = gpu.upload(&x).unwrap();
-                let mut a = nan(&gpu, x.len());
-                k.add_norm(&mut h, &dy, &dw, post, d, 1e-6, Some((&dw2, NormOut { f32: Some(&mut a), bf16: None }))).unwrap();
-                let eh = check(&format!("add_norm h ({form})"), &gpu.download(&h).unwrap(), &h_cpu, BOUND);
-                let ea = check(&format!("add_norm next ({form})"), &gpu.download(&a).unwrap(), &a_cpu, BOUND);
-                let mut h = gpu.upload(&x).unwrap();
-                k.add_norm(&mut h, &dy, &dw, post, d, 1e-6, None).unwrap();
-                check(&format!("add_norm alone ({form})"), &gpu.download(&h).unwrap(), &h_alone, BOUND);
-                eprintln!("add_norm {rows}x{d} post={post} ({form} form): h {eh:.2e}, next {ea:.2e}");
-            }
+            let mut h = gpu.upload(&x).unwrap();
+            let mut a = nan(&gpu, x.len());
+            k.add_norm(&mut h, &dy, &dw, post, d, 1e-6, Some((&dw2, NormOut { f32: Some(&mut a), bf16: None }))).unwrap();
+            let eh = check("add_norm h", &gpu.download(&h).unwrap(), &h_cpu, BOUND);
+            let ea = check("add_norm next", &gpu.download(&a).unwrap(), &a_cpu, BOUND);
+            let mut h = gpu.upload(&x).unwrap();
+            k.add_norm(&mut h, &dy, &dw, post, d, 1e-6, None).unwrap();
+            check("add_norm alone", &gpu.download(&h).unwrap(), &h_alone, BOUND);
+            eprintln!("add_norm {rows}x{d} post={post}: h {eh:.2e}, next {ea:.2e}");
         }
     }
     let x = gpu.upload(&[0.0f32; 6]).unwrap();

@@ -46,38 +46,17 @@ pub struct NormCuda {
     gpu: Arc<Gpu>,
     rms: CudaFunction,
     add: CudaFunction,
-    /// `tern_add_norm_rows`: the sandwich-norm step of a short batch, one warp per row.
-    add_rows: CudaFunction,
-    /// Whether batches of up to [`ADD_NORM_WARP_ROWS`] rows take `add_rows`: opt-in
-    /// (TERN_ADD_NORM_WARP=1) until timed on a GPU. Its loops walk a row 32 elements a step, so
-    /// a lane's loads of a 768-wide row may come in several L2 round trips where the block form's
-    /// three a thread come in one; whether the barriers it saves outweigh that is unmeasured.
-    warp_rows: bool,
     residual: CudaFunction,
 }
-
-/// Rows up to which the sandwich-norm step can run one warp per row (one block): an 8-token
-/// EmbeddingGemma query's two steps a layer.
-pub const ADD_NORM_WARP_ROWS: usize = 8;
 
 impl NormCuda {
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
         Ok(NormCuda {
             rms: gpu.function(&SOURCE, "tern_rms_norm")?,
             add: gpu.function(&SOURCE, "tern_add_norm")?,
-            add_rows: gpu.function(&SOURCE, "tern_add_norm_rows")?,
-            warp_rows: std::env::var("TERN_ADD_NORM_WARP").is_ok_and(|v| v == "1"),
             residual: gpu.function(&SOURCE, "tern_residual_norm")?,
             gpu,
         })
-    }
-
-    /// This launcher with short batches' sandwich-norm step on one warp per row (`true`) or
-    /// one block per row: the device test runs both.
-    #[cfg(test)]
-    pub(crate) fn with_warp_rows(mut self, on: bool) -> Self {
-        self.warp_rows = on;
-        self
     }
 
     /// y = rms(pre·x)·w per row of `d`. CPU twin: [`super::rms_norm`].
@@ -103,8 +82,7 @@ impl NormCuda {
     }
 
     /// h = (h + rms(y)·w)·post, then with `next = (w2, out)` out = rms(h)·w2. CPU twin:
-    /// [`super::add_norm`]. One block per row, or opted in, up to [`ADD_NORM_WARP_ROWS`] rows
-    /// one warp per row (the sums' order differs between the two: within the f32 bound).
+    /// [`super::add_norm`]. One block per row.
     #[allow(clippy::too_many_arguments)]
     pub fn add_norm(
         &self,
@@ -133,17 +111,6 @@ impl NormCuda {
             None => (0, 0, 0),
         };
         let (hp, yp, wp) = (g.ptr(h), g.ptr(y), g.ptr(w));
-        if self.warp_rows && rows <= ADD_NORM_WARP_ROWS {
-            // A short batch (a query): one warp per row, one block.
-            let ri = rows as i32;
-            let mut l = g.launch_builder(&self.add_rows);
-            l.arg(&hp).arg(&yp).arg(&wp).arg(&post).arg(&eps).arg(&dw).arg(&ri).arg(&w2p).arg(&ap).arg(&a16p);
-            let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32 * ADD_NORM_WARP_ROWS as u32, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: argument types match tern_add_norm_rows; all buffers hold rows × d
-            // (checked), and warp r < rows reads and writes row r.
-            unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_add_norm_rows"))?;
-            return Ok(());
-        }
         let mut l = g.launch_builder(&self.add);
         l.arg(&hp).arg(&yp).arg(&wp).arg(&post).arg(&eps).arg(&dw).arg(&w2p).arg(&ap).arg(&a16p);
         let cfg = LaunchConfig { grid_dim: (rows32, 1, 1), block_dim: (row_block(d), 1, 1), shared_mem_bytes: 0 };

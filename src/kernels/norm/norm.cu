@@ -54,39 +54,6 @@ extern "C" __global__ void tern_add_norm(float* __restrict__ h, const float* __r
     }
 }
 
-// tern_add_norm for a few rows (a short query's), one warp per row, 8 rows a block: the block
-// form's two barrier-separated block sums and its element loops cost more than a short batch
-// has work; here a lane keeps its own elements' sums and re-reads only what it wrote, and the
-// sums are warp butterflies (in double, as the block form; the order differs, so the bits may).
-extern "C" __global__ void tern_add_norm_rows(float* __restrict__ h, const float* __restrict__ y, const float* __restrict__ w,
-                                              float post, float eps, int d, int rows, const float* __restrict__ w2,
-                                              float* __restrict__ a, tern_bf16* __restrict__ a16) {
-    tern_await_prior_kernel();
-    const int lane = threadIdx.x % 32, row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (row >= rows) return;
-    const size_t off = (size_t)row * d;
-    double ss = 0.0;
-    for (int i = lane; i < d; i += 32) {
-        const double v = (double)y[off + i];
-        ss += v * v;
-    }
-    const float inv = (float)(1.0 / sqrt(tern_warp_sum_d(ss) / (double)d + (double)eps));
-    double ss2 = 0.0;
-    for (int i = lane; i < d; i += 32) {
-        float v = h[off + i] + (y[off + i] * inv) * w[i];
-        if (post != 1.0f) v *= post;
-        h[off + i] = v;
-        ss2 += (double)v * (double)v;
-    }
-    if (!w2) return;
-    const float inv2 = (float)(1.0 / sqrt(tern_warp_sum_d(ss2) / (double)d + (double)eps));
-    for (int i = lane; i < d; i += 32) {
-        const float v = (h[off + i] * inv2) * w2[i];
-        if (a) a[off + i] = v;
-        if (a16) a16[off + i] = tern_bf16_from_f32(v);
-    }
-}
-
 // The pre-norm residual step: x[r] += y[r], then a[r] = rms(x[r])·w. CPU twin: residual_norm.
 extern "C" __global__ void tern_residual_norm(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
                                               float eps, int d, float* __restrict__ a, tern_bf16* __restrict__ a16) {
