@@ -2,12 +2,13 @@
 //! heads, d = 128, f32 state), printed as a table; the fla peer runs in
 //! scripts/bench_gdn_fla.py on the same shapes in the same device call.
 //!
-//!   cargo run --release --example gdn_bench [decode] [prefill]   (on a machine with an NVIDIA GPU)
+//!   cargo run --release --example gdn_bench [decode] [prefill] [batch=N]   (on a machine with an NVIDIA GPU)
 //!
-//! With no argument both sections run.
+//! With no section named both run; `batch=N` limits decode to that batch.
 //!
 //! Decode: one token for B sequences, state bytes read + written per second against the copy
-//! bandwidth measured first in the same run. The state pools rotate through more than the L2
+//! bandwidth measured first in the same run (1 GiB), beside a device copy of the step's own
+//! bytes (which pays the same launch and ramp), for the default and every variant. The state pools rotate through more than the L2
 //! holds, so repeated steps are not served from cache. Prefill: one layer's chunked prefill of
 //! one sequence, with its error against the device's sequential scan (the oracle): the f32
 //! mode (f32 and f64 accumulators) and the fast mode (tensor cores, bf16 operands), each also
@@ -15,7 +16,7 @@
 //! the layer must move (q, k, v read and the output written once, f32) at the copy bandwidth.
 
 use tern::cuda::Gpu;
-use tern::kernels::gated_delta::cuda::{ChunkAccumulate, CHUNK_STATE_ROWS, FAST_VARIANT, FAST_VARIANTS, RECURRENCE_VARIANT, RECURRENCE_VARIANTS, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
+use tern::kernels::gated_delta::cuda::{ChunkAccumulate, CHUNK_STATE_ROWS, FAST_VARIANT, FAST_VARIANTS, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
@@ -118,8 +119,10 @@ fn main() -> Result<()> {
 fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut Lcg, copy_bw: f64) -> Result<()> {
     let state_bytes = heads.state_len() * 4;
     println!("\ndecode (one token per sequence, fused L2 norm of q/k, state f32 [32][128][128] per sequence)");
-    println!("{:>6} {:>5} {:>10} {:>12} {:>10}", "batch", "rows", "us/step", "state GB/s", "of copy");
-    for &b in &[1usize, 16, 64, 256] {
+    println!("{:>6} {:>7} {:>10} {:>12} {:>10}", "batch", "rows", "us/step", "state GB/s", "of copy");
+    // `batch=N` on the command line times that batch alone (e.g. under a profiler).
+    let only: Option<usize> = std::env::args().find_map(|a| a.strip_prefix("batch=").and_then(|n| n.parse().ok()));
+    for b in [1usize, 16, 64, 256].into_iter().filter(|b| only.is_none_or(|o| o == *b)) {
         // Rotate through enough slots that the pools exceed the 60 MB L2 several times over.
         let rot = (1024usize * (1 << 20) / (b * state_bytes)).clamp(1, 64);
         let mut pool = gpu.upload(&rng.vec(rot * b * heads.state_len(), -0.5, 0.5))?;
@@ -128,21 +131,50 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
         let x = inputs(heads, &l);
         let mut out = gpu.zeros::<f32>(b * heads.n_v_heads * heads.d_v)?;
         let inner = 50;
-        for rows in RECURRENCE_VARIANTS {
+        let report = |b: usize, name: &str, ms: f64| {
+            let bw = 2.0 * (b * state_bytes) as f64 / (ms * 1e-3);
+            println!("{:>6} {:>7} {:>10.2} {:>12.0} {:>9.1}%", b, name, ms * 1e3, bw / 1e9, 100.0 * bw / copy_bw);
+            println!("RESULT decode batch={b} rows={name} us={:.3} state_gbps={:.1} copy_fraction={:.4}", ms * 1e3, bw / 1e9, bw / copy_bw);
+        };
+        // For scale: a device-to-device copy of the step's bytes (the state read, then written),
+        // with its own launch and ramp, rotating like the pools.
+        {
+            let n = b * heads.state_len();
+            let mut bufs = (0..rot.max(2)).map(|_| gpu.zeros::<f32>(n)).collect::<Result<Vec<_>>>()?;
+            let len = bufs.len();
+            let ms = time_ms(gpu, 2, 15, |i| {
+                for s in 0..inner {
+                    let d = (i * inner + s) % len;
+                    // Buffer d into buffer d + 1 (the last into the first).
+                    if d + 1 < len {
+                        let (lo, hi) = bufs.split_at_mut(d + 1);
+                        gpu.copy(&lo[d], &mut hi[0])?;
+                    } else {
+                        let (lo, hi) = bufs.split_at_mut(1);
+                        gpu.copy(&hi[len - 2], &mut lo[0])?;
+                    }
+                }
+                Ok(())
+            })? / inner as f64;
+            report(b, "copy", ms);
+        }
+        // The default (rows per warp chosen by batch), then every variant in every block size.
+        let runs = std::iter::once((None, RECURRENCE_BLOCK_WARPS)).chain(RECURRENCE_VARIANTS.into_iter().flat_map(|r| RECURRENCE_BLOCK_WARP_CHOICES.map(|w| (Some(r), w))));
+        for (rows, warps) in runs {
             k.set_recurrence_variant(rows)?;
+            k.set_recurrence_block_warps(warps)?;
             let ms = time_ms(gpu, 2, 15, |i| {
                 for s in 0..inner {
                     k.delta_rule(heads, &x, &segs[(i * inner + s) % rot], GpuStates::Pool(&mut pool), &mut out)?;
                 }
                 Ok(())
             })? / inner as f64;
-            let bw = 2.0 * (b * state_bytes) as f64 / (ms * 1e-3);
-            println!("{:>6} {:>5} {:>10.2} {:>12.0} {:>9.1}%", b, format!("{}x{}", rows.0, rows.1), ms * 1e3, bw / 1e9, 100.0 * bw / copy_bw);
-            println!("RESULT decode batch={b} rows={}x{} us={:.3} state_gbps={:.1} copy_fraction={:.4}", rows.0, rows.1, ms * 1e3, bw / 1e9, bw / copy_bw);
+            report(b, &rows.map_or("default".into(), |r| format!("{}x{}w{}", r.0, r.1, warps)), ms);
         }
     }
 
-    k.set_recurrence_variant(RECURRENCE_VARIANT)?;
+    k.set_recurrence_variant(None)?;
+    k.set_recurrence_block_warps(RECURRENCE_BLOCK_WARPS)?;
     Ok(())
 }
 

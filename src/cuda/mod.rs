@@ -615,6 +615,10 @@ mod tests {
             let cubin = nvrtc::compile(src.name, src.code, "sm_90").unwrap_or_else(|e| panic!("{e}"));
             // An ELF image: what the driver loads.
             assert_eq!(&cubin[..4], b"\x7fELF", "{}", src.name);
+            // For reading register counts and SASS without a GPU (cuobjdump -res-usage, nvdisasm).
+            if let Some(dir) = std::env::var_os("TERN_CUBIN_DUMP") {
+                std::fs::write(std::path::Path::new(&dir).join(format!("{}.cubin", src.name)), &cubin).unwrap();
+            }
             eprintln!("nvrtc {major}.{minor}: {} -> {} bytes of sm_90 CUBIN", src.name, cubin.len());
         }
     }

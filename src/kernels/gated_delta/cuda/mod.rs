@@ -49,9 +49,21 @@ const ROW_WARPS: u32 = 4;
 /// state bytes in flight (H200, 35B-A3B shapes: 87% of the copy bandwidth at 64 sequences and
 /// 93% at 256, against 79% and 84% for four rows).
 pub const RECURRENCE_VARIANT: (usize, usize) = (8, 1);
+/// The default for a decode step of at least [`MANY_DECODE_SEQS`] sequences: two row groups a
+/// warp, the second group's state in flight while the first is advanced (H200, 256 sequences:
+/// 273 µs against 281 µs for (8, 1); at 16 and 64 sequences (8, 1) is 5% and 3% faster).
+pub const RECURRENCE_VARIANT_MANY: (usize, usize) = (8, 2);
+pub const MANY_DECODE_SEQS: usize = 128;
 /// The variants compiled: the arithmetic of each row is the same in all of them, so they agree
 /// bit for bit (a device test checks it); only the speed differs.
-pub const RECURRENCE_VARIANTS: [(usize, usize); 8] = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4), (4, 4)];
+pub const RECURRENCE_VARIANTS: [(usize, usize); 9] = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2), (2, 4), (4, 4)];
+/// Warps per block of the (unfused) recurrence: a block only groups warps for the scheduler
+/// (they share nothing), and a block's slot is freed only when its slowest warp ends.
+pub const RECURRENCE_BLOCK_WARPS: u32 = 4;
+/// The block sizes the launcher accepts ([`GatedDeltaCuda::set_recurrence_block_warps`]), up
+/// to the kernels' `__launch_bounds__(128)`.
+pub const RECURRENCE_BLOCK_WARP_CHOICES: [u32; 3] = [1, 2, 4];
+
 
 fn grid_1d(n: usize, block: u32) -> Result<u32> {
     u32::try_from(n.div_ceil(block as usize)).map_err(|_| Error::Shape(format!("{n} elements: too many for one launch")))
@@ -296,7 +308,9 @@ pub struct GatedDeltaCuda {
     /// (d_k, (rows, groups) per warp, kernel).
     recurrence: Vec<(usize, (usize, usize), CudaFunction)>,
     recurrence_fused: Vec<(usize, CudaFunction)>,
-    recurrence_variant: (usize, usize),
+    /// None: [`RECURRENCE_VARIANT`], or [`RECURRENCE_VARIANT_MANY`] for a large decode step.
+    recurrence_variant: Option<(usize, usize)>,
+    recurrence_block_warps: u32,
     /// Chunk-prepare and chunk-state kernels with f32 and f64 accumulators.
     chunk_prepare: [CudaFunction; 2],
     /// Indexed [accumulator][8 or 16 rows].
@@ -576,7 +590,8 @@ impl GatedDeltaCuda {
             conv,
             recurrence,
             recurrence_fused,
-            recurrence_variant: RECURRENCE_VARIANT,
+            recurrence_variant: None,
+            recurrence_block_warps: RECURRENCE_BLOCK_WARPS,
             gpu,
         })
     }
@@ -613,12 +628,23 @@ impl GatedDeltaCuda {
     }
 
     /// Selects how the recurrence spreads state rows over warps (one of
-    /// [`RECURRENCE_VARIANTS`]); results are bit-identical for every choice.
-    pub fn set_recurrence_variant(&mut self, variant: (usize, usize)) -> Result<()> {
-        if !RECURRENCE_VARIANTS.contains(&variant) {
-            return Err(Error::Input(format!("recurrence variant {variant:?}: expected one of {RECURRENCE_VARIANTS:?}")));
+    /// [`RECURRENCE_VARIANTS`], or None for the defaults by batch); results are bit-identical
+    /// for every choice.
+    pub fn set_recurrence_variant(&mut self, variant: Option<(usize, usize)>) -> Result<()> {
+        if let Some(v) = variant.filter(|v| !RECURRENCE_VARIANTS.contains(v)) {
+            return Err(Error::Input(format!("recurrence variant {v:?}: expected one of {RECURRENCE_VARIANTS:?}")));
         }
         self.recurrence_variant = variant;
+        Ok(())
+    }
+
+    /// Warps per block of the unfused recurrence (one of [`RECURRENCE_BLOCK_WARP_CHOICES`]);
+    /// the warps of a block share nothing, so results are bit-identical for every choice.
+    pub fn set_recurrence_block_warps(&mut self, warps: u32) -> Result<()> {
+        if !RECURRENCE_BLOCK_WARP_CHOICES.contains(&warps) {
+            return Err(Error::Input(format!("recurrence block of {warps} warps: expected one of {RECURRENCE_BLOCK_WARP_CHOICES:?}")));
+        }
+        self.recurrence_block_warps = warps;
         Ok(())
     }
 
@@ -808,7 +834,10 @@ impl GatedDeltaCuda {
         self.check_inputs("delta_rule", heads, x, segs, out)?;
         let (rows, per_warp) = match x.fused {
             Some(_) => (FUSED_ROWS_PER_WARP, 1),
-            None => self.recurrence_variant,
+            None => self.recurrence_variant.unwrap_or({
+                let decode = segs.segments.iter().all(|s| s.len == 1);
+                if decode && segs.n_seqs() >= MANY_DECODE_SEQS { RECURRENCE_VARIANT_MANY } else { RECURRENCE_VARIANT }
+            }),
         };
         let f = match x.fused {
             Some(_) if heads.d_v <= FUSED_MAX_DV => self.recurrence_fused.iter().find(|(d, _)| *d == heads.d_k).map(|(_, f)| f),
@@ -821,12 +850,14 @@ impl GatedDeltaCuda {
         }
         let (pool, table) = states.resolve(&self.gpu, "delta_rule states", segs, heads.state_len())?;
         let groups = heads.d_v.div_ceil(rows);
+        // The kernel numbers a sequence's row groups with 32-bit ints.
+        i32_of("value heads × row groups", heads.n_v_heads * groups)?;
         let cfg = match x.fused {
             // One block of `groups` warps per (head, sequence): the norm meets a head's rows.
             Some(_) => LaunchConfig { grid_dim: (heads.n_v_heads as u32, segs.n_seqs() as u32, 1), block_dim: (32 * groups as u32, 1, 1), shared_mem_bytes: 0 },
             None => LaunchConfig {
-                grid_dim: (grid_1d((heads.n_v_heads * groups).div_ceil(per_warp), ROW_WARPS)?, segs.n_seqs() as u32, 1),
-                block_dim: (32 * ROW_WARPS, 1, 1),
+                grid_dim: (grid_1d((heads.n_v_heads * groups).div_ceil(per_warp), self.recurrence_block_warps)?, segs.n_seqs() as u32, 1),
+                block_dim: (32 * self.recurrence_block_warps, 1, 1),
                 shared_mem_bytes: 0,
             },
         };

@@ -54,6 +54,15 @@ __device__ __forceinline__ void tern_gdn_store_row(float* __restrict__ p, const 
     }
 }
 
+// A state row read by global-space loads. The row's address comes from memory (state_at), so
+// the compiler cannot tell that it is global and would issue generic loads, which resolve the
+// address space per access; the assumption lets it issue plain global ones.
+template <int DK>
+__device__ __forceinline__ void tern_gdn_load_state_row(const float* __restrict__ p, float (&r)[DK / 32]) {
+    __builtin_assume(__isGlobal(p));
+    tern_gdn_load_row<DK>(p, r);
+}
+
 // A state row written back: with 16-byte stores streaming (st.global.cs, evict-first), as the
 // row is not read again in this launch. Measured on the H200 (gdn_bench decode, 8x1 rows):
 // 68 -> 74% of copy at 16 sequences, 82 -> 88% at 64, 89 -> 90% at 256; the same hint on the
@@ -111,6 +120,37 @@ struct tern_gdn_recurrence_args {
     float eps, q_scale;
 };
 
+// One token's update of ROWS state rows held by a warp (normalised k and q, the rows' v, the
+// decay exp(g) and beta), leaving each row's output, the same in every lane, in o. Every kernel
+// that advances a row goes through this one function, so they all agree bit for bit.
+template <int DK, int ROWS>
+__device__ __forceinline__ void tern_gdn_rows_token(float (&r)[ROWS][DK / 32], const float (&kk)[DK / 32], const float (&qq)[DK / 32],
+                                                    const float (&vj)[ROWS], float decay, float b, float (&o)[ROWS]) {
+    constexpr int E = DK / 32;
+    float part[ROWS];
+#pragma unroll
+    for (int m = 0; m < ROWS; m++) {
+        part[m] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            r[m][e] *= decay;
+            part[m] += r[m][e] * kk[e];
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < ROWS; m++) {
+        const float delta = (vj[m] - tern_gdn_warp_sum(part[m])) * b;
+        o[m] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            r[m][e] += kk[e] * delta;
+            o[m] += r[m][e] * qq[e];
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < ROWS; m++) o[m] = tern_gdn_warp_sum(o[m]);
+}
+
 // Value heads of at most this many rows take the fused form (one block per head, 8 rows per
 // warp, at most 16 warps).
 #define TERN_GDN_FUSED_MAX_DV 128
@@ -134,9 +174,11 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
     constexpr int E = DK / 32;
     const int lane = threadIdx.x % 32;
     const int nv = a.nv, dv = a.dv;
-    const int groups = (dv + ROWS - 1) / ROWS;  // row groups per head
-    const long long total = (long long)nv * groups;
-    const long long first = ((long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * GPW;
+    // Row groups per head and in all; the launcher's grid (at most 2^31 warps' worth of groups
+    // per sequence, as nv * dv fits an int) keeps these 32-bit, so no 64-bit division.
+    const int groups = (dv + ROWS - 1) / ROWS;
+    const int total = nv * groups;
+    const int first = (int)(blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * GPW;
     // Uniform per warp, so an early exit never splits a warp before its shuffles (and in the
     // fused form every warp of a block is inside its head, so none leaves its barriers).
     if (first >= total) return;
@@ -146,22 +188,22 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
 
     float r[ROWS][E], next[ROWS][E];
     {
-        const int h = (int)(first / groups), j0 = (int)(first % groups) * ROWS;
+        const int h = first / groups, j0 = first % groups * ROWS;
 #pragma unroll
         for (int m = 0; m < ROWS; m++)
-            if (j0 + m < dv) tern_gdn_load_row<DK>(seq_state + ((size_t)h * dv + j0 + m) * DK + lane * E, r[m]);
+            if (j0 + m < dv) tern_gdn_load_state_row<DK>(seq_state + ((size_t)h * dv + j0 + m) * DK + lane * E, r[m]);
     }
 #pragma unroll
     for (int p = 0; p < GPW; p++) {
-        const long long grp = first + p;
+        const int grp = first + p;
         if (grp >= total) break;
         if (p + 1 < GPW && grp + 1 < total) {
-            const int hn = (int)((grp + 1) / groups), jn = (int)((grp + 1) % groups) * ROWS;
+            const int hn = (grp + 1) / groups, jn = (grp + 1) % groups * ROWS;
 #pragma unroll
             for (int m = 0; m < ROWS; m++)
-                if (jn + m < dv) tern_gdn_load_row<DK>(seq_state + ((size_t)hn * dv + jn + m) * DK + lane * E, next[m]);
+                if (jn + m < dv) tern_gdn_load_state_row<DK>(seq_state + ((size_t)hn * dv + jn + m) * DK + lane * E, next[m]);
         }
-        const int h = (int)(grp / groups), j0 = (int)(grp % groups) * ROWS;
+        const int h = grp / groups, j0 = grp % groups * ROWS;
         const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
         for (size_t t = start; t < end; t++) {
             float kk[E], qq[E];
@@ -182,29 +224,8 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
                 tern_gdn_l2_regs<DK>(kk, a.eps, 1.0f);
                 tern_gdn_l2_regs<DK>(qq, a.eps, a.q_scale);
             }
-            float part[ROWS];
-#pragma unroll
-            for (int m = 0; m < ROWS; m++) {
-                part[m] = 0.0f;
-#pragma unroll
-                for (int e = 0; e < E; e++) {
-                    r[m][e] *= decay;
-                    part[m] += r[m][e] * kk[e];
-                }
-            }
             float o[ROWS];
-#pragma unroll
-            for (int m = 0; m < ROWS; m++) {
-                const float delta = (vj[m] - tern_gdn_warp_sum(part[m])) * b;
-                o[m] = 0.0f;
-#pragma unroll
-                for (int e = 0; e < E; e++) {
-                    r[m][e] += kk[e] * delta;
-                    o[m] += r[m][e] * qq[e];
-                }
-            }
-#pragma unroll
-            for (int m = 0; m < ROWS; m++) o[m] = tern_gdn_warp_sum(o[m]);
+            tern_gdn_rows_token<DK, ROWS>(r, kk, qq, vj, decay, b, o);
             float* row_out = a.out + (t * nv + h) * dv;
             if constexpr (FUSED) {
                 // Two buffers by token parity: a warp writing token t + 1's row never meets one
@@ -237,6 +258,7 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
     }
 }
 
+
 // One kernel per (d_k, rows per warp, row groups per warp). These only trade registers
 // against bytes in flight; the launcher's default is RECURRENCE_VARIANT in mod.rs.
 #define TERN_GDN_RECURRENCE(D, R, P)                                                                     \
@@ -256,6 +278,7 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
 #define TERN_GDN_RECURRENCE_D(D)                                                                          \
     TERN_GDN_RECURRENCE(D, 1, 1) TERN_GDN_RECURRENCE(D, 2, 1) TERN_GDN_RECURRENCE(D, 4, 1)              \
     TERN_GDN_RECURRENCE(D, 8, 1) TERN_GDN_RECURRENCE(D, 2, 2) TERN_GDN_RECURRENCE(D, 4, 2)              \
+    TERN_GDN_RECURRENCE(D, 8, 2)                                                                         \
     TERN_GDN_RECURRENCE(D, 2, 4) TERN_GDN_RECURRENCE(D, 4, 4) TERN_GDN_RECURRENCE_FUSED(D)
 TERN_GDN_RECURRENCE_D(32)
 TERN_GDN_RECURRENCE_D(64)

@@ -316,14 +316,17 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
     let gpu = gpu();
     let k = GatedDeltaCuda::new(gpu.clone()).unwrap();
     let mut rng = rng("cuda_recurrence_scan_equals_decode_steps_bit_for_bit");
-    for &(nk, nv, d, key_head) in &[(16usize, 32usize, 128usize, KeyHeadMap::Grouped), (2, 4, 64, KeyHeadMap::Tiled), (1, 2, 256, KeyHeadMap::Grouped)] {
-        let heads = DeltaRuleHeads { n_k_heads: nk, n_v_heads: nv, d_k: d, d_v: d, key_head };
+    let cases = [(16usize, 32usize, 128usize, 128usize, KeyHeadMap::Grouped), (2, 4, 64, 64, KeyHeadMap::Tiled), (1, 2, 256, 256, KeyHeadMap::Grouped), (2, 6, 128, 44, KeyHeadMap::Tiled)];
+    for (case, &(nk, nv, d, d_v, key_head)) in cases.iter().enumerate() {
+        let heads = DeltaRuleHeads { n_k_heads: nk, n_v_heads: nv, d_k: d, d_v, key_head };
+        // Raw q/k normalised in the kernel in every other case.
+        let normalize_qk = case % 2 == 1;
         let lengths = [9usize, 4, 12];
         let n = lengths.len();
         let segments = pack(lengths);
         let tokens: usize = lengths.iter().sum();
         let slots = scattered_slots(n);
-        let (qk_row, v_row, sl) = (nk * d, nv * d, heads.state_len());
+        let (qk_row, v_row, sl) = (nk * d, nv * d_v, heads.state_len());
         let x = Operands::random(&mut rng, &heads, tokens);
         let pool = rng.vec((2 * n + 1) * sl, -0.5, 0.5);
         let up = |v: &[f32]| gpu.upload(v).unwrap();
@@ -332,41 +335,61 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
         let (dq, dk, dv, dg, db) = (up(&x.q), up(&x.k), up(&x.v), up(&x.g), up(&x.beta));
         let mut scan_pool = up(&pool);
         let mut scan_out = nan(&gpu, tokens * v_row);
-        let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, qk_row), k: Rows::contiguous(&dk, qk_row), v: Rows::contiguous(&dv, v_row), g: &dg, beta: &db, normalize_qk: false, fused: None };
+        let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, qk_row), k: Rows::contiguous(&dk, qk_row), v: Rows::contiguous(&dv, v_row), g: &dg, beta: &db, normalize_qk, fused: None };
         k.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut scan_pool), &mut scan_out).unwrap();
         let scan_out = gpu.download(&scan_out).unwrap();
+        let scan_pool = gpu.download(&scan_pool).unwrap();
 
-        let mut step_pool = up(&pool);
-        let mut step_out = vec![f32::NAN; tokens * v_row];
-        for p in 0..*lengths.iter().max().unwrap() {
-            let active: Vec<usize> = (0..n).filter(|&s| p < lengths[s]).collect();
-            let rows: Vec<usize> = active.iter().map(|&s| segments[s].start + p).collect();
-            let gather = |v: &[f32], w: usize| rows.iter().flat_map(|&t| v[t * w..(t + 1) * w].iter().copied()).collect::<Vec<f32>>();
-            let (sq, sk, sv, sg, sb) = (up(&gather(&x.q, qk_row)), up(&gather(&x.k, qk_row)), up(&gather(&x.v, v_row)), up(&gather(&x.g, nv)), up(&gather(&x.beta, nv)));
-            let step_slots: Vec<usize> = active.iter().map(|&s| slots[s]).collect();
-            let segs = GpuSegments::decode(&gpu, &step_slots).unwrap();
-            let mut o = nan(&gpu, rows.len() * v_row);
-            let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&sq, qk_row), k: Rows::contiguous(&sk, qk_row), v: Rows::contiguous(&sv, v_row), g: &sg, beta: &sb, normalize_qk: false, fused: None };
-            k.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut step_pool), &mut o).unwrap();
-            let o = gpu.download(&o).unwrap();
-            for (i, &t) in rows.iter().enumerate() {
-                step_out[t * v_row..(t + 1) * v_row].copy_from_slice(&o[i * v_row..(i + 1) * v_row]);
+        // The steps on the pool and on per-sequence buffers (an address table).
+        for own_buffers in [false, true] {
+            let mut step_pool = up(&pool);
+            let mut own: Vec<CudaSlice<f32>> = slots.iter().map(|&s| up(&pool[s * sl..(s + 1) * sl])).collect();
+            let mut step_out = vec![f32::NAN; tokens * v_row];
+            for p in 0..*lengths.iter().max().unwrap() {
+                let active: Vec<usize> = (0..n).filter(|&s| p < lengths[s]).collect();
+                let rows: Vec<usize> = active.iter().map(|&s| segments[s].start + p).collect();
+                let gather = |v: &[f32], w: usize| rows.iter().flat_map(|&t| v[t * w..(t + 1) * w].iter().copied()).collect::<Vec<f32>>();
+                let (sq, sk, sv, sg, sb) = (up(&gather(&x.q, qk_row)), up(&gather(&x.k, qk_row)), up(&gather(&x.v, v_row)), up(&gather(&x.g, nv)), up(&gather(&x.beta, nv)));
+                let mut o = nan(&gpu, rows.len() * v_row);
+                let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&sq, qk_row), k: Rows::contiguous(&sk, qk_row), v: Rows::contiguous(&sv, v_row), g: &sg, beta: &sb, normalize_qk, fused: None };
+                if own_buffers {
+                    let segs = GpuSegments::decode(&gpu, &(0..active.len()).collect::<Vec<_>>()).unwrap();
+                    let mut refs: Vec<&mut CudaSlice<f32>> = own.iter_mut().enumerate().filter(|(s, _)| active.contains(s)).map(|(_, b)| b).collect();
+                    k.delta_rule(&heads, &inputs, &segs, GpuStates::Each(&mut refs), &mut o).unwrap();
+                } else {
+                    let step_slots: Vec<usize> = active.iter().map(|&s| slots[s]).collect();
+                    let segs = GpuSegments::decode(&gpu, &step_slots).unwrap();
+                    k.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut step_pool), &mut o).unwrap();
+                }
+                let o = gpu.download(&o).unwrap();
+                for (i, &t) in rows.iter().enumerate() {
+                    step_out[t * v_row..(t + 1) * v_row].copy_from_slice(&o[i * v_row..(i + 1) * v_row]);
+                }
+            }
+            let how = format!("decode steps{} vs scan", if own_buffers { " (own buffers)" } else { "" });
+            assert_bits_eq(&format!("{how} (outputs)"), &step_out, &scan_out);
+            if own_buffers {
+                for (i, &s) in slots.iter().enumerate() {
+                    assert_bits_eq(&format!("{how} (states)"), &gpu.download(&own[i]).unwrap(), &scan_pool[s * sl..(s + 1) * sl]);
+                }
+            } else {
+                assert_bits_eq(&format!("{how} (states)"), &gpu.download(&step_pool).unwrap(), &scan_pool);
             }
         }
-        assert_bits_eq("decode steps vs scan (outputs)", &step_out, &scan_out);
-        let scan_pool = gpu.download(&scan_pool).unwrap();
-        assert_bits_eq("decode steps vs scan (states)", &gpu.download(&step_pool).unwrap(), &scan_pool);
-        // Every rows-per-warp variant computes the same bits.
+        // Every rows-per-warp variant, in blocks of every size, computes the same bits.
+        let mut kr = GatedDeltaCuda::new(gpu.clone()).unwrap();
         for rows in RECURRENCE_VARIANTS {
-            let mut kr = GatedDeltaCuda::new(gpu.clone()).unwrap();
-            kr.set_recurrence_variant(rows).unwrap();
-            let mut p = up(&pool);
-            let mut o = nan(&gpu, tokens * v_row);
-            kr.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut p), &mut o).unwrap();
-            assert_bits_eq(&format!("variant {rows:?} (outputs)"), &gpu.download(&o).unwrap(), &scan_out);
-            assert_bits_eq(&format!("variant {rows:?} (states)"), &gpu.download(&p).unwrap(), &scan_pool);
+            for warps in RECURRENCE_BLOCK_WARP_CHOICES {
+                kr.set_recurrence_variant(Some(rows)).unwrap();
+                kr.set_recurrence_block_warps(warps).unwrap();
+                let mut p = up(&pool);
+                let mut o = nan(&gpu, tokens * v_row);
+                kr.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut p), &mut o).unwrap();
+                assert_bits_eq(&format!("variant {rows:?}, {warps} warps a block (outputs)"), &gpu.download(&o).unwrap(), &scan_out);
+                assert_bits_eq(&format!("variant {rows:?}, {warps} warps a block (states)"), &gpu.download(&p).unwrap(), &scan_pool);
+            }
         }
-        eprintln!("recurrence nk {nk} nv {nv} d {d} {key_head:?}: {tokens} decode steps == scan, bit for bit");
+        eprintln!("recurrence nk {nk} nv {nv} dk {d} dv {d_v} {key_head:?} l2qk {normalize_qk}: {tokens} decode steps == scan, bit for bit");
     }
 }
 
