@@ -173,14 +173,18 @@ impl GpuExperts {
 }
 
 /// Rows an expert averages up to which a prompt's MoE products run as GEMVs over tiles of
-/// rows rather than one GEMM per expert ([`CudaOps::moe`]). Measured on Qwen3.5-35B-A3B's first
-/// 8 layers (256 experts, top 8; H200, fast mode, tokens/s of a prompt, tiles against GEMMs):
-/// - BF16 GGUF (tiles on the tensor cores): 16 tokens (0.5 rows an expert) 4 191 / 829, 128
-///   (4) 21 396 / 2 472, 512 (16) 48 337 / 8 756; GEMMs for 1024 tokens (32) 17 925.
-/// - Q8_0 GGUF (tiles on the CUDA cores): 16 tokens 2 347 / 772, 128 7 749 / 3 071, 512
-///   11 255 / 12 057; and the CUDA-core tiles on the BF16 GGUF at 2048 tokens (64): 15.9k
-///   against 40.3k.
+/// rows rather than one GEMM per expert ([`CudaOps::moe`]), where the tiles run on the CUDA
+/// cores (f32 mode). Measured on Qwen3.5-35B-A3B's first 8 layers (256 experts, top 8; H200,
+/// tokens/s of a prompt, tiles against GEMMs): the Q8_0 GGUF's CUDA-core tiles, 16 tokens (0.5
+/// rows an expert) 2 347 / 772, 128 (4) 7 749 / 3 071, 512 (16) 11 255 / 12 057; on the BF16
+/// GGUF at 2048 tokens (64) 15.9k against 40.3k.
 const MOE_TILE_ROWS: usize = 16;
+/// The same bound where the tiles run on the tensor cores (fast mode, bf16 or Q8_0 weights): a
+/// tensor-core tile of 8 rows costs about what one of 2 does, so tiles stay ahead of the GEMMs
+/// far longer. BF16 GGUF, one call: 512 tokens 52.6k / 10.7k; 1024 (32 rows) 64.6k (bound 64) /
+/// 18.6k (16); 2048 (64) 73.6k / 47.2k; 4096 (128) 77.6k (bound 128) / 78.4k (GEMMs). Q8_0
+/// GGUF: 1024 tokens 34.7k / 17.1k, 2048 38.7k / 32.0k.
+const MOE_TILE_ROWS_TENSOR_CORES: usize = 64;
 
 /// A decode step's routed MoE slots ([`CudaOps::routed_slots`]): per row `per_row` slots of
 /// expert ids and weights, and each slot's gated activation (rows of the experts' width).
@@ -215,9 +219,10 @@ pub struct CudaOps {
     /// Bytes of weights uploaded so far.
     weight_bytes: AtomicUsize,
     /// A prompt's MoE products take GEMVs over tiles of each expert's rows while its experts
-    /// average at most this many rows ([`MOE_TILE_ROWS`]; TERN_MOE_TILE_ROWS overrides, to
-    /// measure the two forms on the same run), else one GEMM per expert.
-    moe_tile_rows: usize,
+    /// average at most [`MOE_TILE_ROWS`] rows ([`MOE_TILE_ROWS_TENSOR_CORES`] for tiles on the
+    /// tensor cores), else one GEMM per expert. TERN_MOE_TILE_ROWS sets one bound for both, to
+    /// measure the two forms on the same run.
+    moe_tile_rows: Option<usize>,
     /// Whether a one-row decode step's MoE ends in one launch with the residual step and the
     /// norm ([`Ops::moe_residual_norm`]); TERN_MOE_FUSED_RESIDUAL=0 turns it off, to measure the
     /// two forms on the same run.
@@ -308,7 +313,7 @@ impl CudaOps {
             precision,
             weight_bytes: AtomicUsize::new(0),
             moe_fused_residual: std::env::var("TERN_MOE_FUSED_RESIDUAL").map_or(true, |v| v != "0"),
-            moe_tile_rows: std::env::var("TERN_MOE_TILE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(MOE_TILE_ROWS),
+            moe_tile_rows: std::env::var("TERN_MOE_TILE_ROWS").ok().and_then(|v| v.parse().ok()),
             exclusive: Mutex::new(()),
             graphs: Mutex::new(HashMap::new()),
             profile: std::env::var_os("TERN_CUDA_PROFILE").map(|v| Profile {
@@ -1120,10 +1125,14 @@ impl Ops for CudaOps {
         let w = experts.width;
         let mut y = self.gpu.alloc::<f32>(slots * d)?;
         let used = start.windows(2).filter(|r| r[1] > r[0]).count();
+        let tile_rows = |gate_up| {
+            let tc = self.blas.tiles_on_tensor_cores(gate_up);
+            self.moe_tile_rows.unwrap_or(if tc { MOE_TILE_ROWS_TENSOR_CORES } else { MOE_TILE_ROWS })
+        };
         match &experts.routed {
             // Few rows an expert: GEMVs over tiles of each expert's rows, which read the
             // stored weights as they are, in one launch a product.
-            Some((gate_up, down)) if slots <= self.moe_tile_rows * used => {
+            Some((gate_up, down)) if slots <= tile_rows(gate_up) * used => {
                 let tiles = expert_tiles(&start)?;
                 let mut act = self.gpu.alloc::<f32>(slots * w)?;
                 self.blas.tiles(gate_up, &tiles, &gathered, GemvOutput::Silu, &mut act)?;

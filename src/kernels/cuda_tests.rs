@@ -342,9 +342,10 @@ fn cuda_pool_embedding_and_linear_match_cpu() {
             blas.linear(&dx, rows, &m, &mut y).unwrap();
             check(&format!("linear {name} weights, f32 mode, {rows} rows"), &gpu.download(&y).unwrap(), &want, BOUND);
         }
-        // Fast mode: the CUDA-core GEMV takes f32 rows against the bf16 weights (one row, or
-        // rows not of whole 32-weight chunks; and Q8_0 weights); the tensor-core GEMV (2 to 8
-        // rows) and a GEMM the CPU product of the same bf16-rounded operands, f32 accumulation.
+        // Fast mode: the CUDA-core GEMV takes f32 rows against the weights as stored (one row,
+        // or rows not of whole 32-weight chunks); the tensor-core GEMV (2 to 8 rows, bf16 and
+        // Q8_0 weights) and a GEMM the CPU product of the same bf16-rounded operands (a Q8_0
+        // weight d·q rounded), f32 accumulation.
         let r16 = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect() };
         let gemv = rows <= GEMV_MAX_ROWS && in_f % 8 == 0;
         let f32_rows = gemv && (rows == 1 || in_f % 32 != 0);
@@ -355,7 +356,7 @@ fn cuda_pool_embedding_and_linear_match_cpu() {
         let e16 = check("linear bf16", &gpu.download(&y).unwrap(), &want16, BOUND);
         if let Some(q) = &q8 {
             let deq: Vec<f32> = Weights::Q8_0(q).to_f32(in_f).unwrap();
-            let want = super::matmul::linear(&if gemv { x.clone() } else { r16(&x) }, rows, &if gemv { deq.clone() } else { r16(&deq) }, out_f, in_f).unwrap();
+            let want = super::matmul::linear(&if f32_rows { x.clone() } else { r16(&x) }, rows, &if f32_rows { deq.clone() } else { r16(&deq) }, out_f, in_f).unwrap();
             let m = blas16.matrix(&Weights::Q8_0(q), out_f, in_f).unwrap();
             let mut y = nan(&gpu, rows * out_f);
             blas16.linear(&dx, rows, &m, &mut y).unwrap();
