@@ -50,8 +50,9 @@ const ROW_WARPS: u32 = 4;
 /// 93% at 256, against 79% and 84% for four rows).
 pub const RECURRENCE_VARIANT: (usize, usize) = (8, 1);
 /// The default for a decode step of at least [`MANY_DECODE_SEQS`] sequences: two row groups a
-/// warp, the second group's state in flight while the first is advanced (H200, 256 sequences:
-/// 273 µs against 281 µs for (8, 1); at 16 and 64 sequences (8, 1) is 5% and 3% faster).
+/// warp, the second group's state in flight while the first is advanced (H200, 4 warps a block,
+/// 256 sequences: 275 µs against 284 µs for (8, 1); at 16 and 64 sequences (8, 1) is 6% and 3%
+/// faster).
 pub const RECURRENCE_VARIANT_MANY: (usize, usize) = (8, 2);
 pub const MANY_DECODE_SEQS: usize = 128;
 /// The variants compiled: the arithmetic of each row is the same in all of them, so they agree
@@ -63,7 +64,6 @@ pub const RECURRENCE_BLOCK_WARPS: u32 = 4;
 /// The block sizes the launcher accepts ([`GatedDeltaCuda::set_recurrence_block_warps`]), up
 /// to the kernels' `__launch_bounds__(128)`.
 pub const RECURRENCE_BLOCK_WARP_CHOICES: [u32; 3] = [1, 2, 4];
-
 
 fn grid_1d(n: usize, block: u32) -> Result<u32> {
     u32::try_from(n.div_ceil(block as usize)).map_err(|_| Error::Shape(format!("{n} elements: too many for one launch")))

@@ -121,8 +121,9 @@ struct tern_gdn_recurrence_args {
 };
 
 // One token's update of ROWS state rows held by a warp (normalised k and q, the rows' v, the
-// decay exp(g) and beta), leaving each row's output, the same in every lane, in o. Every kernel
-// that advances a row goes through this one function, so they all agree bit for bit.
+// decay exp(g) and beta), leaving each row's output, the same in every lane, in o. Every form
+// of the recurrence (rows and groups per warp, fused or not) advances its rows through this one
+// function, so they all agree bit for bit.
 template <int DK, int ROWS>
 __device__ __forceinline__ void tern_gdn_rows_token(float (&r)[ROWS][DK / 32], const float (&kk)[DK / 32], const float (&qq)[DK / 32],
                                                     const float (&vj)[ROWS], float decay, float b, float (&o)[ROWS]) {
@@ -258,9 +259,9 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
     }
 }
 
-
 // One kernel per (d_k, rows per warp, row groups per warp). These only trade registers
-// against bytes in flight; the launcher's default is RECURRENCE_VARIANT in mod.rs.
+// against bytes in flight; the launcher's defaults are RECURRENCE_VARIANT and, for a decode
+// step of many sequences, RECURRENCE_VARIANT_MANY in mod.rs.
 #define TERN_GDN_RECURRENCE(D, R, P)                                                                     \
     extern "C" __global__ void __launch_bounds__(128)                                                    \
         tern_gdn_recurrence_dk##D##_r##R##_g##P(const tern_gdn_recurrence_args a) {                      \
