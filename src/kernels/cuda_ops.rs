@@ -25,7 +25,7 @@ use crate::kernels::gated_delta::cuda::{ChunkAccumulate, FusedGatesNorm, GatedDe
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
 use crate::kernels::matmul::cuda::{expert_tiles, Blas, GemvOutput, GpuMatrix, GpuMatrixTable, GEMV_MAX_ROWS};
 use crate::kernels::matmul::Weights;
-use crate::kernels::moe::cuda::{MoeCuda, MAX_DEVICE_EXPERTS, MAX_DEVICE_TOP_K};
+use crate::kernels::moe::cuda::{MoeCuda, SortedSlots, MAX_DEVICE_EXPERTS, MAX_DEVICE_TOP_K, MAX_SORT_EXPERTS};
 use crate::kernels::moe::mlp_shape;
 use crate::kernels::norm::cuda::{NormCuda, NormOut};
 use crate::kernels::pool::cuda::PoolCuda;
@@ -227,6 +227,11 @@ pub struct CudaOps {
     /// norm ([`Ops::moe_residual_norm`]); TERN_MOE_FUSED_RESIDUAL=0 turns it off, to measure the
     /// two forms on the same run.
     moe_fused_residual: bool,
+    /// Whether a prompt's MoE (more rows than a decode step routes slot by slot) sorts its
+    /// slots on the device where the tiles serve ([`MoeCuda::sort_slots`]), so that nothing
+    /// returns to the host and a step of many sequences can be recorded: opt-in
+    /// (TERN_MOE_DEVICE_SORT=1) until it has run on a GPU.
+    moe_device_sort: bool,
     /// cuBLAS handles are not thread-safe and forward passes share the stream: one at a time.
     exclusive: Mutex<()>,
     /// Recorded steps by their keys (Err: recording failed, run plainly).
@@ -265,6 +270,14 @@ impl Drop for OpTimer<'_> {
 }
 
 impl CudaOps {
+    /// These ops with a prompt's MoE slots sorted on the device (`true`) or on the host: the
+    /// device test runs both, whatever TERN_MOE_DEVICE_SORT says.
+    #[cfg(test)]
+    pub(crate) fn with_moe_device_sort(mut self, on: bool) -> Self {
+        self.moe_device_sort = on;
+        self
+    }
+
     /// The first half of a MoE layer on few rows (a decode step), on the device: the rows'
     /// routing and each slot's silu(gate)·up straight from its gate|up product, the shared
     /// expert being each row's last slot where it shares the tables. None where the layer does
@@ -313,6 +326,7 @@ impl CudaOps {
             precision,
             weight_bytes: AtomicUsize::new(0),
             moe_fused_residual: std::env::var("TERN_MOE_FUSED_RESIDUAL").map_or(true, |v| v != "0"),
+            moe_device_sort: std::env::var("TERN_MOE_DEVICE_SORT").is_ok_and(|v| v == "1"),
             moe_tile_rows: std::env::var("TERN_MOE_TILE_ROWS").ok().and_then(|v| v.parse().ok()),
             exclusive: Mutex::new(()),
             graphs: Mutex::new(HashMap::new()),
@@ -1088,7 +1102,35 @@ impl Ops for CudaOps {
         // by its sorted position. Routing: [rows][k] ids in ascending expert order and their
         // weights, on the device where it can (only the ids come back), else on the host.
         let slots = rows * top_k;
-        let (ids, weights) = if top_k <= MAX_DEVICE_TOP_K && top_k <= ne && ne <= MAX_DEVICE_EXPERTS {
+        let tile_rows = |gate_up| {
+            let tc = self.blas.tiles_on_tensor_cores(gate_up);
+            self.moe_tile_rows.unwrap_or(if tc { MOE_TILE_ROWS_TENSOR_CORES } else { MOE_TILE_ROWS })
+        };
+        let device_routing = top_k <= MAX_DEVICE_TOP_K && top_k <= ne && ne <= MAX_DEVICE_EXPERTS;
+        // Sorted on the device (opted in): where the tiles serve even with every expert used
+        // (the host's test counts the experts used, which the host does not learn here).
+        if let Some((gate_up, down)) = experts.routed.as_ref().filter(|(gu, _)| {
+            self.moe_device_sort && rows > 0 && device_routing && ne <= MAX_SORT_EXPERTS && slots <= tile_rows(gu) * ne.min(slots) && SortedSlots::max_tiles(slots, ne) <= 65_535
+        }) {
+            let moe = &self.llm()?.moe;
+            let (mut ids, mut weights) = (self.gpu.alloc::<i32>(slots)?, self.gpu.alloc::<f32>(slots)?);
+            moe.route(router_logits, ne, stride, top_k, false, &mut ids, &mut weights)?;
+            let sorted = moe.sort_slots(&ids, top_k, ne)?;
+            let mut gathered = self.gpu.alloc::<f32>(slots * d)?;
+            // Every token is an input row: sort_slots writes s / k for slot s of rows × k.
+            let token = GpuIds { ids: sorted.token, len: slots, max: (rows - 1) as u32 };
+            self.embedding.embed_lookup(x, d, &token, 1.0, &mut gathered)?;
+            let mut act = self.gpu.alloc::<f32>(slots * experts.width)?;
+            self.blas.tiles_counted(gate_up, &sorted.tiles, &sorted.n_tiles, sorted.max_tiles, &gathered, GemvOutput::Silu, &mut act)?;
+            drop(gathered);
+            let mut y = self.gpu.alloc::<f32>(slots * d)?;
+            self.blas.tiles_counted(down, &sorted.tiles, &sorted.n_tiles, sorted.max_tiles, &act, GemvOutput::Plain, &mut y)?;
+            let mut out = self.gpu.alloc::<f32>(rows * d)?;
+            moe.combine_sorted(&y, &sorted.pos, &weights, top_k, d, &mut out)?;
+            self.add_shared_expert(x, rows, router_logits, experts, &mut out)?;
+            return Ok(out);
+        }
+        let (ids, weights) = if device_routing {
             let (mut ids, mut weights) = (self.gpu.alloc::<i32>(slots)?, self.gpu.alloc::<f32>(slots)?);
             self.llm()?.moe.route(router_logits, ne, stride, top_k, false, &mut ids, &mut weights)?;
             let ids = self.gpu.download(&ids)?.into_iter().map(|e| usize::try_from(e).ok().filter(|&e| e < ne));
@@ -1125,10 +1167,6 @@ impl Ops for CudaOps {
         let w = experts.width;
         let mut y = self.gpu.alloc::<f32>(slots * d)?;
         let used = start.windows(2).filter(|r| r[1] > r[0]).count();
-        let tile_rows = |gate_up| {
-            let tc = self.blas.tiles_on_tensor_cores(gate_up);
-            self.moe_tile_rows.unwrap_or(if tc { MOE_TILE_ROWS_TENSOR_CORES } else { MOE_TILE_ROWS })
-        };
         match &experts.routed {
             // Few rows an expert: GEMVs over tiles of each expert's rows, which read the
             // stored weights as they are, in one launch a product.

@@ -48,8 +48,11 @@ fn argmax(v: &[f32]) -> usize {
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_llm_ops_match_cpu() {
     let gpu = gpu();
-    let ops = CudaOps::new(gpu.clone(), Precision::F32).unwrap();
-    let ops16 = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap();
+    let ops = CudaOps::new(gpu.clone(), Precision::F32).unwrap().with_moe_device_sort(false);
+    let ops16 = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_moe_device_sort(false);
+    // A prompt's MoE slots sorted on the device instead of the host.
+    let ops_sorted = CudaOps::new(gpu.clone(), Precision::F32).unwrap().with_moe_device_sort(true);
+    let ops16_sorted = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_moe_device_sort(true);
     let cpu = CpuOps;
     let mut rng = rng("cuda_llm_ops_match_cpu");
     let up = |v: &[f32]| gpu.upload(v).unwrap();
@@ -189,6 +192,16 @@ fn cuda_llm_ops_match_cpu() {
                 assert_eq!(one, got[r * d..(r + 1) * d], "{what}: row {r} of the prompt == the row alone");
             }
         }
+        // The slots sorted on the device: the CPU's result within the bound and, where both
+        // forms take the tiles (every expert used, as above), the host sort's bits. (A shared
+        // expert of another width runs as a dense MLP after either.)
+        for (mode, o, e, host, bound) in [("f32", &ops_sorted, &gpu_experts, &got, BOUND), ("fast", &ops16_sorted, &gpu_experts16, &fast, FAST_MOE_BOUND)] {
+            let sorted = gpu.download(&o.moe(&up(&x), d, &up(&logits), e, k).unwrap()).unwrap();
+            check(&format!("{mode} {what}, sorted on the device"), &sorted, &want, bound);
+            if rows > GEMV_MAX_ROWS && k <= MAX_DEVICE_TOP_K && width % 8 == 0 && rows * k <= 16 * ne {
+                assert_eq!(sorted, gpu.download(host).unwrap(), "{mode} {what}: sorted on the device == on the host");
+            }
+        }
 
         // The layer's MoE and the residual step after it (a one-row decode step fuses the down
         // products, their sum, the residual add and the norm into one launch): against the
@@ -309,4 +322,73 @@ fn cuda_qwen35_matches_cpu() {
             f32m.ops().weight_bytes()
         );
     }
+}
+
+/// The device sort of a prompt's MoE slots (`MoeCuda::sort_slots`) against the host's counting
+/// sort and `expert_tiles`: the same sorted row for every slot, input row for every sorted row,
+/// and tiles, outputs poisoned first; routings spread over all experts and crowded onto a few
+/// (experts of many rows: several tiles each), up to the kernel's 1024 experts.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_moe_sort_slots_matches_the_host_sort() {
+    use crate::kernels::matmul::cuda::expert_tiles;
+    use crate::kernels::moe::cuda::{MoeCuda, SortedSlots};
+    let gpu = gpu();
+    let moe = MoeCuda::new(gpu.clone()).unwrap();
+    let mut rng = rng("cuda_moe_sort_slots_matches_the_host_sort");
+    for &(rows, k, ne, crowded) in &[(1usize, 1usize, 1usize, false), (9, 2, 8, false), (33, 4, 16, true), (128, 8, 256, false), (300, 8, 64, true), (1000, 8, 1024, false), (17, 3, 5, true)] {
+        // Each row's k distinct experts in ascending order, as the routing writes them; crowded
+        // routings draw from the first k + 1 experts only.
+        let pool = if crowded { (k + 1).min(ne) } else { ne };
+        let mut ids = Vec::with_capacity(rows * k);
+        for _ in 0..rows {
+            let mut row: Vec<usize> = Vec::new();
+            while row.len() < k {
+                let e = (rng.next_u32() as usize) % pool;
+                if !row.contains(&e) {
+                    row.push(e);
+                }
+            }
+            row.sort_unstable();
+            ids.extend(row);
+        }
+        let slots = ids.len();
+        let mut start = vec![0usize; ne + 1];
+        for &e in &ids {
+            start[e + 1] += 1;
+        }
+        for e in 0..ne {
+            start[e + 1] += start[e];
+        }
+        let (mut fill, mut token, mut pos) = (start.clone(), vec![0u32; slots], vec![0u32; slots]);
+        for (s, &e) in ids.iter().enumerate() {
+            (token[fill[e]], pos[s]) = ((s / k) as u32, fill[e] as u32);
+            fill[e] += 1;
+        }
+        let tiles: Vec<i32> = expert_tiles(&start).unwrap().into_iter().flatten().collect();
+
+        let dids = gpu.upload(&ids.iter().map(|&e| e as i32).collect::<Vec<_>>()).unwrap();
+        let mut got = moe.sort_slots(&dids, k, ne).unwrap();
+        assert_eq!(got.max_tiles, SortedSlots::max_tiles(slots, ne));
+        // Poisoned, then sorted again into the same buffers: every entry the host has must be
+        // written.
+        gpu.poison(&mut got.token).unwrap();
+        gpu.poison(&mut got.pos).unwrap();
+        gpu.poison(&mut got.tiles).unwrap();
+        gpu.poison(&mut got.n_tiles).unwrap();
+        moe.sort_slots_into(&dids, k, ne, &mut got).unwrap();
+        let again = got;
+        let what = format!("sort of {rows} rows × top-{k} over {ne} experts (crowded {crowded})");
+        let n = gpu.download(&again.n_tiles).unwrap()[0] as usize;
+        assert_eq!(n * 3, tiles.len(), "{what}: tile count");
+        assert!(n <= again.max_tiles, "{what}: {n} tiles in room for {}", again.max_tiles);
+        assert_eq!(gpu.download(&again.pos).unwrap(), pos, "{what}: sorted rows of the slots");
+        assert_eq!(gpu.download(&again.token).unwrap(), token, "{what}: input rows of the sorted rows");
+        assert_eq!(gpu.download(&again.tiles).unwrap()[..3 * n], tiles[..], "{what}: tiles");
+        eprintln!("{what}: {n} tiles == the host's");
+    }
+    // Experts past the kernel's block are a clear error.
+    let dids = gpu.upload(&[0i32, 1]).unwrap();
+    assert!(moe.sort_slots(&dids, 2, 1025).is_err());
+    assert!(moe.sort_slots(&dids, 3, 4).is_err(), "2 ids are not rows of top-3");
 }

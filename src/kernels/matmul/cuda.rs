@@ -307,6 +307,8 @@ pub struct Blas {
     mma_kernels: [[CudaFunction; 3]; 2],
     /// The tensor-core GEMV over tiles of expert rows: [bf16, Q8_0 weights][plain, silu-gated].
     mma_tiles: [[CudaFunction; 2]; 2],
+    /// The same over a tile list made on the device ([`Blas::tiles_counted`]).
+    mma_tiles_counted: [[CudaFunction; 2]; 2],
     /// The arrival counter of the blocks of a GEMV ending in a norm (zero between launches;
     /// launches on the one stream never overlap).
     residual_counter: CudaSlice<u32>,
@@ -315,6 +317,8 @@ pub struct Blas {
     /// Expert products over tiles of a few rows sorted by expert: [plain, silu-gated output]
     /// [f32, bf16, Q8_0] ([`Blas::tiles`]).
     tiles: [[CudaFunction; 3]; 2],
+    /// The same over a tile list made on the device ([`Blas::tiles_counted`]).
+    tiles_counted: [[CudaFunction; 3]; 2],
     /// The routed down products, their weighted sum, the residual step and the norm in one
     /// launch: [f32, bf16, Q8_0] ([`Blas::routed_residual_norm`]).
     routed_residual: [CudaFunction; 3],
@@ -364,6 +368,10 @@ impl Blas {
                 [f("tern_gemv_mma_tiles_bf16")?, f("tern_gemv_mma_tiles_silu_bf16")?],
                 [f("tern_gemv_mma_tiles_q8")?, f("tern_gemv_mma_tiles_silu_q8")?],
             ],
+            mma_tiles_counted: [
+                [f("tern_gemv_mma_tiles_bf16_counted")?, f("tern_gemv_mma_tiles_silu_bf16_counted")?],
+                [f("tern_gemv_mma_tiles_q8_counted")?, f("tern_gemv_mma_tiles_silu_q8_counted")?],
+            ],
             residual_counter: gpu.zeros::<u32>(1)?,
             routed: [
                 [f("tern_gemv_routed_f32")?, f("tern_gemv_routed_bf16")?, f("tern_gemv_routed_q8")?],
@@ -372,6 +380,10 @@ impl Blas {
             tiles: [
                 [f("tern_gemv_tiles_f32")?, f("tern_gemv_tiles_bf16")?, f("tern_gemv_tiles_q8")?],
                 [f("tern_gemv_tiles_silu_f32")?, f("tern_gemv_tiles_silu_bf16")?, f("tern_gemv_tiles_silu_q8")?],
+            ],
+            tiles_counted: [
+                [f("tern_gemv_tiles_f32_counted")?, f("tern_gemv_tiles_bf16_counted")?, f("tern_gemv_tiles_q8_counted")?],
+                [f("tern_gemv_tiles_silu_f32_counted")?, f("tern_gemv_tiles_silu_bf16_counted")?, f("tern_gemv_tiles_silu_q8_counted")?],
             ],
             routed_residual: [f("tern_gemv_routed_res_f32")?, f("tern_gemv_routed_res_bf16")?, f("tern_gemv_routed_res_q8")?],
             expand_bf16_f32: f("tern_expand_bf16_f32")?,
@@ -983,20 +995,14 @@ impl Blas {
         Ok(())
     }
 
-    /// Expert products over rows sorted by expert, as GEMVs of tiles of at most
-    /// [`GEMV_MAX_ROWS`] rows: for each tile (e, r0, n) of `tiles` ([`expert_tiles`]), rows
-    /// r0 .. r0 + n of `y` are the products of expert e's matrix (`table`) with the same rows of
-    /// `x` (rows of `in`): plain outputs, or the gated activation of a stacked gate|up matrix.
-    /// Each row's result is the one [`Blas::routed`] gives it alone, except where the weights
-    /// take the tensor-core GEMV (fast mode's bf16 weights, Q8_0 opted in): the tiles then run
-    /// there as [`Blas::gemv`]'s products of several rows do (x rounded to bf16). CPU twin:
-    /// [`super::linear_w`] of each row's expert (and the gated activation).
     /// Whether [`Self::tiles`] runs this table's products on the tensor cores.
     pub fn tiles_on_tensor_cores(&self, table: &GpuMatrixTable) -> bool {
         self.mma_kind(table.kind).is_some() && table.inp % 32 == 0
     }
 
-    pub fn tiles(&self, table: &GpuMatrixTable, tiles: &[[i32; 3]], x: &CudaSlice<f32>, output: GemvOutput, y: &mut CudaSlice<f32>) -> Result<()> {
+    /// The checks and kernel choice of the two tile launchers: (features, rows, the kernel's
+    /// [plain, silu] and [tensor-core weights] indices, features a block).
+    fn tiles_form(&self, table: &GpuMatrixTable, x: &CudaSlice<f32>, output: GemvOutput, y: &CudaSlice<f32>) -> Result<(usize, usize, usize, Option<usize>, u32)> {
         let features = match output {
             GemvOutput::Plain => table.out,
             GemvOutput::Silu if table.out % 2 == 0 => table.out / 2,
@@ -1007,6 +1013,22 @@ impl Blas {
         }
         let rows = x.len() / table.inp;
         check_len("tiles output", y.len(), rows * features)?;
+        let silu = (output == GemvOutput::Silu) as usize;
+        // Weights the tensor-core GEMV takes: its form, 16 features a block.
+        let mma = self.mma_kind(table.kind).filter(|_| self.tiles_on_tensor_cores(table));
+        Ok((features, rows, silu, mma, if mma.is_some() { 16 } else { GEMV_WARPS as u32 }))
+    }
+
+    /// Expert products over rows sorted by expert, as GEMVs of tiles of at most
+    /// [`GEMV_MAX_ROWS`] rows: for each tile (e, r0, n) of `tiles` ([`expert_tiles`]), rows
+    /// r0 .. r0 + n of `y` are the products of expert e's matrix (`table`) with the same rows of
+    /// `x` (rows of `in`): plain outputs, or the gated activation of a stacked gate|up matrix.
+    /// Each row's result is the one [`Blas::routed`] gives it alone, except where the weights
+    /// take the tensor-core GEMV (fast mode's bf16 and Q8_0 weights): the tiles then run there
+    /// as [`Blas::gemv`]'s products of several rows do (x rounded to bf16). CPU twin:
+    /// [`super::linear_w`] of each row's expert (and the gated activation).
+    pub fn tiles(&self, table: &GpuMatrixTable, tiles: &[[i32; 3]], x: &CudaSlice<f32>, output: GemvOutput, y: &mut CudaSlice<f32>) -> Result<()> {
+        let (features, rows, silu, mma, per_block) = self.tiles_form(table, x, output, y)?;
         for &[e, r0, n] in tiles {
             let fits = usize::try_from(e).is_ok_and(|e| e < table.len) && r0 >= 0 && (1..=GEMV_MAX_ROWS as i32).contains(&n) && r0 as usize + n as usize <= rows;
             if !fits {
@@ -1015,12 +1037,9 @@ impl Blas {
         }
         let g = &self.gpu;
         let (inp, out) = (int_arg("tiles in", table.inp)?, int_arg("tiles out", features)?);
-        let silu = (output == GemvOutput::Silu) as usize;
-        // Weights the tensor-core GEMV takes: its form, 16 features a block.
-        let mma = self.mma_kind(table.kind).filter(|_| self.tiles_on_tensor_cores(table));
-        let (f, per_block) = match mma {
-            Some(m) => (&self.mma_tiles[m][silu], 16),
-            None => (&self.tiles[silu][table.kind], GEMV_WARPS as u32),
+        let f = match mma {
+            Some(m) => &self.mma_tiles[m][silu],
+            None => &self.tiles[silu][table.kind],
         };
         // The grid's y dimension holds at most 65535 tiles a launch.
         for chunk in tiles.chunks(65_535) {
@@ -1037,6 +1056,47 @@ impl Blas {
             // until the stream has run the launch (freed in stream order).
             unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_tiles"))?;
         }
+        Ok(())
+    }
+
+    /// [`Self::tiles`] over a tile list made on the device ([`crate::kernels::moe::cuda::MoeCuda::sort_slots`]):
+    /// `tiles` holds room for `max_tiles` tiles of which the first `n_tiles[0]` are set, so the
+    /// host neither knows nor uploads them and a recorded step can replay the launch. The same
+    /// kernels' products (the tile forms with a count), the same bits as [`Self::tiles`] for
+    /// the same tiles.
+    #[allow(clippy::too_many_arguments)]
+    pub fn tiles_counted(
+        &self,
+        table: &GpuMatrixTable,
+        tiles: &CudaSlice<i32>,
+        n_tiles: &CudaSlice<i32>,
+        max_tiles: usize,
+        x: &CudaSlice<f32>,
+        output: GemvOutput,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (features, _rows, silu, mma, per_block) = self.tiles_form(table, x, output, y)?;
+        check_len("counted tiles", tiles.len(), 3 * max_tiles)?;
+        check_len("tile count", n_tiles.len(), 1)?;
+        if max_tiles == 0 {
+            return Ok(());
+        }
+        let grid_y = u32::try_from(max_tiles).ok().filter(|&t| t <= 65_535).ok_or_else(|| Error::Shape(format!("counted tiles: {max_tiles} tiles, at most 65535 a launch")))?;
+        let g = &self.gpu;
+        let (inp, out) = (int_arg("tiles in", table.inp)?, int_arg("tiles out", features)?);
+        let f = match mma {
+            Some(m) => &self.mma_tiles_counted[m][silu],
+            None => &self.tiles_counted[silu][table.kind],
+        };
+        let (wt, st, tp, np, xp, yp) = (g.ptr(&table.weights), g.ptr(&table.scales), g.ptr(tiles), g.ptr(n_tiles), g.ptr(x), g.ptr(&*y));
+        let mut l = g.launch_builder(f);
+        l.arg(&wt).arg(&st).arg(&tp).arg(&np).arg(&xp).arg(&inp).arg(&out).arg(&yp);
+        let cfg = LaunchConfig { grid_dim: (grid_for(features, per_block)?, grid_y, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match tern_gemv_tiles_*_counted and tern_gemv_mma_tiles_*_counted;
+        // blocks past n_tiles[0] (at most max_tiles, the buffer's room) return at once, and the
+        // tiles below it were written by tern_moe_sort_slots over x's rows: experts below the
+        // tables' `len`, rows inside x (rows × in) and y (rows × features).
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_tiles (counted)"))?;
         Ok(())
     }
 

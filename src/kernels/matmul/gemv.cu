@@ -714,11 +714,22 @@ TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_bf16, TernWeightsBf16, TERN_Y_SILU
 TERN_GEMV_ROUTED_KERNEL(tern_gemv_routed_silu_q8, TernWeightsQ8, TERN_Y_SILU)
 
 // FORM: tern_gemv_tiles (CUDA cores) or tern_gemv_mma_tiles (tensor cores), one signature.
+// name_counted takes a tile list made on the device (moe.cu's tern_moe_sort_slots): the grid
+// covers the list's room, and the blocks past its count n_tiles[0] return (the whole block:
+// the tensor-core form's warps never split at its barriers).
 #define TERN_GEMV_TILES_KERNEL(name, FORM, W, OMODE)                                                               \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                               \
         name(const unsigned long long* __restrict__ w_table, const unsigned long long* __restrict__ s_table,        \
              const int* __restrict__ tiles, const float* __restrict__ x, int in, int out, float* __restrict__ y) {  \
         tern_await_prior_kernel();                                                                                   \
+        FORM<OMODE, W>(w_table, s_table, tiles, x, in, out, y);                                                      \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                               \
+        name##_counted(const unsigned long long* __restrict__ w_table, const unsigned long long* __restrict__ s_table,\
+                       const int* __restrict__ tiles, const int* __restrict__ n_tiles, const float* __restrict__ x,  \
+                       int in, int out, float* __restrict__ y) {                                                     \
+        tern_await_prior_kernel();                                                                                   \
+        if ((int)blockIdx.y >= n_tiles[0]) return;                                                                   \
         FORM<OMODE, W>(w_table, s_table, tiles, x, in, out, y);                                                      \
     }
 TERN_GEMV_TILES_KERNEL(tern_gemv_tiles_f32, tern_gemv_tiles, TernWeightsF32, TERN_Y_PLAIN)

@@ -5,7 +5,10 @@
 //!   expert's rows, one launch a product ([`crate::kernels::matmul::cuda::Blas::tiles`]), else
 //!   each expert's products run once over its slice of the gathered rows
 //!   ([`crate::kernels::matmul::cuda::Blas::grouped_linear`]); [`MoeCuda::combine`] reads
-//!   each slot's output back by its sorted position;
+//!   each slot's output back by its sorted position; opted in (TERN_MOE_DEVICE_SORT=1), the
+//!   slots are sorted and their tiles made on the device instead ([`MoeCuda::sort_slots`],
+//!   [`crate::kernels::matmul::cuda::Blas::tiles_counted`], [`MoeCuda::combine_sorted`]), so
+//!   that nothing returns to the host;
 //! - a few rows (a decode step): the products read each slot's expert from the ids on the
 //!   device ([`crate::kernels::matmul::cuda::Blas::routed`]) and [`MoeCuda::combine`] adds them
 //!   up (for one row, the down products, their sum, the residual step and the norm are one
@@ -29,6 +32,32 @@ pub struct MoeCuda {
     gated: CudaFunction,
     route: CudaFunction,
     combine: CudaFunction,
+    sort: CudaFunction,
+}
+
+/// Experts the device sort of a prompt's slots takes (`tern_moe_sort_slots`: one thread an
+/// expert, one block).
+pub const MAX_SORT_EXPERTS: usize = 1024;
+/// Rows of a tile of the device sort (moe.cu's TERN_MOE_TILE_ROWS): the GEMV's row limit.
+const SORT_TILE_ROWS: usize = crate::kernels::matmul::cuda::GEMV_MAX_ROWS;
+
+/// A prompt's slots sorted by expert on the device ([`MoeCuda::sort_slots`]): `pos[s]` the
+/// sorted row of slot s, `token[r]` the input row of sorted row r, and the tiles (expert, first
+/// row, rows) of each expert's sorted rows, `n_tiles[0]` of them in room for `max_tiles`.
+pub struct SortedSlots {
+    pub token: CudaSlice<u32>,
+    pub pos: CudaSlice<u32>,
+    pub tiles: CudaSlice<i32>,
+    pub n_tiles: CudaSlice<i32>,
+    pub max_tiles: usize,
+}
+
+impl SortedSlots {
+    /// Room for the tiles of `slots` slots over `ne` experts: an expert of c slots has
+    /// ceil(c / 8) <= c / 8 + 1 tiles, and at most min(ne, slots) experts have any.
+    pub fn max_tiles(slots: usize, ne: usize) -> usize {
+        slots.div_ceil(SORT_TILE_ROWS) + ne.min(slots)
+    }
 }
 
 /// Choices per row the device routing takes (each is held by one lane of the row's warp,
@@ -47,6 +76,7 @@ impl MoeCuda {
             gated: gpu.function(&SOURCE, "tern_add_sigmoid_gated")?,
             route: gpu.function(&SOURCE, "tern_moe_route")?,
             combine: gpu.function(&SOURCE, "tern_moe_combine")?,
+            sort: gpu.function(&SOURCE, "tern_moe_sort_slots")?,
             gpu,
         })
     }
@@ -89,30 +119,85 @@ impl MoeCuda {
     /// output (rows of a prompt's experts sorted by expert; uploaded here). CPU twin: the
     /// accumulation in [`super::moe_experts`].
     pub fn combine(&self, y: &CudaSlice<f32>, pos: Option<&[u32]>, weights: &CudaSlice<f32>, k: usize, d: usize, out: &mut CudaSlice<f32>) -> Result<()> {
-        if d == 0 || k == 0 || out.len() % d != 0 {
-            return Err(Error::Shape(format!("moe combine: {} outputs as rows of {d}, {k} choices", out.len())));
-        }
-        let rows = out.len() / d;
-        check_len("moe combine weights", weights.len(), rows * k)?;
-        check_len("moe combine input", y.len(), rows * k * d)?;
+        let rows = self.combine_rows(y, weights, k, d, out)?;
         if let Some(p) = pos {
             check_len("moe combine positions", p.len(), rows * k)?;
             if let Some(&bad) = p.iter().find(|&&s| s as usize >= rows * k) {
                 return Err(Error::Shape(format!("moe combine: position {bad} of {} outputs", rows * k)));
             }
         }
+        let pos = pos.filter(|_| rows > 0).map(|p| self.gpu.upload(p)).transpose()?;
+        self.launch_combine(y, pos.as_ref(), weights, k, d, out)
+    }
+
+    /// [`Self::combine`] through positions made on the device by [`Self::sort_slots`] (each
+    /// below rows × k by construction), which the host neither reads nor uploads.
+    pub fn combine_sorted(&self, y: &CudaSlice<f32>, pos: &CudaSlice<u32>, weights: &CudaSlice<f32>, k: usize, d: usize, out: &mut CudaSlice<f32>) -> Result<()> {
+        let rows = self.combine_rows(y, weights, k, d, out)?;
+        check_len("moe combine positions", pos.len(), rows * k)?;
+        self.launch_combine(y, Some(pos), weights, k, d, out)
+    }
+
+    /// The combine's shape checks: its output rows.
+    fn combine_rows(&self, y: &CudaSlice<f32>, weights: &CudaSlice<f32>, k: usize, d: usize, out: &CudaSlice<f32>) -> Result<usize> {
+        if d == 0 || k == 0 || out.len() % d != 0 {
+            return Err(Error::Shape(format!("moe combine: {} outputs as rows of {d}, {k} choices", out.len())));
+        }
+        let rows = out.len() / d;
+        check_len("moe combine weights", weights.len(), rows * k)?;
+        check_len("moe combine input", y.len(), rows * k * d)?;
+        Ok(rows)
+    }
+
+    fn launch_combine(&self, y: &CudaSlice<f32>, pos: Option<&CudaSlice<u32>>, weights: &CudaSlice<f32>, k: usize, d: usize, out: &mut CudaSlice<f32>) -> Result<()> {
+        let rows = out.len() / d;
         if rows == 0 {
             return Ok(());
         }
         let g = &self.gpu;
-        let pos = pos.map(|p| g.upload(p)).transpose()?;
         let (ri, ki, di) = (int_arg("rows", rows)?, int_arg("top-k", k)?, int_arg("width", d)?);
-        let (yp, wp, pp, op) = (g.ptr(y), g.ptr(weights), g.ptr_opt(pos.as_ref()), g.ptr(out));
+        let (yp, wp, pp, op) = (g.ptr(y), g.ptr(weights), g.ptr_opt(pos), g.ptr(out));
         let mut l = g.launch_builder(&self.combine);
         l.arg(&yp).arg(&wp).arg(&pp).arg(&ri).arg(&ki).arg(&di).arg(&op);
         // SAFETY: argument types match tern_moe_combine; y holds rows × k × d, weights (and
         // pos, each value below rows × k) rows × k and out rows × d (checked).
         unsafe { l.launch(grid(rows * d)?) }.map_err(driver_err("launching tern_moe_combine"))?;
+        Ok(())
+    }
+
+    /// Sorts the slots of `ids` ([rows][k] experts below `ne`, as [`Self::route`] writes them)
+    /// by expert on the device: the host's sort (slots of an expert in slot order) and its
+    /// tiles ([`crate::kernels::matmul::cuda::expert_tiles`]), with nothing read back.
+    pub fn sort_slots(&self, ids: &CudaSlice<i32>, k: usize, ne: usize) -> Result<SortedSlots> {
+        let (slots, g) = (ids.len(), &self.gpu);
+        let max_tiles = SortedSlots::max_tiles(slots, ne);
+        let mut sorted = SortedSlots { token: g.alloc(slots)?, pos: g.alloc(slots)?, tiles: g.alloc(3 * max_tiles)?, n_tiles: g.alloc(1)?, max_tiles };
+        self.sort_slots_into(ids, k, ne, &mut sorted)?;
+        Ok(sorted)
+    }
+
+    /// [`Self::sort_slots`] into buffers already made for as many slots and experts.
+    pub fn sort_slots_into(&self, ids: &CudaSlice<i32>, k: usize, ne: usize, sorted: &mut SortedSlots) -> Result<()> {
+        if k == 0 || ids.len() % k != 0 || ne == 0 || ne > MAX_SORT_EXPERTS {
+            return Err(Error::Shape(format!("moe sort on the device: {} slots of top-{k} over {ne} experts (at most {MAX_SORT_EXPERTS})", ids.len())));
+        }
+        let slots = ids.len();
+        let max_tiles = SortedSlots::max_tiles(slots, ne);
+        check_len("moe sort positions", sorted.pos.len(), slots)?;
+        check_len("moe sort tokens", sorted.token.len(), slots)?;
+        check_len("moe sort tiles", sorted.tiles.len(), 3 * max_tiles)?;
+        check_len("moe sort tile count", sorted.n_tiles.len(), 1)?;
+        sorted.max_tiles = max_tiles;
+        let g = &self.gpu;
+        let (si, ki, ni) = (int_arg("slots", slots)?, int_arg("top-k", k)?, int_arg("experts", ne)?);
+        let (ip, tp, pp, tl, np) = (g.ptr(ids), g.ptr(&sorted.token), g.ptr(&sorted.pos), g.ptr(&sorted.tiles), g.ptr(&sorted.n_tiles));
+        let mut l = g.launch_builder(&self.sort);
+        l.arg(&ip).arg(&si).arg(&ki).arg(&ni).arg(&tp).arg(&pp).arg(&tl).arg(&np);
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (MAX_SORT_EXPERTS as u32, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match tern_moe_sort_slots; ids, token and pos hold `slots`
+        // entries, tiles room for max_tiles (what the slots can make) and n_tiles one; the ids
+        // are experts below ne (the routing kernel's output), so every slot gets a position.
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_moe_sort_slots"))?;
         Ok(())
     }
 
@@ -135,5 +220,23 @@ impl MoeCuda {
         // column `at` inside them (checked).
         unsafe { l.launch(grid(out.len())?) }.map_err(driver_err("launching tern_add_sigmoid_gated"))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sort kernel's block and tile size are written in moe.cu as numbers: they must be
+    /// the launcher's thread count and the GEMV's row limit.
+    #[test]
+    fn sort_kernel_constants_match_the_launcher() {
+        let code = include_str!("moe.cu");
+        assert!(code.contains(&format!("#define TERN_MOE_SORT_THREADS {MAX_SORT_EXPERTS}\n")));
+        assert!(code.contains(&format!("#define TERN_MOE_TILE_ROWS {SORT_TILE_ROWS}\n")));
+        // Room for the tiles: 17 slots of one expert make 3 tiles; 17 slots over 17 experts 17.
+        assert!(SortedSlots::max_tiles(17, 1) >= 3);
+        assert!(SortedSlots::max_tiles(17, 256) >= 17);
+        assert_eq!(SortedSlots::max_tiles(0, 256), 0);
     }
 }

@@ -122,3 +122,82 @@ extern "C" __global__ void tern_moe_combine(const float* __restrict__ y, const f
         out[e] = acc;
     }
 }
+
+// A prompt's (row, choice) slots sorted by expert on the device, so that nothing returns to the
+// host and a step of many rows can be recorded as a graph. CPU twin: the host sort in
+// cuda_ops.rs's moe, with matmul/cuda.rs expert_tiles. One block; thread e < ne owns expert e
+// (ne <= blockDim.x = TERN_MOE_SORT_THREADS): it counts the slots routed to it, the block
+// scans the counts (and the tiles, ceil(count / 8)) into each expert's first sorted row and
+// first tile, then the thread walks the slots again in order, giving its slots consecutive
+// sorted rows: pos[s] the sorted row of slot s, token[at] the input row (s / k) of sorted row
+// at, and its tiles (e, first row, rows <= 8), the same as the host's. n_tiles[0] is the tile
+// count. Every id must lie in [0, ne): tern_moe_route never writes another.
+#define TERN_MOE_SORT_THREADS 1024
+#define TERN_MOE_TILE_ROWS 8
+
+// Exclusive prefix sums over the block of a and b (one value each a thread); the totals land
+// in every thread's ta, tb.
+__device__ __forceinline__ void tern_moe_block_scan2(int a, int b, int& ea, int& eb, int& ta, int& tb) {
+    __shared__ int wa[32], wb[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    int ia = a, ib = b;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int xa = __shfl_up_sync(0xffffffffu, ia, o), xb = __shfl_up_sync(0xffffffffu, ib, o);
+        if (lane >= o) {
+            ia += xa;
+            ib += xb;
+        }
+    }
+    if (lane == 31) {
+        wa[warp] = ia;
+        wb[warp] = ib;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        int sa = lane < warps ? wa[lane] : 0, sb = lane < warps ? wb[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int xa = __shfl_up_sync(0xffffffffu, sa, o), xb = __shfl_up_sync(0xffffffffu, sb, o);
+            if (lane >= o) {
+                sa += xa;
+                sb += xb;
+            }
+        }
+        wa[lane] = sa;  // inclusive sums of the warps' totals
+        wb[lane] = sb;
+    }
+    __syncthreads();
+    ea = ia - a + (warp > 0 ? wa[warp - 1] : 0);
+    eb = ib - b + (warp > 0 ? wb[warp - 1] : 0);
+    ta = wa[warps - 1];
+    tb = wb[warps - 1];
+}
+
+extern "C" __global__ void __launch_bounds__(TERN_MOE_SORT_THREADS)
+    tern_moe_sort_slots(const int* __restrict__ ids, int slots, int k, int ne, tern_u32* __restrict__ token,
+                        tern_u32* __restrict__ pos, int* __restrict__ tiles, int* __restrict__ n_tiles) {
+    tern_await_prior_kernel();
+    const int e = threadIdx.x;
+    int count = 0;
+    if (e < ne)
+        for (int s = 0; s < slots; ++s) count += ids[s] == e;
+    const int my_tiles = (count + TERN_MOE_TILE_ROWS - 1) / TERN_MOE_TILE_ROWS;
+    int first_row, first_tile, rows_total, tiles_total;
+    tern_moe_block_scan2(count, my_tiles, first_row, first_tile, rows_total, tiles_total);
+    if (e < ne && count > 0) {
+        int at = first_row;
+        for (int s = 0; s < slots; ++s)
+            if (ids[s] == e) {
+                pos[s] = (tern_u32)at;
+                token[at] = (tern_u32)(s / k);
+                ++at;
+            }
+        for (int i = 0; i < my_tiles; ++i) {
+            int* t = tiles + 3 * (size_t)(first_tile + i);
+            t[0] = e;
+            t[1] = first_row + i * TERN_MOE_TILE_ROWS;
+            t[2] = min(TERN_MOE_TILE_ROWS, count - i * TERN_MOE_TILE_ROWS);
+        }
+    }
+    (void)rows_total;  // = slots
+    if (e == 0) n_tiles[0] = tiles_total;
+}
