@@ -25,7 +25,7 @@ use crate::kernels::gated_delta::cuda::{ChunkAccumulate, FusedGatesNorm, GatedDe
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
 use crate::kernels::matmul::cuda::{expert_tiles, Blas, GemvOutput, GpuMatrix, GpuMatrixTable, GEMV_MAX_ROWS};
 use crate::kernels::matmul::Weights;
-use crate::kernels::moe::cuda::{MoeCuda, SortedSlots, MAX_DEVICE_EXPERTS, MAX_DEVICE_TOP_K, MAX_SORT_EXPERTS};
+use crate::kernels::moe::cuda::{sort_slots_on_host, MoeCuda, SlotOrder, SortedSlots, MAX_DEVICE_EXPERTS, MAX_DEVICE_TOP_K, MAX_SORT_EXPERTS};
 use crate::kernels::moe::mlp_shape;
 use crate::kernels::norm::cuda::{NormCuda, NormOut};
 use crate::kernels::pool::cuda::PoolCuda;
@@ -1148,20 +1148,7 @@ impl Ops for CudaOps {
             }
             (ids, self.gpu.upload(&weights)?)
         };
-        // Counting sort of the slots by expert, each expert's rows in row order.
-        let mut start = vec![0usize; ne + 1];
-        for &e in &ids {
-            start[e + 1] += 1;
-        }
-        for e in 0..ne {
-            start[e + 1] += start[e];
-        }
-        let (mut fill, mut token, mut pos) = (start.clone(), vec![0u32; slots], vec![0u32; slots]);
-        for (slot, &e) in ids.iter().enumerate() {
-            let at = fill[e];
-            fill[e] += 1;
-            (token[at], pos[slot]) = ((slot / top_k) as u32, at as u32);
-        }
+        let SlotOrder { start, token, pos } = sort_slots_on_host(&ids, top_k, ne);
         let mut gathered = self.gpu.alloc::<f32>(slots * d)?;
         self.embedding.embed_lookup(x, d, &GpuIds::new(&self.gpu, &token)?, 1.0, &mut gathered)?;
         let w = experts.width;

@@ -332,7 +332,7 @@ fn cuda_qwen35_matches_cpu() {
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_moe_sort_slots_matches_the_host_sort() {
     use crate::kernels::matmul::cuda::expert_tiles;
-    use crate::kernels::moe::cuda::{MoeCuda, SortedSlots};
+    use crate::kernels::moe::cuda::{sort_slots_on_host, MoeCuda, SlotOrder, SortedSlots};
     let gpu = gpu();
     let moe = MoeCuda::new(gpu.clone()).unwrap();
     let mut rng = rng("cuda_moe_sort_slots_matches_the_host_sort");
@@ -353,18 +353,7 @@ fn cuda_moe_sort_slots_matches_the_host_sort() {
             ids.extend(row);
         }
         let slots = ids.len();
-        let mut start = vec![0usize; ne + 1];
-        for &e in &ids {
-            start[e + 1] += 1;
-        }
-        for e in 0..ne {
-            start[e + 1] += start[e];
-        }
-        let (mut fill, mut token, mut pos) = (start.clone(), vec![0u32; slots], vec![0u32; slots]);
-        for (s, &e) in ids.iter().enumerate() {
-            (token[fill[e]], pos[s]) = ((s / k) as u32, fill[e] as u32);
-            fill[e] += 1;
-        }
+        let SlotOrder { start, token, pos } = sort_slots_on_host(&ids, k, ne);
         let tiles: Vec<i32> = expert_tiles(&start).unwrap().into_iter().flatten().collect();
 
         let dids = gpu.upload(&ids.iter().map(|&e| e as i32).collect::<Vec<_>>()).unwrap();

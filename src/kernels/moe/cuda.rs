@@ -52,6 +52,34 @@ pub struct SortedSlots {
     pub max_tiles: usize,
 }
 
+/// The slots of a prompt's MoE sorted by expert on the host: `start[e]..start[e + 1]` are
+/// expert e's sorted rows, `pos[s]` the sorted row of slot s, `token[r]` the input row of
+/// sorted row r.
+pub struct SlotOrder {
+    pub start: Vec<usize>,
+    pub token: Vec<u32>,
+    pub pos: Vec<u32>,
+}
+
+/// Counting sort of the slots `ids` ([rows][k] experts below `ne`) by expert, each expert's
+/// slots in slot order: the order [`MoeCuda::sort_slots`] gives on the device (its CPU twin).
+pub fn sort_slots_on_host(ids: &[usize], k: usize, ne: usize) -> SlotOrder {
+    let mut start = vec![0usize; ne + 1];
+    for &e in ids {
+        start[e + 1] += 1;
+    }
+    for e in 0..ne {
+        start[e + 1] += start[e];
+    }
+    let (mut fill, mut token, mut pos) = (start.clone(), vec![0u32; ids.len()], vec![0u32; ids.len()]);
+    for (slot, &e) in ids.iter().enumerate() {
+        let at = fill[e];
+        fill[e] += 1;
+        (token[at], pos[slot]) = ((slot / k) as u32, at as u32);
+    }
+    SlotOrder { start, token, pos }
+}
+
 impl SortedSlots {
     /// Room for the tiles of `slots` slots over `ne` experts: an expert of c slots has
     /// ceil(c / 8) <= c / 8 + 1 tiles, and at most min(ne, slots) experts have any.
@@ -238,5 +266,15 @@ mod tests {
         assert!(SortedSlots::max_tiles(17, 1) >= 3);
         assert!(SortedSlots::max_tiles(17, 256) >= 17);
         assert_eq!(SortedSlots::max_tiles(0, 256), 0);
+    }
+
+    #[test]
+    fn host_sort_keeps_slot_order_within_an_expert() {
+        // Rows of top-2: (0, 2), (1, 2), (0, 1) over 3 experts.
+        let o = sort_slots_on_host(&[0, 2, 1, 2, 0, 1], 2, 3);
+        assert_eq!(o.start, vec![0, 2, 4, 6]);
+        // Expert 0: slots 0, 4 (rows 0, 2); 1: slots 2, 5 (rows 1, 2); 2: slots 1, 3 (rows 0, 1).
+        assert_eq!(o.token, vec![0, 2, 1, 2, 0, 1]);
+        assert_eq!(o.pos, vec![0, 4, 2, 5, 1, 3]);
     }
 }
