@@ -1102,20 +1102,26 @@ impl Ops for CudaOps {
         // by its sorted position. Routing: [rows][k] ids in ascending expert order and their
         // weights, on the device where it can (only the ids come back), else on the host.
         let slots = rows * top_k;
-        let tile_rows = |gate_up| {
+        let tile_rows = |gate_up: &GpuMatrixTable| {
             let tc = self.blas.tiles_on_tensor_cores(gate_up);
             self.moe_tile_rows.unwrap_or(if tc { MOE_TILE_ROWS_TENSOR_CORES } else { MOE_TILE_ROWS })
         };
         let device_routing = top_k <= MAX_DEVICE_TOP_K && top_k <= ne && ne <= MAX_DEVICE_EXPERTS;
+        let routed_on_device = if device_routing {
+            let (mut ids, mut weights) = (self.gpu.alloc::<i32>(slots)?, self.gpu.alloc::<f32>(slots)?);
+            self.llm()?.moe.route(router_logits, ne, stride, top_k, false, &mut ids, &mut weights)?;
+            Some((ids, weights))
+        } else {
+            None
+        };
         // Sorted on the device (opted in): where the tiles serve even with every expert used
         // (the host's test counts the experts used, which the host does not learn here).
-        if let Some((gate_up, down)) = experts.routed.as_ref().filter(|(gu, _)| {
-            self.moe_device_sort && rows > 0 && device_routing && ne <= MAX_SORT_EXPERTS && slots <= tile_rows(gu) * ne.min(slots) && SortedSlots::max_tiles(slots, ne) <= 65_535
-        }) {
+        let sort_on_device = |gu: &GpuMatrixTable| {
+            self.moe_device_sort && rows > 0 && ne <= MAX_SORT_EXPERTS && slots <= tile_rows(gu) * ne.min(slots) && SortedSlots::max_tiles(slots, ne) <= 65_535
+        };
+        if let (Some((ids, weights)), Some((gate_up, down))) = (&routed_on_device, experts.routed.as_ref().filter(|(gu, _)| sort_on_device(gu))) {
             let moe = &self.llm()?.moe;
-            let (mut ids, mut weights) = (self.gpu.alloc::<i32>(slots)?, self.gpu.alloc::<f32>(slots)?);
-            moe.route(router_logits, ne, stride, top_k, false, &mut ids, &mut weights)?;
-            let sorted = moe.sort_slots(&ids, top_k, ne)?;
+            let sorted = moe.sort_slots(ids, top_k, ne)?;
             let mut gathered = self.gpu.alloc::<f32>(slots * d)?;
             // Every token is an input row: sort_slots writes s / k for slot s of rows × k.
             let token = GpuIds { ids: sorted.token, len: slots, max: (rows - 1) as u32 };
@@ -1126,13 +1132,11 @@ impl Ops for CudaOps {
             let mut y = self.gpu.alloc::<f32>(slots * d)?;
             self.blas.tiles_counted(down, &sorted.tiles, &sorted.n_tiles, sorted.max_tiles, &act, GemvOutput::Plain, &mut y)?;
             let mut out = self.gpu.alloc::<f32>(rows * d)?;
-            moe.combine_sorted(&y, &sorted.pos, &weights, top_k, d, &mut out)?;
+            moe.combine_sorted(&y, &sorted.pos, weights, top_k, d, &mut out)?;
             self.add_shared_expert(x, rows, router_logits, experts, &mut out)?;
             return Ok(out);
         }
-        let (ids, weights) = if device_routing {
-            let (mut ids, mut weights) = (self.gpu.alloc::<i32>(slots)?, self.gpu.alloc::<f32>(slots)?);
-            self.llm()?.moe.route(router_logits, ne, stride, top_k, false, &mut ids, &mut weights)?;
+        let (ids, weights) = if let Some((ids, weights)) = routed_on_device {
             let ids = self.gpu.download(&ids)?.into_iter().map(|e| usize::try_from(e).ok().filter(|&e| e < ne));
             (ids.collect::<Option<Vec<usize>>>().ok_or_else(|| Error::Cuda("moe routing on the device chose an expert outside the table".into()))?, weights)
         } else {

@@ -610,7 +610,7 @@ fn cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows() {
         let ep = check(&format!("mma gemv part 1 40x{in_f}"), &gpu.download(&y2).unwrap(), &want2, BOUND);
         eprintln!("mma gemv {out_f}x{in_f}: {e:.2e}, silu {:.2e}, gelu {:.2e}, second part {ep:.2e}; rows alike in 2, 5, 8", eg[0], eg[1]);
 
-        // Q8_0 weights (opted in): d·q rounded to bf16, against the CPU's product of those
+        // Q8_0 weights (switched on whatever TERN_GEMV_MMA_Q8 says): d·q rounded to bf16, against the CPU's product of those
         // weights and the rounded rows; and tiles of an expert's rows (two experts, bf16 and
         // Q8_0) against the CPU's product of each tile's expert.
         let blas_q8 = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_q8(true);

@@ -185,7 +185,8 @@ fn cuda_llm_ops_match_cpu() {
         // expert is taken in these shapes (k of ne experts for each of many rows), so the tiles
         // are chosen by rows·k <= 16·ne. (Fast mode's bf16 tiles run on the tensor cores, x
         // rounded to bf16, where a decode step keeps f32 x: the bound above.)
-        if sw == 0 && rows > GEMV_MAX_ROWS && k <= MAX_DEVICE_TOP_K && width % 8 == 0 && rows * k <= 16 * ne {
+        let tiles_every_expert = rows > GEMV_MAX_ROWS && k <= MAX_DEVICE_TOP_K && width % 8 == 0 && rows * k <= 16 * ne;
+        if sw == 0 && tiles_every_expert {
             let got = gpu.download(&got).unwrap();
             for r in [0, rows / 2, rows - 1] {
                 let one = gpu.download(&ops.moe(&up(&x[r * d..(r + 1) * d]), d, &up(&logits[r * ne..(r + 1) * ne]), &gpu_experts, k).unwrap()).unwrap();
@@ -198,7 +199,7 @@ fn cuda_llm_ops_match_cpu() {
         for (mode, o, e, host, bound) in [("f32", &ops_sorted, &gpu_experts, &got, BOUND), ("fast", &ops16_sorted, &gpu_experts16, &fast, FAST_MOE_BOUND)] {
             let sorted = gpu.download(&o.moe(&up(&x), d, &up(&logits), e, k).unwrap()).unwrap();
             check(&format!("{mode} {what}, sorted on the device"), &sorted, &want, bound);
-            if rows > GEMV_MAX_ROWS && k <= MAX_DEVICE_TOP_K && width % 8 == 0 && rows * k <= 16 * ne {
+            if tiles_every_expert {
                 assert_eq!(sorted, gpu.download(host).unwrap(), "{mode} {what}: sorted on the device == on the host");
             }
         }

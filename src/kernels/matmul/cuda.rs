@@ -997,7 +997,13 @@ impl Blas {
 
     /// Whether [`Self::tiles`] runs this table's products on the tensor cores.
     pub fn tiles_on_tensor_cores(&self, table: &GpuMatrixTable) -> bool {
-        self.mma_kind(table.kind).is_some() && table.inp % 32 == 0
+        self.tiles_mma(table).is_some()
+    }
+
+    /// The tensor-core GEMV's weight index for this table's tiles (rows of whole 32-weight
+    /// chunks), or None where they run on the CUDA cores.
+    fn tiles_mma(&self, table: &GpuMatrixTable) -> Option<usize> {
+        self.mma_kind(table.kind).filter(|_| table.inp % 32 == 0)
     }
 
     /// The checks and kernel choice of the two tile launchers: (features, rows, the kernel's
@@ -1015,7 +1021,7 @@ impl Blas {
         check_len("tiles output", y.len(), rows * features)?;
         let silu = (output == GemvOutput::Silu) as usize;
         // Weights the tensor-core GEMV takes: its form, 16 features a block.
-        let mma = self.mma_kind(table.kind).filter(|_| self.tiles_on_tensor_cores(table));
+        let mma = self.tiles_mma(table);
         Ok((features, rows, silu, mma, if mma.is_some() { 16 } else { GEMV_WARPS as u32 }))
     }
 

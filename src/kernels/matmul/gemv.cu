@@ -29,8 +29,8 @@
 //   graph like a dense one (tern_gemv_routed); for one row, the down products end in their
 //   weighted sum, the residual step and the norm (tern_gemv_routed_res);
 // - a prompt's expert products over tiles of its rows sorted by expert (tern_gemv_tiles).
-// Fast mode's products of 2 to 8 rows with bf16 weights (and, opted in, Q8_0 weights) run on
-// the tensor cores instead (tern_gemv_mma, tern_gemv_mma_tiles).
+// Fast mode's products of 2 to 8 rows with bf16 and Q8_0 weights run on the tensor cores
+// instead (tern_gemv_mma, tern_gemv_mma_tiles).
 
 #define TERN_GEMV_WARPS 8
 #define TERN_GEMV_PARTS 4

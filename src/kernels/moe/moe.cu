@@ -124,8 +124,8 @@ extern "C" __global__ void tern_moe_combine(const float* __restrict__ y, const f
 }
 
 // A prompt's (row, choice) slots sorted by expert on the device, so that nothing returns to the
-// host and a step of many rows can be recorded as a graph. CPU twin: the host sort in
-// cuda_ops.rs's moe, with matmul/cuda.rs expert_tiles. One block; thread e < ne owns expert e
+// host and a step of many rows can be recorded as a graph. CPU twin: sort_slots_on_host in
+// cuda.rs, with matmul/cuda.rs expert_tiles. One block; thread e < ne owns expert e
 // (ne <= blockDim.x = TERN_MOE_SORT_THREADS): it counts the slots routed to it, the block
 // scans the counts (and the tiles, ceil(count / 8)) into each expert's first sorted row and
 // first tile, then the thread walks the slots again in order, giving its slots consecutive
@@ -135,9 +135,9 @@ extern "C" __global__ void tern_moe_combine(const float* __restrict__ y, const f
 #define TERN_MOE_SORT_THREADS 1024
 #define TERN_MOE_TILE_ROWS 8
 
-// Exclusive prefix sums over the block of a and b (one value each a thread); the totals land
-// in every thread's ta, tb.
-__device__ __forceinline__ void tern_moe_block_scan2(int a, int b, int& ea, int& eb, int& ta, int& tb) {
+// Exclusive prefix sums over the block of a and b (one value each a thread); b's total lands in
+// every thread's tb.
+__device__ __forceinline__ void tern_moe_block_scan2(int a, int b, int& ea, int& eb, int& tb) {
     __shared__ int wa[32], wb[32];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     int ia = a, ib = b;
@@ -168,7 +168,6 @@ __device__ __forceinline__ void tern_moe_block_scan2(int a, int b, int& ea, int&
     __syncthreads();
     ea = ia - a + (warp > 0 ? wa[warp - 1] : 0);
     eb = ib - b + (warp > 0 ? wb[warp - 1] : 0);
-    ta = wa[warps - 1];
     tb = wb[warps - 1];
 }
 
@@ -181,8 +180,8 @@ extern "C" __global__ void __launch_bounds__(TERN_MOE_SORT_THREADS)
     if (e < ne)
         for (int s = 0; s < slots; ++s) count += ids[s] == e;
     const int my_tiles = (count + TERN_MOE_TILE_ROWS - 1) / TERN_MOE_TILE_ROWS;
-    int first_row, first_tile, rows_total, tiles_total;
-    tern_moe_block_scan2(count, my_tiles, first_row, first_tile, rows_total, tiles_total);
+    int first_row, first_tile, tiles_total;
+    tern_moe_block_scan2(count, my_tiles, first_row, first_tile, tiles_total);
     if (e < ne && count > 0) {
         int at = first_row;
         for (int s = 0; s < slots; ++s)
@@ -198,6 +197,5 @@ extern "C" __global__ void __launch_bounds__(TERN_MOE_SORT_THREADS)
             t[2] = min(TERN_MOE_TILE_ROWS, count - i * TERN_MOE_TILE_ROWS);
         }
     }
-    (void)rows_total;  // = slots
     if (e == 0) n_tiles[0] = tiles_total;
 }
