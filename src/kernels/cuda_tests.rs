@@ -288,7 +288,8 @@ fn cuda_pool_embedding_and_linear_match_cpu() {
     let gpu = gpu();
     let mut rng = rng("cuda_pool_embedding_and_linear_match_cpu");
     let pool = PoolCuda::new(gpu.clone()).unwrap();
-    let lengths = [1usize, 17, 300, 2];
+    // Lengths below, at and past the kernel's 16 rows loaded ahead, with and without remainders.
+    let lengths = [1usize, 17, 300, 2, 16, 2051];
     let segs = pack(lengths);
     let rows: usize = lengths.iter().sum();
     let d = 768;
@@ -312,6 +313,20 @@ fn cuda_pool_embedding_and_linear_match_cpu() {
 
     let blas = Blas::new(gpu.clone(), false).unwrap();
     let blas16 = Blas::new(gpu.clone(), true).unwrap();
+    // The fast mode's operand rounding: eight values a step and a tail, NaN, infinities and
+    // ties included, bit-identical to half's RNE.
+    for n in [1usize, 7, 8, 9, 1000, 100_003] {
+        let mut x = rng.vec(n, -3.0, 3.0);
+        let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::from_bits(0x3f80_8000), f32::from_bits(0x3f81_8000), -0.0, f32::MAX];
+        for (i, v) in specials.iter().enumerate().take(n) {
+            x[(i * 7919) % n] = *v;
+        }
+        let want: Vec<u16> = x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let mut y = gpu.alloc::<u16>(n).unwrap();
+        gpu.poison(&mut y).unwrap();
+        blas.to_bf16(&gpu.upload(&x).unwrap(), &mut y).unwrap();
+        assert_eq!(gpu.download(&y).unwrap(), want, "to_bf16 of {n} values");
+    }
     // Row counts on both sides of the GEMV bound, shapes with and without whole 256-wide steps.
     // 9000 and 4500 outputs are wide enough for the GEMV's wide forms (several features per warp);
     // one row of 4500 x 1056 takes four steps' loads at once, then a fifth step for some lanes.

@@ -16,18 +16,31 @@
 // K and V arrive as bf16, packed once per call by tern_attention_tc_pack_kv into
 // [rows][kv_heads][HD] with zero columns past hd: every block of a sequence reads all of its
 // keys, so rounding them once halves the bytes those reads move and leaves the blocks no
-// conversion to do. K/V tiles of BK = 32 keys go straight from global memory into their
+// conversion to do. K/V tiles of BK keys go straight from global memory into their
 // shared tiles by cp.async, each copy overlapping tensor-core work (V of this tile while S is
 // formed, K of the next tile while P·V runs), two barriers a tile. Rows past the visible band
 // are zero-filled by cp.async (src-size 0), so tail tiles contribute exact zeros; masked
-// scores are -inf before the max. bf16 tiles have rows padded by 8 elements (16 bytes) so that
-// the eight 16-byte row reads of an ldmatrix phase fall in distinct bank groups.
+// scores are -inf before the max.
+// With 8 warps an SM (the accumulator takes most of the registers) the kernel is bound by its
+// shared-memory instructions and their latency (ncu, H200: MIO throttle and short scoreboard
+// lead the stalls, the tensor pipe is a quarter busy), so the tile loop keeps everything else
+// down: tiles of BK = 64 keys halve the per-key cost of the barriers, the softmax bookkeeping
+// and the accumulator's rescale; a tile that every row of a warp sees whole skips the
+// visibility tests; the rescale is skipped when no row of the warp has a new maximum (a
+// multiply by exactly one); each thread's cp.async addresses are fixed offsets worked out
+// once. S of a 512-wide head is summed in two interleaved partial accumulators, so that its
+// chains of dependent mma are half as long.
+// The Q, K and V tiles are swizzled rather than padded: rows of whole 128-byte lines, the
+// 16-byte chunk c of row r stored at chunk c ^ (r & 7), so that the eight row reads of an
+// ldmatrix phase (8 rows, one chunk) fall in distinct bank groups and a warp's cp.async fills
+// whole lines (rows padded by 16 bytes cost the copies 2.5 times the shared wavefronts and 1.5
+// times the L2 sectors of aligned ones). The P tile, written by 4-byte stores, keeps rows
+// padded by 8 elements (16 bytes).
 // The softmax works in base 2: the scores are scaled by scale·log2(e) and exponentiated with
 // exp2f, one multiply-add and one exp2 per score.
 // The launcher checks hd % 4 == 0, hd <= 512, 16-byte alignment of every offset and stride.
 
 #define TERN_TC_WARPS 8
-#define TERN_TC_BK 32
 
 __device__ __forceinline__ tern_u32 tern_tc_smem(const void* p) {
     tern_u32 r;
@@ -48,8 +61,13 @@ __device__ __forceinline__ void tern_tc_cp16(tern_u32 dst, const void* src, int 
 }
 __device__ __forceinline__ void tern_tc_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void tern_tc_cp_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// Element offset, within its row, of 16-byte chunk c of swizzled row r.
+__device__ __forceinline__ int tern_tc_swz(int r, int c) { return (c ^ (r & 7)) * 8; }
+// Byte offset of chunk `even` + hb of a row whose r & 7 is r7, with x = hb ^ r7 (hb: 0 or 1):
+// as `even` is even, even + hb = even ^ hb, so only x is per lane and `even` may be a constant.
+__device__ __forceinline__ tern_u32 tern_tc_swz_bytes(int even, int x) { return 16 * ((even & ~7) + ((even & 7) ^ x)); }
 
-template <int HD>
+template <int HD, int BK>
 __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_off, long long q_ld,
                                        const tern_bf16* __restrict__ k, const tern_bf16* __restrict__ v, int kv_heads,
                                        float* __restrict__ out, long long out_ld, tern_bf16* __restrict__ out16,
@@ -59,9 +77,10 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
     constexpr int DSPLIT = HD > 256 ? 2 : 1;
     constexpr int DC = HD / DSPLIT;             // output columns of a warp
     constexpr int BQ = 16 * (TERN_TC_WARPS / DSPLIT);
-    constexpr int BK = TERN_TC_BK;
     constexpr int NK = BK / DSPLIT;             // key columns of S a warp forms
-    constexpr int LD = HD + 8;                  // bf16 row stride of the Q, K, V tiles
+    constexpr int NT = NK / 8;                  // their 8-key mma tiles
+    constexpr int SP = (HD >= 512 && NT <= 4) ? 2 : 1;  // partial sums of S (shorter mma chains)
+    constexpr int LD = HD;                      // bf16 row stride of the Q, K, V tiles (swizzled)
     constexpr int PLD = BK + 8;                 // bf16 row stride of the P tile
     constexpr int C4 = HD / 4;
     constexpr int THREADS = 32 * TERN_TC_WARPS;
@@ -87,19 +106,27 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
     const tern_bf16* kbase = k + start * kv_ld + (long long)kv_head * HD;
     const tern_bf16* vbase = v + start * kv_ld + (long long)kv_head * HD;
 
-    // Rows k0 .. k0+BK of K or V into the tile `dst`, 16 bytes (8 values) a copy; zeros past hi.
-    auto load_tile = [&](tern_bf16* dst, const tern_bf16* base, int k0) {
-        constexpr int C8 = HD / 8;
-        const tern_u32 d = tern_tc_smem(dst);
-        for (int e = tid; e < BK * C8; e += THREADS) {
-            const int r = e / C8, c = (e % C8) * 8;
-            const bool ok = k0 + r < hi;
-            tern_tc_cp16(d + 2 * (r * LD + c), ok ? base + (long long)(k0 + r) * kv_ld + c : base, ok ? 16 : 0);
+    // Rows k0 .. k0+BK of K or V into a tile, 16 bytes (8 values) a copy; zeros past hi. A
+    // thread copies column chunk lc of rows lr, lr + RSTEP, ...: fixed offsets from one base.
+    constexpr int C8 = HD / 8;
+    constexpr int RSTEP = THREADS / C8;
+    static_assert(THREADS % C8 == 0 && BK % RSTEP == 0, "whole passes over a tile");
+    const int lr = tid / C8, lc = (tid % C8) * 8;
+    // Rows lr + i·RSTEP: r & 7 is lr's, or lr + 4's when RSTEP is 4 and i odd.
+    const int sw_even = tern_tc_swz(lr, lc / 8), sw_odd = tern_tc_swz(lr + 4, lc / 8);
+    const tern_u32 ks_mine = tern_tc_smem(ks) + 2 * lr * LD, vs_mine = tern_tc_smem(vs) + 2 * lr * LD;
+    auto load_tile = [&](tern_u32 dst, const tern_bf16* base, int k0) {
+        const tern_bf16* src = base + (long long)(k0 + lr) * kv_ld + lc;
+#pragma unroll
+        for (int i = 0; i < BK / RSTEP; ++i) {
+            const bool ok = k0 + lr + i * RSTEP < hi;
+            const int sw = ((i * RSTEP) & 7) ? sw_odd : sw_even;
+            tern_tc_cp16(dst + 2 * (i * RSTEP * LD + sw), ok ? src + (long long)i * RSTEP * kv_ld : base, ok ? 16 : 0);
         }
         tern_tc_cp_commit();
     };
 
-    load_tile(ks, kbase, lo);
+    load_tile(ks_mine, kbase, lo);
     // Q tile; rows past the sequence are zero (their results are never written).
     for (int e = tid; e < BQ * C4; e += THREADS) {
         const int r = e / C4, c = (e % C4) * 4;
@@ -108,7 +135,7 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
         uint2 u;
         u.x = tern_tc_pack(x.x, x.y);
         u.y = tern_tc_pack(x.z, x.w);
-        *(uint2*)(qs + r * LD + c) = u;
+        *(uint2*)(qs + r * LD + tern_tc_swz(r, c / 8) + c % 8) = u;
     }
 
     // ldmatrix row addresses of this lane. A operands (Q, P; row-major 16x16): lanes 0-15 give
@@ -116,10 +143,16 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
     // transpose): matrices (keys 0-7, d 0), (keys 0-7, d 8), (keys 8-15, d 0), (keys 8-15, d 8)
     // = b0 b1 of two 8-key tiles. V as B of P·V (keys x d, transposed): (keys 0-7, d 0),
     // (keys 8-15, d 0), (keys 0-7, d 8), (keys 8-15, d 8) = b0 b1 of two 8-column tiles.
-    const tern_u32 a_q = tern_tc_smem(qs) + 2 * ((16 * rg + (lane & 15)) * LD + (lane >> 4) * 8);
+    // In the swizzled tiles each lane's row has r & 7 = lane & 7 (the rest of the row index is
+    // a multiple of 8), so a lane's chunk offsets follow from one XOR key per operand.
+    const int r7 = lane & 7;
+    const tern_u32 a_q = tern_tc_smem(qs) + 2 * (16 * rg + (lane & 15)) * LD;
+    const int xq = (lane >> 4) ^ r7;
     const tern_u32 a_p = tern_tc_smem(ps) + 2 * ((16 * rg + (lane & 15)) * PLD + (lane >> 4) * 8);
-    const tern_u32 b_k = tern_tc_smem(ks) + 2 * ((wd * NK + (lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8);
-    const tern_u32 b_v = tern_tc_smem(vs) + 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * LD + wd * DC + (lane >> 4) * 8);
+    const tern_u32 b_k = tern_tc_smem(ks) + 2 * (wd * NK + r7 + ((lane >> 4) << 3)) * LD;
+    const int xk = ((lane >> 3) & 1) ^ r7;
+    const tern_u32 b_v = tern_tc_smem(vs) + 2 * ((r7 + ((lane >> 3) & 1) * 8) * LD + wd * DC);
+    const int xv = (lane >> 4) ^ r7;
 
     float acc[DC / 8][4];
 #pragma unroll
@@ -135,38 +168,62 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
     for (int k0 = lo; k0 < hi; k0 += BK) {
         tern_tc_cp_wait();
         __syncthreads();  // K in ks (and Q in qs); every warp is done with vs and ps of the previous tile
-        load_tile(vs, vbase, k0);
+        load_tile(vs_mine, vbase, k0);
 
-        float s[NK / 8][4];
+        float sp[SP][NT][4];
 #pragma unroll
-        for (int t = 0; t < NK / 8; ++t)
+        for (int u = 0; u < SP; ++u)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) s[t][j] = 0.f;
+            for (int t = 0; t < NT; ++t)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) sp[u][t][j] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             tern_u32 a0, a1, a2, a3;
-            tern_tc_ldsm4(a_q + kk * 32, a0, a1, a2, a3);
+            tern_tc_ldsm4(a_q + tern_tc_swz_bytes(2 * kk, xq), a0, a1, a2, a3);
 #pragma unroll
             for (int np = 0; np < NK / 16; ++np) {
                 tern_u32 b0, b1, b2, b3;
-                tern_tc_ldsm4(b_k + 2 * (np * 16 * LD) + kk * 32, b0, b1, b2, b3);
-                tern_tc_mma(s[2 * np], a0, a1, a2, a3, b0, b1);
-                tern_tc_mma(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+                tern_tc_ldsm4(b_k + 2 * (np * 16 * LD) + tern_tc_swz_bytes(2 * kk, xk), b0, b1, b2, b3);
+                tern_tc_mma(sp[kk % SP][2 * np], a0, a1, a2, a3, b0, b1);
+                tern_tc_mma(sp[kk % SP][2 * np + 1], a0, a1, a2, a3, b2, b3);
             }
         }
+        float s[NT][4];
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) s[t][j] = SP > 1 ? sp[0][t][j] + sp[SP - 1][t][j] : sp[0][t][j];
+        // Whether every row of this warp sees every key of the tile: then no visibility tests.
+        const int wq0 = q0 + 16 * rg;
+        bool whole = k0 + BK <= hi;
+        if (max_distance >= 0) whole = whole && k0 >= wq0 + 15 - max_distance && k0 + BK - 1 <= wq0 + max_distance;
+        if (max_distance == TERN_ATT_CAUSAL) whole = whole && k0 + BK - 1 <= wq0;
         float mx_lo = -tern_inf(), mx_hi = -tern_inf();
+        if (whole) {
 #pragma unroll
-        for (int t = 0; t < NK / 8; ++t)
+            for (int t = 0; t < NT; ++t)
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int kj = k0 + wd * NK + 8 * t + 2 * tig + j;
-                const bool vlo = tern_att_visible(qlo, kj, hi, max_distance);
-                const bool vhi = tern_att_visible(qhi, kj, hi, max_distance);
-                s[t][j] = vlo ? s[t][j] * scale2 : -tern_inf();
-                s[t][2 + j] = vhi ? s[t][2 + j] * scale2 : -tern_inf();
-                mx_lo = fmaxf(mx_lo, s[t][j]);
-                mx_hi = fmaxf(mx_hi, s[t][2 + j]);
-            }
+                for (int j = 0; j < 2; ++j) {
+                    s[t][j] *= scale2;
+                    s[t][2 + j] *= scale2;
+                    mx_lo = fmaxf(mx_lo, s[t][j]);
+                    mx_hi = fmaxf(mx_hi, s[t][2 + j]);
+                }
+        } else {
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int kj = k0 + wd * NK + 8 * t + 2 * tig + j;
+                    const bool vlo = tern_att_visible(qlo, kj, hi, max_distance);
+                    const bool vhi = tern_att_visible(qhi, kj, hi, max_distance);
+                    s[t][j] = vlo ? s[t][j] * scale2 : -tern_inf();
+                    s[t][2 + j] = vhi ? s[t][2 + j] * scale2 : -tern_inf();
+                    mx_lo = fmaxf(mx_lo, s[t][j]);
+                    mx_hi = fmaxf(mx_hi, s[t][2 + j]);
+                }
+        }
         mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
         mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
         mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
@@ -196,7 +253,7 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
         l_lo *= al_lo;
         l_hi *= al_hi;
 #pragma unroll
-        for (int t = 0; t < NK / 8; ++t) {
+        for (int t = 0; t < NT; ++t) {
             const tern_u32 plo = tern_tc_pack(none_lo ? 0.f : exp2f(s[t][0] - mn_lo), none_lo ? 0.f : exp2f(s[t][1] - mn_lo));
             const tern_u32 phi = tern_tc_pack(none_hi ? 0.f : exp2f(s[t][2] - mn_hi), none_hi ? 0.f : exp2f(s[t][3] - mn_hi));
             l_lo += __uint_as_float(plo << 16) + __uint_as_float(plo & 0xffff0000u);
@@ -205,17 +262,20 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
             *(tern_u32*)(ps + (16 * rg + g) * PLD + col) = plo;
             *(tern_u32*)(ps + (16 * rg + g + 8) * PLD + col) = phi;
         }
+        // Once the maxima settle most tiles move none of them: al is exactly one for every row.
+        if (__any_sync(0xffffffffu, al_lo != 1.f || al_hi != 1.f)) {
 #pragma unroll
-        for (int n = 0; n < DC / 8; ++n) {
-            acc[n][0] *= al_lo;
-            acc[n][1] *= al_lo;
-            acc[n][2] *= al_hi;
-            acc[n][3] *= al_hi;
+            for (int n = 0; n < DC / 8; ++n) {
+                acc[n][0] *= al_lo;
+                acc[n][1] *= al_lo;
+                acc[n][2] *= al_hi;
+                acc[n][3] *= al_hi;
+            }
         }
 
         tern_tc_cp_wait();
         __syncthreads();  // V in vs; every warp is done with ks and has written its p
-        if (k0 + BK < hi) load_tile(ks, kbase, k0 + BK);
+        if (k0 + BK < hi) load_tile(ks_mine, kbase, k0 + BK);
 
 #pragma unroll
         for (int kc = 0; kc < BK / 16; ++kc) {
@@ -224,7 +284,7 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
 #pragma unroll
             for (int np = 0; np < DC / 16; ++np) {
                 tern_u32 b0, b1, b2, b3;
-                tern_tc_ldsm4t(b_v + 2 * (kc * 16 * LD + np * 16), b0, b1, b2, b3);
+                tern_tc_ldsm4t(b_v + 2 * kc * 16 * LD + tern_tc_swz_bytes(2 * np, xv), b0, b1, b2, b3);
                 tern_tc_mma(acc[2 * np], a0, a1, a2, a3, b0, b1);
                 tern_tc_mma(acc[2 * np + 1], a0, a1, a2, a3, b2, b3);
             }
@@ -269,19 +329,23 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
     }
 }
 
-#define TERN_ATTENTION_TC_ENTRY(HD)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(32 * TERN_TC_WARPS, 1) tern_attention_tc_hd##HD(                       \
+#define TERN_ATTENTION_TC_ENTRY(HD, BK)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_TC_WARPS, 1) tern_attention_tc_hd##HD##_bk##BK(              \
         const float* q, long long q_off, long long q_ld, const tern_bf16* k, const tern_bf16* v, int kv_heads,           \
         float* out, long long out_ld, tern_bf16* out16, const tern_u32* seg_start, const tern_u32* seg_len,              \
         const tern_u32* tile_seg, const tern_u32* tile_q0, int group, int hd, float scale, int max_distance) {           \
         tern_await_prior_kernel();                                                                                       \
-        tern_attention_tc_tile<HD>(q, q_off, q_ld, k, v, kv_heads, out, out_ld, out16, seg_start, seg_len, tile_seg,     \
-                                   tile_q0, group, hd, scale, max_distance);                                             \
+        tern_attention_tc_tile<HD, BK>(q, q_off, q_ld, k, v, kv_heads, out, out_ld, out16, seg_start, seg_len, tile_seg, \
+                                       tile_q0, group, hd, scale, max_distance);                                         \
     }
-TERN_ATTENTION_TC_ENTRY(64)
-TERN_ATTENTION_TC_ENTRY(128)
-TERN_ATTENTION_TC_ENTRY(256)
-TERN_ATTENTION_TC_ENTRY(512)
+TERN_ATTENTION_TC_ENTRY(64, 32)
+TERN_ATTENTION_TC_ENTRY(128, 32)
+TERN_ATTENTION_TC_ENTRY(256, 32)
+TERN_ATTENTION_TC_ENTRY(512, 32)
+TERN_ATTENTION_TC_ENTRY(64, 64)
+TERN_ATTENTION_TC_ENTRY(128, 64)
+TERN_ATTENTION_TC_ENTRY(256, 64)
+TERN_ATTENTION_TC_ENTRY(512, 64)
 
 // K and V of `rows` rows (views with rows of kv_heads · hd f32) rounded to bf16 (RNE) into
 // kb, vb = [rows][kv_heads][hdp], columns hd .. hdp - 1 zero: the operands of the kernels

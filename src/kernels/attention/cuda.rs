@@ -30,7 +30,14 @@ pub const MAX_HEAD_DIM: usize = 512;
 const TC_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
 /// Its query tiles: 8 warps of 16 rows, pairs of warps per row group when hd is 512.
 const TC_QUERY_TILES: [usize; 2] = [128, 64];
-const TC_KEY_TILE: usize = 32;
+/// Its key tiles: 64 keys, or 32 under TERN_ATT_TC_BK=32 (the earlier tile, kept to measure
+/// against).
+fn tc_key_tile() -> usize {
+    match std::env::var("TERN_ATT_TC_BK").as_deref() {
+        Ok("32") => 32,
+        _ => 64,
+    }
+}
 /// Batches of at most this many rows (a short query) take the f32 kernel even in the fast
 /// mode: one launch instead of two (the K/V packing and the tensor-core kernel) for a product
 /// of at most one key tile per query tile.
@@ -44,8 +51,9 @@ fn tc_query_tile(padded_hd: usize) -> usize {
     }
 }
 
-fn tc_smem_bytes(padded_hd: usize) -> usize {
-    let (bq, bk, ld) = (tc_query_tile(padded_hd), TC_KEY_TILE, padded_hd + 8);
+fn tc_smem_bytes(padded_hd: usize, bk: usize) -> usize {
+    // Q, K and V tiles of whole (swizzled) rows; the P tile's rows padded by 8.
+    let (bq, ld) = (tc_query_tile(padded_hd), padded_hd);
     2 * (bq * ld + 2 * bk * ld + bq * (bk + 8)) + 4 * 8 * 16
 }
 
@@ -134,6 +142,8 @@ pub struct AttentionCuda {
     short_kernels: [(usize, CudaFunction); 3],
     /// bf16 tensor-core kernels, by padded head size.
     tc_kernels: [(usize, CudaFunction); 4],
+    /// Their key tile (shared memory and kernel name depend on it).
+    tc_key_tile: usize,
     /// Their K and V operands: bf16, packed, padded heads (`tern_attention_tc_pack_kv`).
     tc_pack_kv: CudaFunction,
 }
@@ -153,15 +163,16 @@ impl AttentionCuda {
         let kernels = [load(1)?, load(2)?, load(4)?];
         let short = |chunks: usize| -> Result<(usize, CudaFunction)> { Ok((128 * chunks, gpu.function(&SOURCE, &format!("tern_attention_short_hd{chunks}"))?)) };
         let short_kernels = [short(1)?, short(2)?, short(4)?];
+        let tc_key_tile = tc_key_tile();
         let load_tc = |hd: usize| -> Result<(usize, CudaFunction)> {
-            let f = gpu.function(&SOURCE_TC, &format!("tern_attention_tc_hd{hd}"))?;
-            f.set_attribute(MAX_DYN_SMEM, tc_smem_bytes(hd) as i32)
+            let f = gpu.function(&SOURCE_TC, &format!("tern_attention_tc_hd{hd}_bk{tc_key_tile}"))?;
+            f.set_attribute(MAX_DYN_SMEM, tc_smem_bytes(hd, tc_key_tile) as i32)
                 .map_err(driver_err("allowing the tensor-core attention kernel's shared memory"))?;
             Ok((hd, f))
         };
         let tc_kernels = [load_tc(TC_HEAD_DIMS[0])?, load_tc(TC_HEAD_DIMS[1])?, load_tc(TC_HEAD_DIMS[2])?, load_tc(TC_HEAD_DIMS[3])?];
         let tc_pack_kv = gpu.function(&SOURCE_TC, "tern_attention_tc_pack_kv")?;
-        Ok(AttentionCuda { gpu, kernels, short_kernels, tc_kernels, tc_pack_kv })
+        Ok(AttentionCuda { gpu, kernels, short_kernels, tc_kernels, tc_key_tile, tc_pack_kv })
     }
 
     /// out[t] = softmax(scale · q_h(t)·K_gᵀ)·V_g within each sequence, over the keys with
@@ -325,8 +336,8 @@ impl AttentionCuda {
         let mut l = g.launch_builder(f);
         l.arg(&qp).arg(&qo).arg(&ql).arg(&kbp).arg(&vbp).arg(&kvh);
         l.arg(&op).arg(&out_ld).arg(&o16p).arg(&ss).arg(&sl).arg(&ts).arg(&tq).arg(&group).arg(&hd_i).arg(&scale).arg(&window);
-        let cfg = tiles.grid(q_heads, tc_smem_bytes(padded))?;
-        // SAFETY: argument types match tern_attention_tc_hd{padded}; q holds the batch's rows
+        let cfg = tiles.grid(q_heads, tc_smem_bytes(padded, self.tc_key_tile))?;
+        // SAFETY: argument types match tern_attention_tc_hd{padded}_bk*; q holds the batch's rows
         // (checked, 16-byte offsets and strides), kb and vb the packed rows; the tiles are
         // tc_query_tile(padded) queries and index the segments.
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_attention_tc"))?;

@@ -34,7 +34,7 @@ impl PoolCuda {
         let (hp, sp, lp, op) = (g.ptr(h), g.ptr(&batch.seg_start), g.ptr(&batch.seg_len), g.ptr(out));
         let mut l = g.launch_builder(&self.mean);
         l.arg(&hp).arg(&dw).arg(&sp).arg(&lp).arg(&op);
-        let cfg = LaunchConfig { grid_dim: (grid_for(d, 128)?, seqs, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: (grid_for(d, 32)?, seqs, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match; segments lie inside h's rows (made by the batch).
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_mean_pool"))?;
         Ok(())
