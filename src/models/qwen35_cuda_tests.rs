@@ -337,7 +337,8 @@ fn cuda_moe_sort_slots_matches_the_host_sort() {
     let gpu = gpu();
     let moe = MoeCuda::new(gpu.clone()).unwrap();
     let mut rng = rng("cuda_moe_sort_slots_matches_the_host_sort");
-    for &(rows, k, ne, crowded) in &[(1usize, 1usize, 1usize, false), (9, 2, 8, false), (33, 4, 16, true), (128, 8, 256, false), (300, 8, 64, true), (1000, 8, 1024, false), (17, 3, 5, true)] {
+    for &(rows, k, ne, crowded) in &[(1usize, 1usize, 1usize, false), (9, 2, 8, false), (33, 4, 16, true), (128, 8, 256, false), (300, 8, 64, true), (1000, 8, 1024, false), (17, 3, 5, true), (2500, 8, 256, false), (2731, 3, 128, true)] {
+        // The last two pass the kernel's 8192 ids staged at a time: 20 000 slots, and 8 193.
         // Each row's k distinct experts in ascending order, as the routing writes them; crowded
         // routings draw from the first k + 1 experts only.
         let pool = if crowded { (k + 1).min(ne) } else { ne };

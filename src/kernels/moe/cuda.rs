@@ -5,8 +5,9 @@
 //!   expert's rows, one launch a product ([`crate::kernels::matmul::cuda::Blas::tiles`]), else
 //!   each expert's products run once over its slice of the gathered rows
 //!   ([`crate::kernels::matmul::cuda::Blas::grouped_linear`]); [`MoeCuda::combine`] reads
-//!   each slot's output back by its sorted position; opted in (TERN_MOE_DEVICE_SORT=1), the
-//!   slots are sorted and their tiles made on the device instead ([`MoeCuda::sort_slots`],
+//!   each slot's output back by its sorted position; for steps of few rows (a decode round of
+//!   many sequences; TERN_MOE_DEVICE_SORT=1 for all) the slots are sorted and their tiles made
+//!   on the device instead ([`MoeCuda::sort_slots`],
 //!   [`crate::kernels::matmul::cuda::Blas::tiles_counted`], [`MoeCuda::combine_sorted`]), so
 //!   that nothing returns to the host;
 //! - a few rows (a decode step): the products read each slot's expert from the ids on the
