@@ -30,14 +30,8 @@ pub const MAX_HEAD_DIM: usize = 512;
 const TC_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
 /// Its query tiles: 8 warps of 16 rows, pairs of warps per row group when hd is 512.
 const TC_QUERY_TILES: [usize; 2] = [128, 64];
-/// Its key tiles: 64 keys, or 32 under TERN_ATT_TC_BK=32 (the earlier tile, kept to measure
-/// against).
-fn tc_key_tile() -> usize {
-    match std::env::var("TERN_ATT_TC_BK").as_deref() {
-        Ok("32") => 32,
-        _ => 64,
-    }
-}
+/// Its key tile (the kernels' BK: their names end in `_bk64`).
+const TC_KEY_TILE: usize = 64;
 /// Batches of at most this many rows (a short query) take the f32 kernel even in the fast
 /// mode: one launch instead of two (the K/V packing and the tensor-core kernel) for a product
 /// of at most one key tile per query tile.
@@ -51,9 +45,9 @@ fn tc_query_tile(padded_hd: usize) -> usize {
     }
 }
 
-fn tc_smem_bytes(padded_hd: usize, bk: usize) -> usize {
+fn tc_smem_bytes(padded_hd: usize) -> usize {
     // Q, K and V tiles of whole (swizzled) rows; the P tile's rows padded by 8.
-    let (bq, ld) = (tc_query_tile(padded_hd), padded_hd);
+    let (bq, bk, ld) = (tc_query_tile(padded_hd), TC_KEY_TILE, padded_hd);
     2 * (bq * ld + 2 * bk * ld + bq * (bk + 8)) + 4 * 8 * 16
 }
 
@@ -142,8 +136,6 @@ pub struct AttentionCuda {
     short_kernels: [(usize, CudaFunction); 3],
     /// bf16 tensor-core kernels, by padded head size.
     tc_kernels: [(usize, CudaFunction); 4],
-    /// Their key tile (shared memory and kernel name depend on it).
-    tc_key_tile: usize,
     /// Their K and V operands: bf16, packed, padded heads (`tern_attention_tc_pack_kv`).
     tc_pack_kv: CudaFunction,
 }
@@ -163,16 +155,15 @@ impl AttentionCuda {
         let kernels = [load(1)?, load(2)?, load(4)?];
         let short = |chunks: usize| -> Result<(usize, CudaFunction)> { Ok((128 * chunks, gpu.function(&SOURCE, &format!("tern_attention_short_hd{chunks}"))?)) };
         let short_kernels = [short(1)?, short(2)?, short(4)?];
-        let tc_key_tile = tc_key_tile();
         let load_tc = |hd: usize| -> Result<(usize, CudaFunction)> {
-            let f = gpu.function(&SOURCE_TC, &format!("tern_attention_tc_hd{hd}_bk{tc_key_tile}"))?;
-            f.set_attribute(MAX_DYN_SMEM, tc_smem_bytes(hd, tc_key_tile) as i32)
+            let f = gpu.function(&SOURCE_TC, &format!("tern_attention_tc_hd{hd}_bk{TC_KEY_TILE}"))?;
+            f.set_attribute(MAX_DYN_SMEM, tc_smem_bytes(hd) as i32)
                 .map_err(driver_err("allowing the tensor-core attention kernel's shared memory"))?;
             Ok((hd, f))
         };
         let tc_kernels = [load_tc(TC_HEAD_DIMS[0])?, load_tc(TC_HEAD_DIMS[1])?, load_tc(TC_HEAD_DIMS[2])?, load_tc(TC_HEAD_DIMS[3])?];
         let tc_pack_kv = gpu.function(&SOURCE_TC, "tern_attention_tc_pack_kv")?;
-        Ok(AttentionCuda { gpu, kernels, short_kernels, tc_kernels, tc_key_tile, tc_pack_kv })
+        Ok(AttentionCuda { gpu, kernels, short_kernels, tc_kernels, tc_pack_kv })
     }
 
     /// out[t] = softmax(scale · q_h(t)·K_gᵀ)·V_g within each sequence, over the keys with
@@ -336,7 +327,7 @@ impl AttentionCuda {
         let mut l = g.launch_builder(f);
         l.arg(&qp).arg(&qo).arg(&ql).arg(&kbp).arg(&vbp).arg(&kvh);
         l.arg(&op).arg(&out_ld).arg(&o16p).arg(&ss).arg(&sl).arg(&ts).arg(&tq).arg(&group).arg(&hd_i).arg(&scale).arg(&window);
-        let cfg = tiles.grid(q_heads, tc_smem_bytes(padded, self.tc_key_tile))?;
+        let cfg = tiles.grid(q_heads, tc_smem_bytes(padded))?;
         // SAFETY: argument types match tern_attention_tc_hd{padded}_bk*; q holds the batch's rows
         // (checked, 16-byte offsets and strides), kb and vb the packed rows; the tiles are
         // tc_query_tile(padded) queries and index the segments.
@@ -727,5 +718,18 @@ mod tests {
         assert_eq!(kv_splits(512, 16, 256), KV_SPLITS);
         // A continued prompt of thousands of rows runs unsplit.
         assert_eq!(kv_splits(4096, 8, 256), 1);
+    }
+
+    /// The launcher asks for tern_attention_tc_hd{HD}_bk{TC_KEY_TILE} and sizes its shared
+    /// memory for that tile: the source must instantiate exactly those, and every size must
+    /// fit the H200's 227 KB a block.
+    #[test]
+    fn tensor_core_entries_match_the_launcher() {
+        let code = include_str!("attention_tc.cu");
+        for hd in TC_HEAD_DIMS {
+            assert!(code.contains(&format!("\nTERN_ATTENTION_TC_ENTRY({hd}, {TC_KEY_TILE})\n")), "hd {hd}");
+            assert!(tc_smem_bytes(hd) <= 227 * 1024, "hd {hd}: {} bytes", tc_smem_bytes(hd));
+        }
+        assert_eq!(code.matches("\nTERN_ATTENTION_TC_ENTRY(").count(), TC_HEAD_DIMS.len());
     }
 }
