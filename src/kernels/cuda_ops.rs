@@ -237,8 +237,8 @@ pub struct CudaOps {
     /// Whether a MoE step of more rows than a decode step routes slot by slot sorts its slots
     /// on the device where the tiles serve ([`MoeCuda::sort_slots`]), so that nothing returns
     /// to the host and a decode round of many sequences can be recorded as a graph: `None`
-    /// (the default) for steps of at most [`MOE_DEVICE_SORT_MAX_ROWS`] rows, else always
-    /// (TERN_MOE_DEVICE_SORT=1) or never (=0).
+    /// (the default, and any other value of TERN_MOE_DEVICE_SORT) for steps of at most
+    /// [`MOE_DEVICE_SORT_MAX_ROWS`] rows, else always (TERN_MOE_DEVICE_SORT=1) or never (=0).
     moe_device_sort: Option<bool>,
     /// cuBLAS handles are not thread-safe and forward passes share the stream: one at a time.
     exclusive: Mutex<()>,
@@ -334,7 +334,11 @@ impl CudaOps {
             precision,
             weight_bytes: AtomicUsize::new(0),
             moe_fused_residual: std::env::var("TERN_MOE_FUSED_RESIDUAL").map_or(true, |v| v != "0"),
-            moe_device_sort: std::env::var("TERN_MOE_DEVICE_SORT").ok().map(|v| v == "1"),
+            moe_device_sort: match std::env::var("TERN_MOE_DEVICE_SORT").as_deref() {
+                Ok("1") => Some(true),
+                Ok("0") => Some(false),
+                _ => None,
+            },
             moe_tile_rows: std::env::var("TERN_MOE_TILE_ROWS").ok().and_then(|v| v.parse().ok()),
             exclusive: Mutex::new(()),
             graphs: Mutex::new(HashMap::new()),

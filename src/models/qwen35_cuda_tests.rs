@@ -76,15 +76,18 @@ fn cuda_llm_ops_match_cpu() {
     }
 
     // KV attention: two calls per sequence (a prefill, then new rows after it), GQA and not,
-    // several head sizes; the q | gate | k | v rows as views of one fused projection.
-    for &(qh, kvh, hd) in &[(8usize, 2usize, 256usize), (4, 4, 64), (2, 1, 128), (6, 3, 32)] {
+    // several head sizes (512: the tensor-core kernel's warp pairs under the causal mask); the
+    // q | gate | k | v rows as views of one fused projection. The 270-row prefill spans several
+    // query and key tiles, so the causal mask meets tiles a warp sees whole and tiles it sees
+    // in part.
+    for &(qh, kvh, hd) in &[(8usize, 2usize, 256usize), (4, 4, 64), (2, 1, 128), (6, 3, 32), (2, 1, 512)] {
         let shape = AttentionShape { q_heads: qh, kv_heads: kvh, hd, scale: (hd as f32).powf(-0.5), max_distance: None };
         let (qw, kw) = (qh * hd, kvh * hd);
         let stride = 2 * qw + 2 * kw;
         let mut cpu_caches: Vec<_> = (0..3).map(|_| cpu.kv_cache(kw).unwrap()).collect();
         let mut gpu_caches: Vec<_> = (0..3).map(|_| ops.kv_cache(kw).unwrap()).collect();
         let mut past = vec![0usize; 3];
-        for lens in [[3usize, 70, 1], [1, 5, 300]] {
+        for lens in [[3usize, 270, 1], [1, 5, 300]] {
             let segs = pack(lens);
             let n: usize = lens.iter().sum();
             let y = rng.vec(n * stride, -1.5, 1.5);

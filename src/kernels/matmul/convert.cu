@@ -2,7 +2,7 @@
 // bias add after a GEMM. CPU twins: half::bf16::from_f32 and the row add in matmul/mod.rs.
 
 // Eight values a step: two 16-byte loads and one 16-byte store (one 2-byte store a value ran at
-// under half the copy rate); the launcher passes whole allocations, so both ends are 16-byte
+// under half the copy rate); the launcher passes whole allocations, so x and y start 16-byte
 // aligned. The last n % 8 values one a thread.
 extern "C" __global__ void tern_to_bf16(const float* __restrict__ x, size_t n, tern_bf16* __restrict__ y) {
     tern_await_prior_kernel();

@@ -458,8 +458,10 @@ impl Blas {
         let (xp, yp, n) = (g.ptr(x), g.ptr(y), x.len() as u64);
         let mut l = g.launch_builder(&self.to_bf16);
         l.arg(&xp).arg(&n).arg(&yp);
-        let cfg = LaunchConfig { grid_dim: (grid_for(x.len(), 256)?.min(65_535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: argument types match; both buffers hold n elements.
+        // Eight values a thread (the kernel's step).
+        let cfg = LaunchConfig { grid_dim: (grid_for(x.len().div_ceil(8), 256)?.min(65_535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match; both buffers hold n elements and are whole allocations
+        // (16-byte aligned, as the kernel's vector accesses need).
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_to_bf16"))?;
         Ok(())
     }

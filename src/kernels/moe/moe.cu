@@ -185,7 +185,12 @@ extern "C" __global__ void __launch_bounds__(TERN_MOE_SORT_THREADS)
     const int e = threadIdx.x;
     counts[e] = 0;
     __syncthreads();
-    for (int s = e; s < slots; s += TERN_MOE_SORT_THREADS) atomicAdd(&counts[ids[s]], 1);
+    // An id outside [0, ne) (none comes from tern_moe_route) is counted nowhere, as the walk
+    // places it nowhere, rather than written past the counts.
+    for (int s = e; s < slots; s += TERN_MOE_SORT_THREADS) {
+        const int id = ids[s];
+        if ((unsigned)id < (unsigned)ne) atomicAdd(&counts[id], 1);
+    }
     __syncthreads();
     const int count = e < ne ? counts[e] : 0;
     const int my_tiles = (count + TERN_MOE_TILE_ROWS - 1) / TERN_MOE_TILE_ROWS;
