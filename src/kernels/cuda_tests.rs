@@ -42,7 +42,8 @@ const FAST_COSINE: f64 = 0.99;
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_norms_match_cpu() {
     let gpu = gpu();
-    let k = NormCuda::new(gpu.clone()).unwrap();
+    let k = NormCuda::new(gpu.clone()).unwrap().with_regs(false);
+    let k_regs = NormCuda::new(gpu.clone()).unwrap().with_regs(true);
     let mut rng = rng("cuda_norms_match_cpu");
     for &(rows, d) in &[(1usize, 32usize), (7, 768), (300, 1152), (5, 3072), (2, 100), (8, 1152), (9, 768)] {
         let x = rng.vec(rows * d, -3.0, 3.0);
@@ -72,9 +73,22 @@ fn cuda_norms_match_cpu() {
             k.add_norm(&mut h, &dy, &dw, post, d, 1e-6, Some((&dw2, NormOut { f32: Some(&mut a), bf16: None }))).unwrap();
             let eh = check("add_norm h", &gpu.download(&h).unwrap(), &h_cpu, BOUND);
             let ea = check("add_norm next", &gpu.download(&a).unwrap(), &a_cpu, BOUND);
+            // The register form (rows of at most 1024 here; wider ones take the loop form):
+            // the same bits, bf16 copy included.
+            let mut hr = gpu.upload(&x).unwrap();
+            let (mut ar, mut ar16) = (nan(&gpu, x.len()), gpu.upload(&vec![0x7fc0u16; x.len()]).unwrap());
+            k_regs.add_norm(&mut hr, &dy, &dw, post, d, 1e-6, Some((&dw2, NormOut { f32: Some(&mut ar), bf16: Some(&mut ar16) }))).unwrap();
+            assert_eq!(gpu.download(&hr).unwrap(), gpu.download(&h).unwrap(), "add_norm h, register form, {rows}x{d}");
+            let ar = gpu.download(&ar).unwrap();
+            assert_eq!(ar, gpu.download(&a).unwrap(), "add_norm next, register form, {rows}x{d}");
+            let want16: Vec<u16> = ar.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            assert_eq!(gpu.download(&ar16).unwrap(), want16, "add_norm next's bf16 copy, register form");
             let mut h = gpu.upload(&x).unwrap();
             k.add_norm(&mut h, &dy, &dw, post, d, 1e-6, None).unwrap();
             check("add_norm alone", &gpu.download(&h).unwrap(), &h_alone, BOUND);
+            let mut hr = gpu.upload(&x).unwrap();
+            k_regs.add_norm(&mut hr, &dy, &dw, post, d, 1e-6, None).unwrap();
+            assert_eq!(gpu.download(&hr).unwrap(), gpu.download(&h).unwrap(), "add_norm alone, register form, {rows}x{d}");
             eprintln!("add_norm {rows}x{d} post={post}: h {eh:.2e}, next {ea:.2e}");
         }
     }
@@ -111,13 +125,17 @@ fn cuda_gelu_matches_cpu_on_strided_views() {
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_head_prep_matches_cpu() {
     let gpu = gpu();
-    let k = RopeCuda::new(gpu.clone()).unwrap();
+    let k = RopeCuda::new(gpu.clone()).unwrap().with_regs(false);
+    let k_regs = RopeCuda::new(gpu.clone()).unwrap().with_regs(true);
     let mut rng = rng("cuda_head_prep_matches_cpu");
-    for &(heads, hd, lengths) in &[(3usize, 256usize, &[5usize, 70, 1][..]), (1, 512, &[300][..]), (4, 16, &[2, 9][..]), (8, 64, &[40][..])] {
+    // (heads, hd, rotated channels, sequence lengths): full and partial (Qwen3.5's 64 of 256) RoPE.
+    for &(heads, hd, rot, lengths) in
+        &[(3usize, 256usize, 256usize, &[5usize, 70, 1][..]), (1, 512, 512, &[300][..]), (4, 16, 16, &[2, 9][..]), (8, 64, 64, &[40][..]), (2, 256, 64, &[7, 33][..])]
+    {
         let segs = pack(lengths.iter().copied());
         let rows: usize = lengths.iter().sum();
         let positions: Vec<u32> = segs.iter().flat_map(|s| 0..s.len as u32).collect();
-        let table = RopeTable::new(10_000.0, hd, 512);
+        let table = RopeTable::new(10_000.0, rot, 512);
         let rope = GpuRope::new(&gpu, &table).unwrap();
         let w = rng.vec(hd, 0.5, 1.5);
         let dw = gpu.upload(&w).unwrap();
@@ -150,7 +168,12 @@ fn cuda_head_prep_matches_cpu() {
             }
             let mut x = gpu.upload(&buf).unwrap();
             k.head_prep(&mut x, ld, rows, &dpos, max_pos, &sections).unwrap();
-            let e = check("head_prep", &gpu.download(&x).unwrap(), &want, BOUND);
+            let got = gpu.download(&x).unwrap();
+            let e = check("head_prep", &got, &want, BOUND);
+            // The register form: the same bits, columns outside the sections untouched.
+            let mut xr = gpu.upload(&buf).unwrap();
+            k_regs.head_prep(&mut xr, ld, rows, &dpos, max_pos, &sections).unwrap();
+            assert_eq!(gpu.download(&xr).unwrap(), got, "head_prep {heads}x{hd} sections {run:?}, register form");
             eprintln!("head_prep {heads}x{hd} rows {rows} sections {run:?}: {e:.2e}");
         }
     }

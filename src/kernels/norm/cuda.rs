@@ -46,7 +46,20 @@ pub struct NormCuda {
     gpu: Arc<Gpu>,
     rms: CudaFunction,
     add: CudaFunction,
+    /// `tern_add_norm_regs`: the row in registers, for rows of at most
+    /// [`NORM_SLOTS`] · [`row_block`] values, when `regs` is on (TERN_NORM_REGS=1).
+    add_regs: CudaFunction,
+    regs: bool,
     residual: CudaFunction,
+}
+
+/// Values a thread holds in `tern_add_norm_regs` (TERN_NORM_SLOTS in norm.cu).
+const NORM_SLOTS: usize = 4;
+
+/// Whether TERN_NORM_REGS=1 asks for the kernels that hold a row (a norm's, a head's) in
+/// registers: opt-in until they are timed against the forms that re-read it.
+pub(crate) fn regs_from_env() -> bool {
+    std::env::var("TERN_NORM_REGS").is_ok_and(|v| v == "1")
 }
 
 impl NormCuda {
@@ -54,9 +67,19 @@ impl NormCuda {
         Ok(NormCuda {
             rms: gpu.function(&SOURCE, "tern_rms_norm")?,
             add: gpu.function(&SOURCE, "tern_add_norm")?,
+            add_regs: gpu.function(&SOURCE, "tern_add_norm_regs")?,
+            regs: regs_from_env(),
             residual: gpu.function(&SOURCE, "tern_residual_norm")?,
             gpu,
         })
+    }
+
+    /// This handle with the register forms on or off, whatever TERN_NORM_REGS says: the device
+    /// test runs both.
+    #[cfg(test)]
+    pub(crate) fn with_regs(mut self, on: bool) -> Self {
+        self.regs = on;
+        self
     }
 
     /// y = rms(pre·x)·w per row of `d`. CPU twin: [`super::rms_norm`].
@@ -111,10 +134,13 @@ impl NormCuda {
             None => (0, 0, 0),
         };
         let (hp, yp, wp) = (g.ptr(h), g.ptr(y), g.ptr(w));
-        let mut l = g.launch_builder(&self.add);
+        let in_regs = self.regs && d <= NORM_SLOTS * row_block(d) as usize;
+        // Both kernels take the same arguments.
+        let mut l = g.launch_builder(if in_regs { &self.add_regs } else { &self.add });
         l.arg(&hp).arg(&yp).arg(&wp).arg(&post).arg(&eps).arg(&dw).arg(&w2p).arg(&ap).arg(&a16p);
         let cfg = LaunchConfig { grid_dim: (rows32, 1, 1), block_dim: (row_block(d), 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: argument types match tern_add_norm; all buffers hold rows × d (checked).
+        // SAFETY: argument types match tern_add_norm(_regs); all buffers hold rows × d
+        // (checked); the regs form covers the row (d <= NORM_SLOTS · block).
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_add_norm"))?;
         Ok(())
     }
@@ -137,5 +163,20 @@ impl NormCuda {
         // SAFETY: argument types match tern_residual_norm; all buffers hold rows × d (checked).
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_residual_norm"))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The register form's slots are written in norm.cu as a number; rows up to 1024 (the
+    /// encoders' widths) fit it.
+    #[test]
+    fn register_form_slots_match_the_launcher() {
+        assert!(include_str!("norm.cu").contains(&format!("#define TERN_NORM_SLOTS {NORM_SLOTS}\n")));
+        for d in [32usize, 100, 512, 768, 1024] {
+            assert!(d <= NORM_SLOTS * row_block(d) as usize, "{d}");
+        }
     }
 }

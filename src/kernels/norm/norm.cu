@@ -5,14 +5,19 @@
 // Every output may also be written as bf16 (`y16`, nullable): the fast mode's GEMMs read it,
 // which saves a conversion pass over each normalised activation.
 
+// The inverse RMS from each thread's partial sum of squares.
+__device__ __forceinline__ float tern_rms_finish(double ss, int d, float eps, double* scratch) {
+    ss = tern_block_sum_d(ss, scratch);
+    return (float)(1.0 / sqrt(ss / (double)d + (double)eps));
+}
+
 __device__ __forceinline__ float tern_inv_rms(const float* x, int d, float pre, float eps, double* scratch) {
     double ss = 0.0;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         const double v = (double)(x[i] * pre);
         ss += v * v;
     }
-    ss = tern_block_sum_d(ss, scratch);
-    return (float)(1.0 / sqrt(ss / (double)d + (double)eps));
+    return tern_rms_finish(ss, d, eps, scratch);
 }
 
 // y[r] = rms(pre·x[r])·w (w nullable: no weight).
@@ -68,4 +73,62 @@ extern "C" __global__ void tern_residual_norm(float* __restrict__ x, const float
         if (a) a[off + i] = v;
         if (a16) a16[off + i] = tern_bf16_from_f32(v);
     }
+}
+
+// tern_add_norm with the row held in registers (opt-in: TERN_NORM_REGS=1, until timed): for
+// rows of at most TERN_NORM_SLOTS · blockDim.x values every operand (y, h, w, w2) is loaded
+// before the first sum, so a row waits for memory once rather than once per pass (above: y,
+// then h and w after the first sum, then h again and w2 after the second). Same products and
+// sums in the same order as tern_add_norm: the same bits. A short query's sandwich-norm steps
+// are launches of 8 blocks whose time is those waits (ncu, eg2, H200: 5.5 µs each, 72 a query).
+#define TERN_NORM_SLOTS 4
+extern "C" __global__ void tern_add_norm_regs(float* __restrict__ h, const float* __restrict__ y, const float* __restrict__ w,
+                                              float post, float eps, int d, const float* __restrict__ w2,
+                                              float* __restrict__ a, tern_bf16* __restrict__ a16) {
+    tern_await_prior_kernel();
+    __shared__ double scratch[32];
+    const size_t off = (size_t)blockIdx.x * d;
+    const int t = threadIdx.x, nt = blockDim.x;
+    float yv[TERN_NORM_SLOTS], hv[TERN_NORM_SLOTS], wv[TERN_NORM_SLOTS], w2v[TERN_NORM_SLOTS];
+#pragma unroll
+    for (int j = 0; j < TERN_NORM_SLOTS; ++j) {
+        const int i = t + j * nt;
+        const bool in = i < d;
+        yv[j] = in ? y[off + i] : 0.f;
+        hv[j] = in ? h[off + i] : 0.f;
+        wv[j] = in ? w[i] : 0.f;
+        w2v[j] = in && w2 ? w2[i] : 0.f;
+    }
+    double ss = 0.0;
+#pragma unroll
+    for (int j = 0; j < TERN_NORM_SLOTS; ++j)
+        if (t + j * nt < d) {
+            const double v = (double)(yv[j] * 1.0f);
+            ss += v * v;
+        }
+    const float inv = tern_rms_finish(ss, d, eps, scratch);
+#pragma unroll
+    for (int j = 0; j < TERN_NORM_SLOTS; ++j)
+        if (t + j * nt < d) {
+            float v = hv[j] + (yv[j] * inv) * wv[j];
+            if (post != 1.0f) v *= post;
+            hv[j] = v;
+            h[off + t + j * nt] = v;
+        }
+    if (!w2) return;
+    double ss2 = 0.0;
+#pragma unroll
+    for (int j = 0; j < TERN_NORM_SLOTS; ++j)
+        if (t + j * nt < d) {
+            const double v = (double)(hv[j] * 1.0f);
+            ss2 += v * v;
+        }
+    const float inv2 = tern_rms_finish(ss2, d, eps, scratch);
+#pragma unroll
+    for (int j = 0; j < TERN_NORM_SLOTS; ++j)
+        if (t + j * nt < d) {
+            const float v = (hv[j] * inv2) * w2v[j];
+            if (a) a[off + t + j * nt] = v;
+            if (a16) a16[off + t + j * nt] = tern_bf16_from_f32(v);
+        }
 }

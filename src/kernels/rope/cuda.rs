@@ -37,9 +37,16 @@ pub struct GpuHeadPrep<'a> {
 pub struct RopeCuda {
     gpu: Arc<Gpu>,
     prep: CudaFunction,
+    /// `tern_head_prep_regs`: each head in registers (heads of at most [`PREP_REGS_MAX_HD`]),
+    /// when `regs` is on (TERN_NORM_REGS=1).
+    prep_regs: CudaFunction,
+    regs: bool,
 }
 
+/// Warps a block (TERN_PREP_WARPS in rope.cu: the register form's shared rows are per warp).
 const WARPS: u32 = 4;
+/// Channels a head may have for the register form (32 · TERN_PREP_SLOTS in rope.cu).
+const PREP_REGS_MAX_HD: usize = 512;
 /// Sections one launch prepares (TERN_HEAD_SECTIONS in rope.cu).
 pub const HEAD_SECTIONS: usize = 3;
 
@@ -63,7 +70,20 @@ unsafe impl DeviceRepr for HeadSections {}
 
 impl RopeCuda {
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
-        Ok(RopeCuda { prep: gpu.function(&SOURCE, "tern_head_prep")?, gpu })
+        Ok(RopeCuda {
+            prep: gpu.function(&SOURCE, "tern_head_prep")?,
+            prep_regs: gpu.function(&SOURCE, "tern_head_prep_regs")?,
+            regs: crate::kernels::norm::cuda::regs_from_env(),
+            gpu,
+        })
+    }
+
+    /// This handle with the register form on or off, whatever TERN_NORM_REGS says: the device
+    /// test runs both.
+    #[cfg(test)]
+    pub(crate) fn with_regs(mut self, on: bool) -> Self {
+        self.regs = on;
+        self
     }
 
     /// In place on `rows` rows of `x` (row stride `stride`): each section `(offset, prep)`
@@ -110,13 +130,31 @@ impl RopeCuda {
             }
             let (r, heads, ld) = (int_arg("head_prep rows", rows)?, int_arg("heads", total)?, long_arg(stride));
             let (xp, pp) = (g.ptr(x), g.ptr(positions));
-            let mut l = g.launch_builder(&self.prep);
+            let in_regs = self.regs && group.iter().all(|(_, prep)| prep.hd <= PREP_REGS_MAX_HD);
+            // Both kernels take the same arguments.
+            let mut l = g.launch_builder(if in_regs { &self.prep_regs } else { &self.prep });
             l.arg(&xp).arg(&ld).arg(&r).arg(&heads).arg(&s).arg(&pp);
             let cfg = LaunchConfig { grid_dim: (grid_for(rows * total, WARPS)?, 1, 1), block_dim: (32 * WARPS, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: argument types match tern_head_prep; every section's view holds its heads
-            // (checked) and positions index inside each table (checked against the maximum).
+            // SAFETY: argument types match tern_head_prep(_regs); every section's view holds its
+            // heads (checked) and positions index inside each table (checked against the
+            // maximum); the register form's heads fit its slots and its blocks are WARPS warps.
             unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_head_prep"))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The register form's limits are written in rope.cu as numbers: they must be the
+    /// launcher's block and head bounds.
+    #[test]
+    fn register_form_constants_match_the_launcher() {
+        let code = include_str!("rope.cu");
+        assert!(code.contains(&format!("#define TERN_PREP_WARPS {WARPS}\n")));
+        assert!(code.contains(&format!("#define TERN_PREP_SLOTS {}\n", PREP_REGS_MAX_HD / 32)));
+        assert_eq!(PREP_REGS_MAX_HD, crate::kernels::attention::cuda::MAX_HEAD_DIM);
     }
 }
