@@ -608,9 +608,12 @@ fn cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows() {
     use crate::kernels::matmul::cuda::GemvOutput;
     let gpu = gpu();
     let mut rng = rng("cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows");
-    let blas = Blas::new(gpu.clone(), true).unwrap();
+    let blas = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_ahead(false);
+    // The four-steps-ahead form: the same bits for plain, gated and Q8_0 products. Rows of
+    // 1792 and 2048 weights take it 4 + 2 + 1 and 4 + 4 steps a warp.
+    let ahead = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_ahead(true).with_gemv_mma_q8(true);
     let round = |v: &[f32]| -> Vec<f32> { v.iter().map(|&a| half::bf16::from_f32(a).to_f32()).collect() };
-    for &(out_f, in_f) in &[(1280usize, 768usize), (100, 64), (48, 1152), (34, 96)] {
+    for &(out_f, in_f) in &[(1280usize, 768usize), (100, 64), (48, 1152), (34, 96), (64, 2048), (40, 1792)] {
         let bits: Vec<u16> = rng.vec(out_f * in_f, -0.1, 0.1).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
         let sw = Weights::Bf16(&bits);
         let m = blas.matrix(&sw, out_f, in_f).unwrap();
@@ -623,6 +626,9 @@ fn cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows() {
         };
         let all = run(8);
         let e = check(&format!("mma gemv {out_f}x{in_f}"), &all, &want, BOUND);
+        let mut y = nan(&gpu, 8 * out_f);
+        ahead.linear(&gpu.upload(&x).unwrap(), 8, &m, &mut y).unwrap();
+        assert_eq!(gpu.download(&y).unwrap(), all, "mma gemv {out_f}x{in_f}, four steps ahead");
         for rows in [2usize, 5] {
             assert_eq!(run(rows), all[..rows * out_f], "mma gemv {out_f}x{in_f}: {rows} rows vs the same rows among 8");
         }
@@ -636,7 +642,11 @@ fn cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows() {
             let want_g = if i == 0 { silu_mul_views(views.0, views.1, 6, h) } else { gelu_tanh_mul_views(views.0, views.1, 6, h) }.unwrap();
             let mut y = nan(&gpu, 6 * h);
             blas.glu(&dx, 6, &m, output, &mut y, |_, _| unreachable!("6 rows take the GEMV")).unwrap();
-            eg[i] = check(&format!("mma glu {output:?} {out_f}x{in_f}"), &gpu.download(&y).unwrap(), &want_g, BOUND);
+            let got = gpu.download(&y).unwrap();
+            eg[i] = check(&format!("mma glu {output:?} {out_f}x{in_f}"), &got, &want_g, BOUND);
+            let mut y = nan(&gpu, 6 * h);
+            ahead.glu(&dx, 6, &m, output, &mut y, |_, _| unreachable!("6 rows take the GEMV")).unwrap();
+            assert_eq!(gpu.download(&y).unwrap(), got, "mma glu {output:?} {out_f}x{in_f}, four steps ahead");
         }
         // Two parts of one launch reading the same x.
         let bits2: Vec<u16> = rng.vec(40 * in_f, -0.1, 0.1).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
@@ -658,7 +668,12 @@ fn cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows() {
         let want_q = super::matmul::linear(&round(&x), 8, &deq16, out_f, in_f).unwrap();
         let mut y = nan(&gpu, 8 * out_f);
         blas_q8.linear(&gpu.upload(&x).unwrap(), 8, &mq, &mut y).unwrap();
-        let eq = check(&format!("mma gemv q8_0 {out_f}x{in_f}"), &gpu.download(&y).unwrap(), &want_q, BOUND);
+        let got_q = gpu.download(&y).unwrap();
+        let eq = check(&format!("mma gemv q8_0 {out_f}x{in_f}"), &got_q, &want_q, BOUND);
+        let mqa = ahead.matrix(&Weights::Q8_0(&q8), out_f, in_f).unwrap();
+        let mut y = nan(&gpu, 8 * out_f);
+        ahead.linear(&gpu.upload(&x).unwrap(), 8, &mqa, &mut y).unwrap();
+        assert_eq!(gpu.download(&y).unwrap(), got_q, "mma gemv q8_0 {out_f}x{in_f}, four steps ahead");
         let mut et = Vec::new();
         for name in ["bf16", "q8_0"] {
             // Two experts' matrices as stored, and the bf16 values the tensor cores multiply.

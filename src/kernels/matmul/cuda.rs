@@ -305,6 +305,10 @@ pub struct Blas {
     gemv_mma_q8: bool,
     /// The tensor-core GEMV: [bf16, Q8_0 weights][plain, silu-gated, gelu-gated output].
     mma_kernels: [[CudaFunction; 3]; 2],
+    /// The same with four steps' loads in flight (`tern_gemv_mma_ahead_*`), taken when
+    /// `gemv_mma_ahead` is on (TERN_GEMV_MMA_AHEAD=1: opt-in until timed; the same bits).
+    mma_ahead_kernels: [[CudaFunction; 3]; 2],
+    gemv_mma_ahead: bool,
     /// The tensor-core GEMV over tiles of expert rows: [bf16, Q8_0 weights][plain, silu-gated].
     mma_tiles: [[CudaFunction; 2]; 2],
     /// The same over a tile list made on the device ([`Blas::tiles_counted`]).
@@ -364,6 +368,11 @@ impl Blas {
                 [f("tern_gemv_mma_bf16")?, f("tern_gemv_mma_silu_bf16")?, f("tern_gemv_mma_gelu_bf16")?],
                 [f("tern_gemv_mma_q8")?, f("tern_gemv_mma_silu_q8")?, f("tern_gemv_mma_gelu_q8")?],
             ],
+            mma_ahead_kernels: [
+                [f("tern_gemv_mma_ahead_bf16")?, f("tern_gemv_mma_ahead_silu_bf16")?, f("tern_gemv_mma_ahead_gelu_bf16")?],
+                [f("tern_gemv_mma_ahead_q8")?, f("tern_gemv_mma_ahead_silu_q8")?, f("tern_gemv_mma_ahead_gelu_q8")?],
+            ],
+            gemv_mma_ahead: std::env::var("TERN_GEMV_MMA_AHEAD").is_ok_and(|v| v == "1"),
             mma_tiles: [
                 [f("tern_gemv_mma_tiles_bf16")?, f("tern_gemv_mma_tiles_silu_bf16")?],
                 [f("tern_gemv_mma_tiles_q8")?, f("tern_gemv_mma_tiles_silu_q8")?],
@@ -903,6 +912,14 @@ impl Blas {
         }
     }
 
+    /// This handle with the tensor-core GEMV's four-steps-ahead form on or off, whatever
+    /// TERN_GEMV_MMA_AHEAD says: the device test runs both.
+    #[cfg(test)]
+    pub(crate) fn with_gemv_mma_ahead(mut self, on: bool) -> Self {
+        self.gemv_mma_ahead = on;
+        self
+    }
+
     /// This handle with Q8_0 weights on the tensor-core GEMV (`true`) or not: the device test
     /// runs it whatever TERN_GEMV_MMA_Q8 says.
     #[cfg(test)]
@@ -918,16 +935,17 @@ impl Blas {
         let blocks = self.gemv_parts(&mut p, output, parts, 16)?;
         // Every part has the first's weight type (the caller's check).
         let m = self.mma_kind(parts[0].0.kind()).ok_or_else(|| Error::Shape("gemv: weights the tensor-core GEMV does not take".into()))?;
+        let kernels = if self.gemv_mma_ahead { &self.mma_ahead_kernels } else { &self.mma_kernels };
         let kernel = match output {
-            GemvOutput::Silu => &self.mma_kernels[m][1],
-            GemvOutput::GeluTanh => &self.mma_kernels[m][2],
-            _ => &self.mma_kernels[m][0],
+            GemvOutput::Silu => &kernels[m][1],
+            GemvOutput::GeluTanh => &kernels[m][2],
+            _ => &kernels[m][0],
         };
         let xp = g.ptr(x);
         let mut l = g.launch_builder(kernel);
         l.arg(&p).arg(&xp).arg(&rows).arg(&inp);
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: argument types match tern_gemv_mma_*; each part's out × in weights of the
+        // SAFETY: argument types match tern_gemv_mma_* (both forms); each part's out × in weights of the
         // kernel's type (in % 32 == 0: whole chunks of 8-weight loads) and rows × features
         // outputs (lengths checked by the callers); x holds rows <= 8 rows of in values.
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_mma"))?;

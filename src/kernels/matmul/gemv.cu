@@ -454,9 +454,50 @@ __device__ __forceinline__ uint4 tern_weights_bf16x8(const TernWeightsQ8& w, siz
 // order differs. A row's result depends on its own x and the matrix only, never on the other
 // rows. in % 32 == 0 (checked by the host).
 //
+// U consecutive steps of a warp (chunks k, k + 256, ...): every step's weight and x loads
+// first, then the mma of each step in order, so U steps wait for memory once; the products are
+// added in the order of the one-step loop (the same bits).
+#define TERN_GEMV_MMA_KSTEP (32 * TERN_GEMV_WARPS)
+template <int U, int NT, typename W>
+__device__ __forceinline__ void tern_gemv_mma_steps(const W& w, const size_t (&wr)[NT][2], const float* __restrict__ xr, bool has_x,
+                                                    int k, float (&c)[NT][4]) {
+    uint4 a[U][NT][2];
+    float4 x0[U], x1[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) a[u][j][h] = tern_weights_bf16x8(w, wr[j][h] + k + u * TERN_GEMV_MMA_KSTEP);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        x0[u] = x1[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (has_x) {
+            x0[u] = *reinterpret_cast<const float4*>(xr + k + u * TERN_GEMV_MMA_KSTEP);
+            x1[u] = *reinterpret_cast<const float4*>(xr + k + u * TERN_GEMV_MMA_KSTEP + 4);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const tern_u32 b00 = tern_tc_pack(x0[u].x, x0[u].y), b01 = tern_tc_pack(x0[u].z, x0[u].w);
+        const tern_u32 b10 = tern_tc_pack(x1[u].x, x1[u].y), b11 = tern_tc_pack(x1[u].z, x1[u].w);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            tern_tc_mma(c[j], a[u][j][0].x, a[u][j][1].x, a[u][j][0].y, a[u][j][1].y, b00, b01);
+            tern_tc_mma(c[j], a[u][j][0].z, a[u][j][1].z, a[u][j][0].w, a[u][j][1].w, b10, b11);
+        }
+    }
+}
+
 // Features o0 .. o0 + 15 of w ([out][in], or gated [2·out][in]: gate rows, then up rows) for
 // rows r < rows <= 8 of x, written to y[r·out + o]; one block of TERN_GEMV_WARPS warps.
-template <int OMODE, typename W>
+// AHEAD (opt-in: TERN_GEMV_MMA_AHEAD=1, until timed): a warp's steps four at a time
+// (tern_gemv_mma_steps), then two, then one, where the loop below has two steps' loads in
+// flight; rows of 1024 to 2048 weights (an output or down projection: 4 to 8 steps a warp)
+// then wait for memory once or twice instead of two to four times. The same bits. Its kernels
+// are bounded to 2 blocks an SM (128 registers): with the default bound ptxas placed each
+// step's loads after the previous step's mma, one or two steps in flight (SASS, sm_90).
+template <int OMODE, typename W, bool AHEAD = false>
 __device__ __forceinline__ void tern_gemv_mma_block(const W& w, int out, int o0, const float* __restrict__ x,
                                                     int rows, int in, float* __restrict__ y) {
     constexpr bool GATED = OMODE == TERN_Y_SILU || OMODE == TERN_Y_GELU;
@@ -477,24 +518,34 @@ __device__ __forceinline__ void tern_gemv_mma_block(const W& w, int out, int o0,
     float c[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
-#pragma unroll 2
-    for (int k = 32 * warp + 8 * t; k < in; k += 32 * TERN_GEMV_WARPS) {
-        uint4 a[NT][2];
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) a[j][h] = tern_weights_bf16x8(w, wr[j][h] + k);
-        float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
-        if (has_x) {
-            x0 = *reinterpret_cast<const float4*>(xr + k);
-            x1 = *reinterpret_cast<const float4*>(xr + k + 4);
+    if constexpr (AHEAD) {
+        int k = 32 * warp + 8 * t;
+        for (; k + 3 * TERN_GEMV_MMA_KSTEP < in; k += 4 * TERN_GEMV_MMA_KSTEP) tern_gemv_mma_steps<4>(w, wr, xr, has_x, k, c);
+        if (k + TERN_GEMV_MMA_KSTEP < in) {
+            tern_gemv_mma_steps<2>(w, wr, xr, has_x, k, c);
+            k += 2 * TERN_GEMV_MMA_KSTEP;
         }
-        const tern_u32 b00 = tern_tc_pack(x0.x, x0.y), b01 = tern_tc_pack(x0.z, x0.w);
-        const tern_u32 b10 = tern_tc_pack(x1.x, x1.y), b11 = tern_tc_pack(x1.z, x1.w);
+        if (k < in) tern_gemv_mma_steps<1>(w, wr, xr, has_x, k, c);
+    } else {
+#pragma unroll 2
+        for (int k = 32 * warp + 8 * t; k < in; k += 32 * TERN_GEMV_WARPS) {
+            uint4 a[NT][2];
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            tern_tc_mma(c[j], a[j][0].x, a[j][1].x, a[j][0].y, a[j][1].y, b00, b01);
-            tern_tc_mma(c[j], a[j][0].z, a[j][1].z, a[j][0].w, a[j][1].w, b10, b11);
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) a[j][h] = tern_weights_bf16x8(w, wr[j][h] + k);
+            float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
+            if (has_x) {
+                x0 = *reinterpret_cast<const float4*>(xr + k);
+                x1 = *reinterpret_cast<const float4*>(xr + k + 4);
+            }
+            const tern_u32 b00 = tern_tc_pack(x0.x, x0.y), b01 = tern_tc_pack(x0.z, x0.w);
+            const tern_u32 b10 = tern_tc_pack(x1.x, x1.y), b11 = tern_tc_pack(x1.z, x1.w);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                tern_tc_mma(c[j], a[j][0].x, a[j][1].x, a[j][0].y, a[j][1].y, b00, b01);
+                tern_tc_mma(c[j], a[j][0].z, a[j][1].z, a[j][0].w, a[j][1].w, b10, b11);
+            }
         }
     }
     __shared__ float partial[TERN_GEMV_WARPS][NT][4][32];
@@ -523,12 +574,12 @@ __device__ __forceinline__ void tern_gemv_mma_block(const W& w, int out, int o0,
 }
 
 // The parts of p, 16 features a block.
-template <int OMODE, typename W>
+template <int OMODE, typename W, bool AHEAD = false>
 __device__ __forceinline__ void tern_gemv_mma(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
     int part = 0;
     while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
-    tern_gemv_mma_block<OMODE>(W(p.w[part], p.scales[part]), p.out[part], ((int)blockIdx.x - p.block0[part]) * 16, x, rows, in,
-                               (float*)p.y[part]);
+    tern_gemv_mma_block<OMODE, W, AHEAD>(W(p.w[part], p.scales[part]), p.out[part], ((int)blockIdx.x - p.block0[part]) * 16, x,
+                                         rows, in, (float*)p.y[part]);
 }
 
 // Fast mode's tiles of a prompt's expert rows (tern_gemv_tiles) on the tensor cores: tile
@@ -542,18 +593,24 @@ __device__ __forceinline__ void tern_gemv_mma_tiles(const unsigned long long* __
     tern_gemv_mma_block<OMODE>(W(w_table[e], s_table[e]), out, (int)blockIdx.x * 16, x + (size_t)r0 * in, n, in, y + (size_t)r0 * out);
 }
 
-#define TERN_GEMV_MMA_KERNEL(name, W, OMODE)                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS)                                               \
+#define TERN_GEMV_MMA_KERNEL(name, W, OMODE, AHEAD)                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, AHEAD ? 2 : 0)                                \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                               \
         tern_await_prior_kernel();                                                                                   \
-        tern_gemv_mma<OMODE, W>(p, x, rows, in);                                                                     \
+        tern_gemv_mma<OMODE, W, AHEAD>(p, x, rows, in);                                                              \
     }
-TERN_GEMV_MMA_KERNEL(tern_gemv_mma_bf16, TernWeightsBf16, TERN_Y_PLAIN)
-TERN_GEMV_MMA_KERNEL(tern_gemv_mma_silu_bf16, TernWeightsBf16, TERN_Y_SILU)
-TERN_GEMV_MMA_KERNEL(tern_gemv_mma_gelu_bf16, TernWeightsBf16, TERN_Y_GELU)
-TERN_GEMV_MMA_KERNEL(tern_gemv_mma_q8, TernWeightsQ8, TERN_Y_PLAIN)
-TERN_GEMV_MMA_KERNEL(tern_gemv_mma_silu_q8, TernWeightsQ8, TERN_Y_SILU)
-TERN_GEMV_MMA_KERNEL(tern_gemv_mma_gelu_q8, TernWeightsQ8, TERN_Y_GELU)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_bf16, TernWeightsBf16, TERN_Y_PLAIN, false)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_silu_bf16, TernWeightsBf16, TERN_Y_SILU, false)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_gelu_bf16, TernWeightsBf16, TERN_Y_GELU, false)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_q8, TernWeightsQ8, TERN_Y_PLAIN, false)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_silu_q8, TernWeightsQ8, TERN_Y_SILU, false)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_gelu_q8, TernWeightsQ8, TERN_Y_GELU, false)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_ahead_bf16, TernWeightsBf16, TERN_Y_PLAIN, true)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_ahead_silu_bf16, TernWeightsBf16, TERN_Y_SILU, true)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_ahead_gelu_bf16, TernWeightsBf16, TERN_Y_GELU, true)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_ahead_q8, TernWeightsQ8, TERN_Y_PLAIN, true)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_ahead_silu_q8, TernWeightsQ8, TERN_Y_SILU, true)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_ahead_gelu_q8, TernWeightsQ8, TERN_Y_GELU, true)
 
 // Routed experts (a mixture-of-experts layer's few rows, routed on the device): slot s =
 // blockIdx.y is row s / k's choice s % k, expert ids[s], whose matrix comes from the tables of
