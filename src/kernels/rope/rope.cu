@@ -24,16 +24,25 @@ struct tern_head_sections {
     int n;
 };
 
-// One warp per (row, head of any section); total_heads = the sections' heads summed.
+// This warp's (row r, section sec, head h of the section), one warp per (row, head of any
+// section); false past the last (total_heads = the sections' heads summed).
+__device__ __forceinline__ bool tern_head_item(const tern_head_sections& s, int rows, int total_heads, size_t& r, int& sec, int& h) {
+    const size_t item = (size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (item >= (size_t)rows * total_heads) return false;
+    r = item / total_heads;
+    h = (int)(item % total_heads);
+    sec = 0;
+    while (sec + 1 < s.n && h >= s.heads[sec]) h -= s.heads[sec++];
+    return true;
+}
+
 extern "C" __global__ void tern_head_prep(float* __restrict__ x, long long ld, int rows, int total_heads,
                                           const tern_head_sections s, const tern_u32* __restrict__ positions) {
     tern_await_prior_kernel();
     const int lane = threadIdx.x % 32;
-    const size_t item = (size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (item >= (size_t)rows * total_heads) return;
-    const size_t r = item / total_heads;
-    int h = (int)(item % total_heads), sec = 0;
-    while (sec + 1 < s.n && h >= s.heads[sec]) h -= s.heads[sec++];
+    size_t r;
+    int sec, h;
+    if (!tern_head_item(s, rows, total_heads, r, sec, h)) return;
     const int hd = s.hd[sec], rot = s.rot[sec];
     const float* w = (const float*)s.w[sec];
     float* v = x + s.off[sec] + r * ld + (size_t)h * hd;
@@ -73,11 +82,9 @@ extern "C" __global__ void tern_head_prep_regs(float* __restrict__ x, long long 
     tern_await_prior_kernel();
     __shared__ float row_of_warp[TERN_PREP_WARPS][32 * TERN_PREP_SLOTS];
     const int lane = threadIdx.x % 32;
-    const size_t item = (size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (item >= (size_t)rows * total_heads) return;
-    const size_t r = item / total_heads;
-    int h = (int)(item % total_heads), sec = 0;
-    while (sec + 1 < s.n && h >= s.heads[sec]) h -= s.heads[sec++];
+    size_t r;
+    int sec, h;
+    if (!tern_head_item(s, rows, total_heads, r, sec, h)) return;
     const int hd = s.hd[sec], rot = s.rot[sec], half = rot / 2;
     if (!s.norm[sec] && rot == 0) return;
     const float* w = (const float*)s.w[sec];
