@@ -158,6 +158,25 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             })? / inner as f64;
             report(b, "copy", ms);
         }
+        // The default variant, each step's state written into a second pool rather than where it
+        // was read (the pools alternate): what in-place writes cost, against fla's kernel,
+        // which writes its final state to a new tensor.
+        {
+            let mut other = gpu.zeros::<f32>(pool.len())?;
+            let ms = time_ms(gpu, 2, 15, |i| {
+                for s in 0..inner {
+                    let n = i * inner + s;
+                    let segs = &segs[n % rot];
+                    if n % 2 == 0 {
+                        k.delta_rule_into(heads, &x, segs, &mut pool, &mut other, &mut out)?;
+                    } else {
+                        k.delta_rule_into(heads, &x, segs, &mut other, &mut pool, &mut out)?;
+                    }
+                }
+                Ok(())
+            })? / inner as f64;
+            report(b, "into", ms);
+        }
         // The default (rows per warp chosen by batch), then every variant in every block size.
         let runs = std::iter::once((None, RECURRENCE_BLOCK_WARPS)).chain(RECURRENCE_VARIANTS.into_iter().flat_map(|r| RECURRENCE_BLOCK_WARP_CHOICES.map(|w| (Some(r), w))));
         for (rows, warps) in runs {
