@@ -22,6 +22,10 @@ __device__ __forceinline__ float tern_warp_max(float x) {
     return x;
 }
 
+// The inverse RMS of a row of d values whose squares sum to ss (in double), rounded to f32 once:
+// every RMS norm's factor (norm.cu, the GEMV's norm tail, the head preparation), one formula.
+__device__ __forceinline__ float tern_inv_rms_of(double ss, int d, float eps) { return (float)(1.0 / sqrt(ss / (double)d + (double)eps)); }
+
 // Sum over the block (blockDim.x a multiple of 32, at most 1024) in double, returned to every
 // thread. `scratch` holds 32 doubles; the call ends with a barrier so it can be reused.
 __device__ double tern_block_sum_d(double x, double* scratch) {

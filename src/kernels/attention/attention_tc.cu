@@ -26,11 +26,12 @@
 // lead the stalls, the tensor pipe is a quarter busy), so the tile loop keeps everything else
 // down: tiles of BK = 64 keys halve the per-key cost of the barriers, the softmax bookkeeping
 // and the accumulator's rescale (with the other changes here, 32-key tiles took 2.98 ms against
-// 2.51 for 8192 tokens of a 512-wide head, 0.520 against 0.490 ms for 64 x 512 of a 256-wide); a tile that every row of a warp sees whole skips the
-// visibility tests; the rescale is skipped when no row of the warp has a new maximum (a
-// multiply by exactly one); each thread's cp.async addresses are fixed offsets worked out
-// once. S of a 512-wide head is summed in two interleaved partial accumulators, so that its
-// chains of dependent mma are half as long.
+// 2.51 for 8192 tokens of a 512-wide head, 0.520 against 0.490 ms for 64 x 512 of a
+// 256-wide); a tile that every row of a warp sees whole skips the visibility tests; the
+// rescale is skipped when no row of the warp has a new maximum (a multiply by exactly one);
+// each thread's cp.async addresses are fixed offsets worked out once. S of a 512-wide head is
+// summed in two interleaved partial accumulators, so that its chains of dependent mma are half
+// as long.
 // The Q, K and V tiles are swizzled rather than padded: rows of whole 128-byte lines, the
 // 16-byte chunk c of row r stored at chunk c ^ (r & 7), so that the eight row reads of an
 // ldmatrix phase (8 rows, one chunk) fall in distinct bank groups and a warp's cp.async fills

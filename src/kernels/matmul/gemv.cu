@@ -364,7 +364,7 @@ __device__ __forceinline__ void tern_gemv_norm_tail(const tern_gemv_parts& p, in
         const float* w_out = w;
         if (OMODE == TERN_Y_ADD_NORM) {
             const float* y = (const float*)p.y[0] + off;
-            const float inv = (float)(1.0 / sqrt(tern_gemv_sum_squares(y, d, scratch) / (double)d + (double)p.eps));
+            const float inv = tern_inv_rms_of(tern_gemv_sum_squares(y, d, scratch), d, p.eps);
             for (int i0 = threadIdx.x; i0 < d; i0 += C * blockDim.x) {
                 float hv[C], yv[C], wv[C];
 #pragma unroll
@@ -385,7 +385,7 @@ __device__ __forceinline__ void tern_gemv_norm_tail(const tern_gemv_parts& p, in
         }
         // Each thread re-reads only the entries of h it wrote itself (ADD_NORM), or reads
         // through L2 what other blocks wrote (RESIDUAL).
-        const float inv = (float)(1.0 / sqrt(tern_gemv_sum_squares(h, d, scratch) / (double)d + (double)p.eps));
+        const float inv = tern_inv_rms_of(tern_gemv_sum_squares(h, d, scratch), d, p.eps);
         for (int i0 = threadIdx.x; i0 < d; i0 += C * blockDim.x) {
             float hv[C], wv[C];
 #pragma unroll
@@ -528,25 +528,7 @@ __device__ __forceinline__ void tern_gemv_mma_block(const W& w, int out, int o0,
         if (k < in) tern_gemv_mma_steps<1>(w, wr, xr, has_x, k, c);
     } else {
 #pragma unroll 2
-        for (int k = 32 * warp + 8 * t; k < in; k += 32 * TERN_GEMV_WARPS) {
-            uint4 a[NT][2];
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) a[j][h] = tern_weights_bf16x8(w, wr[j][h] + k);
-            float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
-            if (has_x) {
-                x0 = *reinterpret_cast<const float4*>(xr + k);
-                x1 = *reinterpret_cast<const float4*>(xr + k + 4);
-            }
-            const tern_u32 b00 = tern_tc_pack(x0.x, x0.y), b01 = tern_tc_pack(x0.z, x0.w);
-            const tern_u32 b10 = tern_tc_pack(x1.x, x1.y), b11 = tern_tc_pack(x1.z, x1.w);
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                tern_tc_mma(c[j], a[j][0].x, a[j][1].x, a[j][0].y, a[j][1].y, b00, b01);
-                tern_tc_mma(c[j], a[j][0].z, a[j][1].z, a[j][0].w, a[j][1].w, b10, b11);
-            }
-        }
+        for (int k = 32 * warp + 8 * t; k < in; k += TERN_GEMV_MMA_KSTEP) tern_gemv_mma_steps<1>(w, wr, xr, has_x, k, c);
     }
     __shared__ float partial[TERN_GEMV_WARPS][NT][4][32];
 #pragma unroll

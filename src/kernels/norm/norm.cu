@@ -7,8 +7,7 @@
 
 // The inverse RMS from each thread's partial sum of squares.
 __device__ __forceinline__ float tern_rms_finish(double ss, int d, float eps, double* scratch) {
-    ss = tern_block_sum_d(ss, scratch);
-    return (float)(1.0 / sqrt(ss / (double)d + (double)eps));
+    return tern_inv_rms_of(tern_block_sum_d(ss, scratch), d, eps);
 }
 
 __device__ __forceinline__ float tern_inv_rms(const float* x, int d, float pre, float eps, double* scratch) {

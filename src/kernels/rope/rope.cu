@@ -49,8 +49,7 @@ extern "C" __global__ void tern_head_prep(float* __restrict__ x, long long ld, i
     if (s.norm[sec]) {
         double ss = 0.0;
         for (int i = lane; i < hd; i += 32) ss += (double)v[i] * (double)v[i];
-        ss = tern_warp_sum_d(ss);
-        const float inv = (float)(1.0 / sqrt(ss / (double)hd + (double)s.eps[sec]));
+        const float inv = tern_inv_rms_of(tern_warp_sum_d(ss), hd, s.eps[sec]);
         for (int i = lane; i < hd; i += 32) v[i] = w ? (v[i] * inv) * w[i] : v[i] * inv;
         __syncwarp();
     }
@@ -113,8 +112,7 @@ extern "C" __global__ void tern_head_prep_regs(float* __restrict__ x, long long 
 #pragma unroll
         for (int j = 0; j < TERN_PREP_SLOTS; ++j)
             if (lane + 32 * j < hd) ss += (double)vals[j] * (double)vals[j];
-        ss = tern_warp_sum_d(ss);
-        const float inv = (float)(1.0 / sqrt(ss / (double)hd + (double)s.eps[sec]));
+        const float inv = tern_inv_rms_of(tern_warp_sum_d(ss), hd, s.eps[sec]);
 #pragma unroll
         for (int j = 0; j < TERN_PREP_SLOTS; ++j)
             if (lane + 32 * j < hd) vals[j] = w ? (vals[j] * inv) * wv[j] : vals[j] * inv;
