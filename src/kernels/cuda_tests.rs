@@ -73,8 +73,8 @@ fn cuda_norms_match_cpu() {
             k.add_norm(&mut h, &dy, &dw, post, d, 1e-6, Some((&dw2, NormOut { f32: Some(&mut a), bf16: None }))).unwrap();
             let eh = check("add_norm h", &gpu.download(&h).unwrap(), &h_cpu, BOUND);
             let ea = check("add_norm next", &gpu.download(&a).unwrap(), &a_cpu, BOUND);
-            // The register form (rows of at most 1024 here; wider ones take the loop form):
-            // the same bits, bf16 copy included.
+            // The register form (rows of at most 1024 values in steps of at most 64 rows here;
+            // others take the loop form): the same bits, bf16 copy included.
             let mut hr = gpu.upload(&x).unwrap();
             let (mut ar, mut ar16) = (nan(&gpu, x.len()), gpu.upload(&vec![0x7fc0u16; x.len()]).unwrap());
             k_regs.add_norm(&mut hr, &dy, &dw, post, d, 1e-6, Some((&dw2, NormOut { f32: Some(&mut ar), bf16: Some(&mut ar16) }))).unwrap();
@@ -128,10 +128,17 @@ fn cuda_head_prep_matches_cpu() {
     let k = RopeCuda::new(gpu.clone()).unwrap().with_regs(false);
     let k_regs = RopeCuda::new(gpu.clone()).unwrap().with_regs(true);
     let mut rng = rng("cuda_head_prep_matches_cpu");
-    // (heads, hd, rotated channels, sequence lengths): full and partial (Qwen3.5's 64 of 256) RoPE.
-    for &(heads, hd, rot, lengths) in
-        &[(3usize, 256usize, 256usize, &[5usize, 70, 1][..]), (1, 512, 512, &[300][..]), (4, 16, 16, &[2, 9][..]), (8, 64, 64, &[40][..]), (2, 256, 64, &[7, 33][..])]
-    {
+    // (heads, hd, rotated channels, sequence lengths): full and partial (Qwen3.5's 64 of 256)
+    // RoPE; steps of at most 64 rows take the register form, longer ones the re-reading one.
+    for &(heads, hd, rot, lengths) in &[
+        (3usize, 256usize, 256usize, &[5usize, 30, 1][..]),
+        (3, 256, 256, &[5, 70, 1][..]),
+        (1, 512, 512, &[12][..]),
+        (1, 512, 512, &[300][..]),
+        (4, 16, 16, &[2, 9][..]),
+        (8, 64, 64, &[40][..]),
+        (2, 256, 64, &[7, 33][..]),
+    ] {
         let segs = pack(lengths.iter().copied());
         let rows: usize = lengths.iter().sum();
         let positions: Vec<u32> = segs.iter().flat_map(|s| 0..s.len as u32).collect();

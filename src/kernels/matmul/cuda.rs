@@ -306,7 +306,9 @@ pub struct Blas {
     /// The tensor-core GEMV: [bf16, Q8_0 weights][plain, silu-gated, gelu-gated output].
     mma_kernels: [[CudaFunction; 3]; 2],
     /// The same with four steps' loads in flight (`tern_gemv_mma_ahead_*`), taken when
-    /// `gemv_mma_ahead` is on (TERN_GEMV_MMA_AHEAD=1: opt-in until timed; the same bits).
+    /// `gemv_mma_ahead` is on (the default; TERN_GEMV_MMA_AHEAD=0 keeps one step's, the same
+    /// bits). With the register norms, an 8-token EmbeddingGemma 2 query on the H200 takes
+    /// 0.858 ms against 1.155 (bf16 mode).
     mma_ahead_kernels: [[CudaFunction; 3]; 2],
     gemv_mma_ahead: bool,
     /// The tensor-core GEMV over tiles of expert rows: [bf16, Q8_0 weights][plain, silu-gated].
@@ -372,7 +374,7 @@ impl Blas {
                 [f("tern_gemv_mma_ahead_bf16")?, f("tern_gemv_mma_ahead_silu_bf16")?, f("tern_gemv_mma_ahead_gelu_bf16")?],
                 [f("tern_gemv_mma_ahead_q8")?, f("tern_gemv_mma_ahead_silu_q8")?, f("tern_gemv_mma_ahead_gelu_q8")?],
             ],
-            gemv_mma_ahead: std::env::var("TERN_GEMV_MMA_AHEAD").is_ok_and(|v| v == "1"),
+            gemv_mma_ahead: std::env::var("TERN_GEMV_MMA_AHEAD").map_or(true, |v| v != "0"),
             mma_tiles: [
                 [f("tern_gemv_mma_tiles_bf16")?, f("tern_gemv_mma_tiles_silu_bf16")?],
                 [f("tern_gemv_mma_tiles_q8")?, f("tern_gemv_mma_tiles_silu_q8")?],

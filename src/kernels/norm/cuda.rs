@@ -47,7 +47,8 @@ pub struct NormCuda {
     rms: CudaFunction,
     add: CudaFunction,
     /// `tern_add_norm_regs`: the row in registers, for rows of at most
-    /// [`NORM_SLOTS`] · [`row_block`] values, when `regs` is on (TERN_NORM_REGS=1).
+    /// [`NORM_SLOTS`] · [`row_block`] values in steps of at most [`REGS_MAX_ROWS`] rows, unless
+    /// `regs` is off (TERN_NORM_REGS=0).
     add_regs: CudaFunction,
     regs: bool,
     residual: CudaFunction,
@@ -56,11 +57,18 @@ pub struct NormCuda {
 /// Values a thread holds in `tern_add_norm_regs` (TERN_NORM_SLOTS in norm.cu).
 const NORM_SLOTS: usize = 4;
 
-/// Whether TERN_NORM_REGS=1 asks for the kernels that hold a row (a norm's, a head's) in
-/// registers: opt-in until they are timed against the forms that re-read it.
+/// Whether the kernels that hold a row (a norm's, a head's) in registers, every operand loaded
+/// before the first sum, serve short steps: yes unless TERN_NORM_REGS=0 (the forms that re-read
+/// the row, for measuring the two on one run; both give the same bits).
 pub(crate) fn regs_from_env() -> bool {
-    std::env::var("TERN_NORM_REGS").is_ok_and(|v| v == "1")
+    std::env::var("TERN_NORM_REGS").map_or(true, |v| v != "0")
 }
+
+/// The steps, in rows, that take the register forms. H200, bf16 mode, both register forms and
+/// the GEMV's loads ahead against neither: an 8-token query 1.155 -> 0.858 ms (EmbeddingGemma 2
+/// shapes) and 0.893 -> 0.649 ms (300M); but 64 documents of 7 667 tokens took 6% longer with
+/// the register forms (15.6 -> 16.5 ms), so long steps keep the re-reading forms.
+pub(crate) const REGS_MAX_ROWS: usize = 64;
 
 impl NormCuda {
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
@@ -134,7 +142,7 @@ impl NormCuda {
             None => (0, 0, 0),
         };
         let (hp, yp, wp) = (g.ptr(h), g.ptr(y), g.ptr(w));
-        let in_regs = self.regs && d <= NORM_SLOTS * row_block(d) as usize;
+        let in_regs = self.regs && rows <= REGS_MAX_ROWS && d <= NORM_SLOTS * row_block(d) as usize;
         // Both kernels take the same arguments.
         let mut l = g.launch_builder(if in_regs { &self.add_regs } else { &self.add });
         l.arg(&hp).arg(&yp).arg(&wp).arg(&post).arg(&eps).arg(&dw).arg(&w2p).arg(&ap).arg(&a16p);

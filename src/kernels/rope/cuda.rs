@@ -38,7 +38,7 @@ pub struct RopeCuda {
     gpu: Arc<Gpu>,
     prep: CudaFunction,
     /// `tern_head_prep_regs`: each head in registers (heads of at most [`PREP_REGS_MAX_HD`]),
-    /// when `regs` is on (TERN_NORM_REGS=1).
+    /// in steps of few rows, unless `regs` is off (TERN_NORM_REGS=0).
     prep_regs: CudaFunction,
     regs: bool,
 }
@@ -130,7 +130,7 @@ impl RopeCuda {
             }
             let (r, heads, ld) = (int_arg("head_prep rows", rows)?, int_arg("heads", total)?, long_arg(stride));
             let (xp, pp) = (g.ptr(x), g.ptr(positions));
-            let in_regs = self.regs && group.iter().all(|(_, prep)| prep.hd <= PREP_REGS_MAX_HD);
+            let in_regs = self.regs && rows <= crate::kernels::norm::cuda::REGS_MAX_ROWS && group.iter().all(|(_, prep)| prep.hd <= PREP_REGS_MAX_HD);
             // Both kernels take the same arguments.
             let mut l = g.launch_builder(if in_regs { &self.prep_regs } else { &self.prep });
             l.arg(&xp).arg(&ld).arg(&r).arg(&heads).arg(&s).arg(&pp);
