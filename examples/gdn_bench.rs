@@ -16,7 +16,7 @@
 //! the layer must move (q, k, v read and the output written once, f32) at the copy bandwidth.
 
 use tern::cuda::Gpu;
-use tern::kernels::gated_delta::cuda::{ChunkAccumulate, CHUNK_STATE_ROWS, FAST_VARIANT, FAST_VARIANTS, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
+use tern::kernels::gated_delta::cuda::{ChunkAccumulate, CHUNK_STATE_ROWS, FAST_VARIANT, FAST_VARIANTS, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
@@ -176,6 +176,24 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
                 Ok(())
             })? / inner as f64;
             report(b, "into", ms);
+        }
+        // The model's decode step: gates, recurrence and gated norm in one launch (the fused
+        // form, one block per (sequence, head)), on the same states.
+        {
+            let nv = heads.n_v_heads;
+            let dt_bias = gpu.upload(&rng.vec(nv, -0.5, 0.5))?;
+            let a = gpu.upload(&rng.vec(nv, -1.0, -0.1))?;
+            let z = gpu.upload(&rng.vec(b * nv * heads.d_v, -1.0, 1.0))?;
+            let norm = gpu.upload(&rng.vec(heads.d_v, 0.5, 1.5))?;
+            let fused = FusedGatesNorm { dt_bias: &dt_bias, a: &a, z: Rows { buf: &z, offset: 0, stride: nv * heads.d_v }, norm: &norm, eps: 1e-6 };
+            let x = GpuDeltaRuleInputs { fused: Some(fused), ..inputs(heads, &l) };
+            let ms = time_ms(gpu, 2, 15, |i| {
+                for s in 0..inner {
+                    k.delta_rule(heads, &x, &segs[(i * inner + s) % rot], GpuStates::Pool(&mut pool), &mut out)?;
+                }
+                Ok(())
+            })? / inner as f64;
+            report(b, "fused", ms);
         }
         // The default (rows per warp chosen by batch), then every variant in every block size.
         let runs = std::iter::once((None, RECURRENCE_BLOCK_WARPS)).chain(RECURRENCE_VARIANTS.into_iter().flat_map(|r| RECURRENCE_BLOCK_WARP_CHOICES.map(|w| (Some(r), w))));

@@ -124,12 +124,15 @@ struct tern_gdn_recurrence_args {
 };
 
 // One token's update of ROWS state rows held by a warp (normalised k and q, the rows' v, the
-// decay exp(g) and beta), leaving each row's output, the same in every lane, in o. Every form
-// of the recurrence (rows and groups per warp, fused or not) advances its rows through this one
-// function, so they all agree bit for bit.
+// decay exp(g) and beta), leaving each row's output, the same in every lane, in o. Row m's v
+// is held by lane m alone (v_lane) and reaches the warp by shuffle: one register rather than
+// ROWS, which keeps the 8-row forms inside 64 registers (a full multiprocessor of warps, the
+// bytes in flight that the state stream needs). Every form of the recurrence (rows and groups
+// per warp, fused or not) advances its rows through this one function, so they all agree bit
+// for bit.
 template <int DK, int ROWS>
 __device__ __forceinline__ void tern_gdn_rows_token(float (&r)[ROWS][DK / 32], const float (&kk)[DK / 32], const float (&qq)[DK / 32],
-                                                    const float (&vj)[ROWS], float decay, float b, float (&o)[ROWS]) {
+                                                    float v_lane, float decay, float b, float (&o)[ROWS]) {
     constexpr int E = DK / 32;
     float part[ROWS];
 #pragma unroll
@@ -143,7 +146,7 @@ __device__ __forceinline__ void tern_gdn_rows_token(float (&r)[ROWS][DK / 32], c
     }
 #pragma unroll
     for (int m = 0; m < ROWS; m++) {
-        const float delta = (vj[m] - tern_gdn_warp_sum(part[m])) * b;
+        const float delta = (__shfl_sync(0xffffffffu, v_lane, m) - tern_gdn_warp_sum(part[m])) * b;
         o[m] = 0.0f;
 #pragma unroll
         for (int e = 0; e < E; e++) {
@@ -222,15 +225,13 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
                 decay = expf(a.g[t * nv + h]);
                 b = a.beta[t * nv + h];
             }
-            float vj[ROWS];
-#pragma unroll
-            for (int m = 0; m < ROWS; m++) vj[m] = j0 + m < dv ? a.v[t * a.v_stride + (size_t)h * dv + j0 + m] : 0.0f;
+            const float v_lane = lane < ROWS && j0 + lane < dv ? a.v[t * a.v_stride + (size_t)h * dv + j0 + lane] : 0.0f;
             if (a.l2qk) {
                 tern_gdn_l2_regs<DK>(kk, a.eps, 1.0f);
                 tern_gdn_l2_regs<DK>(qq, a.eps, a.q_scale);
             }
             float o[ROWS];
-            tern_gdn_rows_token<DK, ROWS>(r, kk, qq, vj, decay, b, o);
+            tern_gdn_rows_token<DK, ROWS>(r, kk, qq, v_lane, decay, b, o);
             float* row_out = a.out + (t * nv + h) * dv;
             if constexpr (FUSED) {
                 // Two buffers by token parity: a warp writing token t + 1's row never meets one
@@ -266,29 +267,39 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
 // One kernel per (d_k, rows per warp, row groups per warp). These only trade registers
 // against bytes in flight; the launcher's defaults are RECURRENCE_VARIANT and, for a decode
 // step of many sequences, RECURRENCE_VARIANT_MANY in mod.rs.
-#define TERN_GDN_RECURRENCE(D, R, P)                                                                     \
-    extern "C" __global__ void __launch_bounds__(128)                                                    \
-        tern_gdn_recurrence_dk##D##_r##R##_g##P(const tern_gdn_recurrence_args a) {                      \
+//
+// The register bound of the one-group and fused forms is chosen per d_k below. ONE_GROUP =
+// TERN_GDN_RECURRENCE_FULL with FUSED_MIN_BLOCKS = 2 would hold them to 64 registers, so that a
+// multiprocessor runs 32 warps of them. fla's recurrence, 8 rows per 64-register warp, runs at
+// that occupancy and moves its state at 0.975 of copy (ncu, H200, 256 sequences; this file's
+// 8x2 default: 25% occupancy, 0.93). At d_k = 128 that bound costs 32 bytes of spill (8 rows),
+// 48 for the fused form; at 256 it would spill hundreds. Not yet timed, so every d_k keeps the
+// registers its forms need.
+#define TERN_GDN_RECURRENCE_KERNEL(D, R, P, BOUNDS)                                                      \
+    extern "C" __global__ void BOUNDS tern_gdn_recurrence_dk##D##_r##R##_g##P(const tern_gdn_recurrence_args a) { \
         tern_await_prior_kernel();                                                                       \
         tern_gdn_recurrence_body<D, R, P, false>(a, nullptr);                                            \
     }
+#define TERN_GDN_RECURRENCE(D, R, P) TERN_GDN_RECURRENCE_KERNEL(D, R, P, __launch_bounds__(128))
+#define TERN_GDN_RECURRENCE_FULL(D, R, P) TERN_GDN_RECURRENCE_KERNEL(D, R, P, __launch_bounds__(128, 8))
 // The fused form: 8 rows per warp, a block of dv / 8 warps per (sequence, head).
-#define TERN_GDN_RECURRENCE_FUSED(D)                                                                     \
-    extern "C" __global__ void __launch_bounds__(32 * TERN_GDN_FUSED_MAX_DV / 8)                         \
+#define TERN_GDN_RECURRENCE_FUSED(D, MIN_BLOCKS)                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GDN_FUSED_MAX_DV / 8, MIN_BLOCKS)             \
         tern_gdn_recurrence_fused_dk##D(const tern_gdn_recurrence_args a) {                              \
         tern_await_prior_kernel();                                                                       \
         __shared__ float o_smem[2 * TERN_GDN_FUSED_MAX_DV];                                              \
         tern_gdn_recurrence_body<D, 8, 1, true>(a, o_smem);                                              \
     }
-#define TERN_GDN_RECURRENCE_D(D)                                                                          \
-    TERN_GDN_RECURRENCE(D, 1, 1) TERN_GDN_RECURRENCE(D, 2, 1) TERN_GDN_RECURRENCE(D, 4, 1)              \
-    TERN_GDN_RECURRENCE(D, 8, 1) TERN_GDN_RECURRENCE(D, 2, 2) TERN_GDN_RECURRENCE(D, 4, 2)              \
-    TERN_GDN_RECURRENCE(D, 8, 2)                                                                         \
-    TERN_GDN_RECURRENCE(D, 2, 4) TERN_GDN_RECURRENCE(D, 4, 4) TERN_GDN_RECURRENCE_FUSED(D)
-TERN_GDN_RECURRENCE_D(32)
-TERN_GDN_RECURRENCE_D(64)
-TERN_GDN_RECURRENCE_D(128)
-TERN_GDN_RECURRENCE_D(256)
+#define TERN_GDN_RECURRENCE_D(D, ONE_GROUP, FUSED_MIN_BLOCKS)                                             \
+    ONE_GROUP(D, 1, 1) ONE_GROUP(D, 2, 1) ONE_GROUP(D, 4, 1) ONE_GROUP(D, 8, 1)                          \
+    TERN_GDN_RECURRENCE(D, 2, 2) TERN_GDN_RECURRENCE(D, 4, 2) TERN_GDN_RECURRENCE(D, 8, 2)              \
+    TERN_GDN_RECURRENCE(D, 2, 4) TERN_GDN_RECURRENCE(D, 4, 4) TERN_GDN_RECURRENCE_FUSED(D, FUSED_MIN_BLOCKS)
+TERN_GDN_RECURRENCE_D(32, TERN_GDN_RECURRENCE, 1)
+TERN_GDN_RECURRENCE_D(64, TERN_GDN_RECURRENCE, 1)
+TERN_GDN_RECURRENCE_D(128, TERN_GDN_RECURRENCE, 1)
+TERN_GDN_RECURRENCE_D(256, TERN_GDN_RECURRENCE, 1)
 #undef TERN_GDN_RECURRENCE_D
 #undef TERN_GDN_RECURRENCE_FUSED
+#undef TERN_GDN_RECURRENCE_FULL
 #undef TERN_GDN_RECURRENCE
+#undef TERN_GDN_RECURRENCE_KERNEL
