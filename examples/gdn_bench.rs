@@ -158,25 +158,6 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             })? / inner as f64;
             report(b, "copy", ms);
         }
-        // The default variant, each step's state written into a second pool rather than where it
-        // was read (the pools alternate): what in-place writes cost, against fla's kernel,
-        // which writes its final state to a new tensor.
-        {
-            let mut other = gpu.zeros::<f32>(pool.len())?;
-            let ms = time_ms(gpu, 2, 15, |i| {
-                for s in 0..inner {
-                    let n = i * inner + s;
-                    let segs = &segs[n % rot];
-                    if n % 2 == 0 {
-                        k.delta_rule_into(heads, &x, segs, &mut pool, &mut other, &mut out)?;
-                    } else {
-                        k.delta_rule_into(heads, &x, segs, &mut other, &mut pool, &mut out)?;
-                    }
-                }
-                Ok(())
-            })? / inner as f64;
-            report(b, "into", ms);
-        }
         // The model's decode step: gates, recurrence and gated norm in one launch (the fused
         // form, one block per (sequence, head)), on the same states.
         {

@@ -265,7 +265,6 @@ struct RecurrenceArgs {
     states: u64,
     slot: u64,
     state_at: u64,
-    states_out: u64,
     q: u64,
     q_stride: i64,
     k: u64,
@@ -829,37 +828,7 @@ impl GatedDeltaCuda {
         heads: &DeltaRuleHeads,
         x: &GpuDeltaRuleInputs,
         segs: &GpuSegments,
-        states: GpuStates,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        self.recurrence(heads, x, segs, states, None, out)
-    }
-
-    /// [`Self::delta_rule`] from the states of pool `from` into the same slots of pool `into`
-    /// (a pool of the same length): `from` is only read. The same values as in place; what a
-    /// step costs when its state is written where it was not read (measured by gdn_bench).
-    pub fn delta_rule_into(
-        &self,
-        heads: &DeltaRuleHeads,
-        x: &GpuDeltaRuleInputs,
-        segs: &GpuSegments,
-        from: &mut CudaSlice<f32>,
-        into: &mut CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        if into.len() != from.len() {
-            return Err(Error::Shape(format!("delta_rule_into: a pool of {} elements into one of {}", from.len(), into.len())));
-        }
-        self.recurrence(heads, x, segs, GpuStates::Pool(from), Some(into), out)
-    }
-
-    fn recurrence(
-        &self,
-        heads: &DeltaRuleHeads,
-        x: &GpuDeltaRuleInputs,
-        segs: &GpuSegments,
         mut states: GpuStates,
-        into: Option<&mut CudaSlice<f32>>,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
         self.check_inputs("delta_rule", heads, x, segs, out)?;
@@ -899,7 +868,6 @@ impl GatedDeltaCuda {
             states: pool,
             slot: g.ptr(&segs.slot),
             state_at: g.ptr_opt(table.as_deref()),
-            states_out: g.ptr_opt(into.as_deref()),
             q: at(&x.q),
             q_stride: x.q.stride as i64,
             k: at(&x.k),

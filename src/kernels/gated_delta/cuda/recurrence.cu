@@ -91,14 +91,11 @@ __device__ __forceinline__ void tern_gdn_l2_regs(float (&x)[DK / 32], float eps,
 
 // The recurrence's arguments, mirrored field for field by RecurrenceArgs in mod.rs (C layout).
 // A sequence's state is state_at[s] when state_at is set (each sequence its own buffer: no
-// copies into a pool and back for a batch), else slot slot[s] of the pool `states`; with
-// `states_out` (pools only) the new state goes to the same slot of that pool instead, and
-// `states` is only read.
+// copies into a pool and back for a batch), else slot slot[s] of the pool `states`.
 struct tern_gdn_recurrence_args {
     float* states;
     const tern_gdn_u32* slot;
     const unsigned long long* state_at;
-    float* states_out;
     const float* q;
     long long q_stride;
     const float* k;
@@ -191,7 +188,6 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
     if (first >= total) return;
     const int s = blockIdx.y;
     float* seq_state = a.state_at ? (float*)a.state_at[s] : a.states + (size_t)a.slot[s] * nv * dv * DK;
-    float* seq_out = a.states_out ? a.states_out + (size_t)a.slot[s] * nv * dv * DK : seq_state;
     const size_t start = a.seg_start[s], end = start + a.seg_len[s];
 
     float r[ROWS][E], next[ROWS][E];
@@ -257,7 +253,7 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
         }
 #pragma unroll
         for (int m = 0; m < ROWS; m++) {
-            if (j0 + m < dv) tern_gdn_store_state_row<DK>(seq_out + ((size_t)h * dv + j0 + m) * DK + lane * E, r[m]);
+            if (j0 + m < dv) tern_gdn_store_state_row<DK>(seq_state + ((size_t)h * dv + j0 + m) * DK + lane * E, r[m]);
 #pragma unroll
             for (int e = 0; e < E; e++) r[m][e] = next[m][e];
         }

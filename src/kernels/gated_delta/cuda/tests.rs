@@ -376,19 +376,6 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
                 assert_bits_eq(&format!("{how} (states)"), &gpu.download(&step_pool).unwrap(), &scan_pool);
             }
         }
-        // From one pool into another: the in-place bits in `into` (the slots the batch uses;
-        // the others stay as poisoned), `from` untouched.
-        let (mut from, mut into) = (up(&pool), nan(&gpu, pool.len()));
-        let mut o = nan(&gpu, tokens * v_row);
-        k.delta_rule_into(&heads, &inputs, &segs, &mut from, &mut into, &mut o).unwrap();
-        assert_bits_eq("scan into another pool (outputs)", &gpu.download(&o).unwrap(), &scan_out);
-        assert_bits_eq("scan into another pool (from, unchanged)", &gpu.download(&from).unwrap(), &pool);
-        let into = gpu.download(&into).unwrap();
-        for &s in &slots {
-            assert_bits_eq("scan into another pool (states)", &into[s * sl..(s + 1) * sl], &scan_pool[s * sl..(s + 1) * sl]);
-        }
-        let mut short = nan(&gpu, pool.len() - 1);
-        assert!(k.delta_rule_into(&heads, &inputs, &segs, &mut up(&pool), &mut short, &mut o).is_err(), "pools of different lengths");
         // Every rows-per-warp variant, in blocks of every size, computes the same bits.
         let mut kr = GatedDeltaCuda::new(gpu.clone()).unwrap();
         for rows in RECURRENCE_VARIANTS {
