@@ -47,6 +47,18 @@ for B in (1, 16, 64, 256) if "decode" in sections else ():
 
     ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
     print(f"RESULT fla_decode batch={B} us={ms * 1e3:.3f}")
+    # Its kernel without the host: 50 steps (rotating the pools as above) captured in one CUDA
+    # graph, replayed, the time over 50 (tern's gdn_bench times 50 launches back to back).
+    try:
+        inner = 50
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                step()
+        ms = triton.testing.do_bench(graph.replay, warmup=5, rep=100, return_mode="median")
+        print(f"RESULT fla_decode_graph batch={B} us={ms * 1e3 / inner:.3f}")
+    except Exception as e:  # noqa: BLE001 - report and go on: the plain timing stands
+        print(f"fla decode batch={B}: no CUDA graph ({type(e).__name__}: {e})")
 
 if "prefill" in sections:
     print("fla prefill (chunk_gated_delta_rule, one sequence, state f32 V-first)")
