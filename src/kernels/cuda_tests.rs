@@ -103,21 +103,36 @@ fn cuda_gelu_matches_cpu_on_strided_views() {
     let gpu = gpu();
     let k = ActivationCuda::new(gpu.clone()).unwrap();
     let mut rng = rng("cuda_gelu_matches_cpu_on_strided_views");
-    for &(rows, width) in &[(1usize, 8usize), (33, 1152), (300, 512), (4, 6912)] {
+    // Widths that are multiples of 4 take the quad form, the others the general one.
+    for &(rows, width) in &[(1usize, 8usize), (33, 1152), (300, 512), (4, 6912), (3, 13), (7, 2), (65, 514)] {
         // [rows][gate | up], as one fused projection writes it.
         let gu = rng.vec(rows * 2 * width, -12.0, 12.0);
-        let (mut g, mut u) = (Vec::new(), Vec::new());
-        for r in gu.chunks(2 * width) {
-            g.extend_from_slice(&r[..width]);
-            u.extend_from_slice(&r[width..]);
-        }
-        super::activation::gelu_tanh_mul(&mut g, &u).unwrap();
         let dgu = gpu.upload(&gu).unwrap();
-        let mut out = nan(&gpu, rows * width);
-        let views = (View::new(&dgu, 0, 2 * width), View::new(&dgu, width, 2 * width));
-        k.gelu_tanh_mul(views.0, views.1, rows, width, NormOut { f32: Some(&mut out), bf16: None }).unwrap();
-        let e = check("gelu_tanh_mul", &gpu.download(&out).unwrap(), &g, BOUND);
-        eprintln!("gelu {rows}x{width}: {e:.2e}");
+        // The same rows one element further on: offsets that are not multiples of 4 take the
+        // general form, which must give the quad form's bits.
+        let shifted = gpu.upload(&[&[0.5f32][..], &gu[..]].concat()).unwrap();
+        for gelu in [true, false] {
+            let cpu = if gelu { super::activation::gelu_tanh_mul_views } else { super::activation::silu_mul_views };
+            let want = cpu((&gu, 0, 2 * width), (&gu, width, 2 * width), rows, width).unwrap();
+            let run = |buf, off: usize, out: NormOut| {
+                let (g, u) = (View::new(buf, off, 2 * width), View::new(buf, off + width, 2 * width));
+                if gelu { k.gelu_tanh_mul(g, u, rows, width, out) } else { k.silu_mul(g, u, rows, width, out) }.unwrap()
+            };
+            let (mut out, mut out16) = (nan(&gpu, rows * width), gpu.upload(&vec![0x7fc0u16; rows * width]).unwrap());
+            run(&dgu, 0, NormOut { f32: Some(&mut out), bf16: Some(&mut out16) });
+            let got = gpu.download(&out).unwrap();
+            let e = check(if gelu { "gelu_tanh_mul" } else { "silu_mul" }, &got, &want, BOUND);
+            let want16: Vec<u16> = got.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            assert_eq!(gpu.download(&out16).unwrap(), want16, "bf16 copy, gelu={gelu} {rows}x{width}");
+            // The bf16 copy alone, and the other form on the shifted rows.
+            let mut alone16 = gpu.upload(&vec![0x7fc0u16; rows * width]).unwrap();
+            run(&dgu, 0, NormOut { f32: None, bf16: Some(&mut alone16) });
+            assert_eq!(gpu.download(&alone16).unwrap(), want16, "bf16 output alone, gelu={gelu} {rows}x{width}");
+            let mut other = nan(&gpu, rows * width);
+            run(&shifted, 1, NormOut { f32: Some(&mut other), bf16: None });
+            assert_eq!(gpu.download(&other).unwrap(), got, "general and quad forms, gelu={gelu} {rows}x{width}");
+            eprintln!("gelu={gelu} {rows}x{width}: {e:.2e}");
+        }
     }
 }
 
