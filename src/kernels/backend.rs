@@ -230,6 +230,29 @@ pub trait Ops: Send + Sync + Sized {
         let y = self.linear(v, rows, w, None)?;
         self.add_norm_next(h, &y, norm, post, d, eps, next, out)
     }
+    /// A feed-forward block and the sandwich-norm step after it: `g = glu(a)` ([`Ops::glu`]),
+    /// `y = g·downᵀ`, `h = (h + rms(y)·norm)·post`, then with `next` the next pre-norm
+    /// `a = rms(h)·next` ([`Ops::linear_add_norm_next`]; without it `a` is left as it was).
+    /// A backend may hand `g` from the activation to the product in the precision the product
+    /// reads, with the same results.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_add_norm(
+        &self,
+        a: &mut Self::Buf,
+        rows: usize,
+        gate_up: &Self::Mat,
+        width: usize,
+        act: GatedActivation,
+        down: &Self::Mat,
+        h: &mut Self::Buf,
+        norm: &Self::Vector,
+        post: f32,
+        d: usize,
+        eps: f32,
+        next: Option<&Self::Vector>,
+    ) -> Result<()> {
+        ffn_add_norm_composed(self, a, rows, gate_up, width, act, down, h, norm, post, d, eps, next)
+    }
     /// `gelu_tanh(g)·u` over `rows × width`, contiguous out.
     fn gelu_tanh_mul(&self, g: View<Self::Buf>, u: View<Self::Buf>, rows: usize, width: usize) -> Result<Self::Buf>;
     /// In place on the heads of `x`'s rows (row stride `stride`), at each row's position in
@@ -754,6 +777,35 @@ pub fn matrix_shape(w: &Matrix) -> Result<(usize, usize)> {
     match w.shape()[..] {
         [out, inp] => Ok((out, inp)),
         _ => Err(Error::Shape(format!("{}: a matrix needs 2 dimensions, the tensor has {:?}", w.name(), w.shape()))),
+    }
+}
+
+
+/// [`Ops::ffn_add_norm`] as the ops it is made of (the trait's form, and a backend's where it
+/// has nothing better for the shapes at hand).
+#[allow(clippy::too_many_arguments)]
+pub fn ffn_add_norm_composed<O: Ops>(
+    ops: &O,
+    a: &mut O::Buf,
+    rows: usize,
+    gate_up: &O::Mat,
+    width: usize,
+    act: GatedActivation,
+    down: &O::Mat,
+    h: &mut O::Buf,
+    norm: &O::Vector,
+    post: f32,
+    d: usize,
+    eps: f32,
+    next: Option<&O::Vector>,
+) -> Result<()> {
+    let g = ops.glu(a, rows, gate_up, width, act)?;
+    match next {
+        Some(next) => ops.linear_add_norm_next(&g, rows, down, h, norm, post, d, eps, next, a),
+        None => {
+            let y = ops.linear(&g, rows, down, None)?;
+            ops.add_norm(h, &y, norm, post, d, eps)
+        }
     }
 }
 

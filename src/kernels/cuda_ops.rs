@@ -19,7 +19,7 @@ use crate::formats::Matrix;
 use crate::kernels::activation::cuda::ActivationCuda;
 use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch, GpuKv, KvAttentionCuda};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{check_past, gated_delta_in_steps, split_rows, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, View};
+use crate::kernels::backend::{check_past, ffn_add_norm_composed, gated_delta_in_steps, split_rows, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, View};
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::cuda::{ChunkAccumulate, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows, FUSED_MAX_DV};
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
@@ -240,6 +240,11 @@ pub struct CudaOps {
     /// (the default, and any other value of TERN_MOE_DEVICE_SORT) for steps of at most
     /// [`MOE_DEVICE_SORT_MAX_ROWS`] rows, else always (TERN_MOE_DEVICE_SORT=1) or never (=0).
     moe_device_sort: Option<bool>,
+    /// Whether a feed-forward block whose down product reads bf16 rows ([`Ops::ffn_add_norm`],
+    /// fast mode, prompts and documents) has its gated activation write those rows as bf16,
+    /// sparing the f32 rows' write and the conversion pass: TERN_FFN_BF16=1, opt-in until
+    /// timed on a GPU (the same bits).
+    ffn_bf16: bool,
     /// cuBLAS handles are not thread-safe and forward passes share the stream: one at a time.
     exclusive: Mutex<()>,
     /// Recorded steps by their keys (Err: recording failed, run plainly).
@@ -278,6 +283,14 @@ impl Drop for OpTimer<'_> {
 }
 
 impl CudaOps {
+    /// These ops with a feed-forward block's activation handing bf16 rows to the down product
+    /// (`true`) or not, whatever TERN_FFN_BF16 says: the device test compares the two.
+    #[cfg(test)]
+    pub(crate) fn with_ffn_bf16(mut self, on: bool) -> Self {
+        self.ffn_bf16 = on;
+        self
+    }
+
     /// These ops with a prompt's MoE slots sorted on the device (`true`) or on the host: the
     /// device test runs both, whatever TERN_MOE_DEVICE_SORT says.
     #[cfg(test)]
@@ -340,6 +353,7 @@ impl CudaOps {
                 _ => None,
             },
             moe_tile_rows: std::env::var("TERN_MOE_TILE_ROWS").ok().and_then(|v| v.parse().ok()),
+            ffn_bf16: std::env::var("TERN_FFN_BF16").is_ok_and(|v| v == "1"),
             exclusive: Mutex::new(()),
             graphs: Mutex::new(HashMap::new()),
             profile: std::env::var_os("TERN_CUDA_PROFILE").map(|v| Profile {
@@ -871,6 +885,46 @@ impl Ops for CudaOps {
         }
         let y = self.linear(v, rows, w, None)?;
         self.add_norm_next(h, &y, norm, post, d, eps, next, out)
+    }
+
+    fn ffn_add_norm(
+        &self,
+        a: &mut CudaSlice<f32>,
+        rows: usize,
+        gate_up: &GpuMatrix,
+        width: usize,
+        act: GatedActivation,
+        down: &GpuMatrix,
+        h: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        post: f32,
+        d: usize,
+        eps: f32,
+        next: Option<&CudaSlice<f32>>,
+    ) -> Result<()> {
+        // The activation writes bf16 rows straight for the down product when both products are
+        // the tensor-core GEMMs that would round their input rows to bf16 anyway; otherwise
+        // the composed ops, as the trait's form.
+        let handoff = self.ffn_bf16 && gate_up.out == 2 * width && self.blas.takes_bf16_rows(rows, gate_up) && self.blas.takes_bf16_rows(rows, down);
+        if !handoff {
+            return ffn_add_norm_composed(self, a, rows, gate_up, width, act, down, h, norm, post, d, eps, next);
+        }
+        let _timer = self.op_timer("ffn (gemm, bf16 rows)");
+        check_len("ffn output", down.out, d)?;
+        let mut gu = self.gpu.alloc::<f32>(rows * gate_up.out)?;
+        self.blas.linear(a, rows, gate_up, &mut gu)?;
+        let mut g16 = self.gpu.alloc::<u16>(rows * width)?;
+        let (g, u) = (View::new(&gu, 0, 2 * width), View::new(&gu, width, 2 * width));
+        let rounded = NormOut { f32: None, bf16: Some(&mut g16) };
+        match act {
+            GatedActivation::Silu => self.activation.silu_mul(g, u, rows, width, rounded)?,
+            GatedActivation::GeluTanh => self.activation.gelu_tanh_mul(g, u, rows, width, rounded)?,
+        }
+        drop(gu);
+        let mut y = self.gpu.alloc::<f32>(rows * d)?;
+        self.blas.linear_bf16(&g16, rows, down, &mut y)?;
+        drop(g16);
+        self.norm.add_norm(h, &y, norm, post, d, eps, next.map(|n| (n, Self::out(a))))
     }
 
     fn gelu_tanh_mul(&self, g: View<CudaSlice<f32>>, u: View<CudaSlice<f32>>, rows: usize, width: usize) -> Result<CudaSlice<f32>> {

@@ -945,3 +945,51 @@ fn cuda_best_logits_match_cpu() {
         }
     }
 }
+
+/// A feed-forward block with the activation writing its rows as bf16 for the down product
+/// (TERN_FFN_BF16) gives the composed ops' bits in fast mode (the same rounding, now in the
+/// activation instead of a conversion pass), with and without the next pre-norm, for GELU
+/// and SiLU; and both stay within fast mode's bound of the CPU's f32 block. Every shape has
+/// more rows than the GEMV takes, so both products are tensor-core GEMMs.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_ffn_bf16_rows_give_the_composed_bits() {
+    use crate::formats::Matrix;
+    use crate::kernels::backend::{CpuOps, GatedActivation, Ops};
+    use crate::kernels::cuda_ops::CudaOps;
+    let gpu = gpu();
+    let composed = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_ffn_bf16(false);
+    let handed = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_ffn_bf16(true);
+    let cpu = CpuOps;
+    let mut rng = rng("cuda_ffn_bf16_rows_give_the_composed_bits");
+    for &(rows, d, width) in &[(9usize, 64usize, 128usize), (300, 512, 2048), (70, 96, 100)] {
+        let gate_up = Matrix::F32(Tensor::owned("gate_up", vec![2 * width, d], rng.vec(2 * width * d, -0.2, 0.2)));
+        let down = Matrix::F32(Tensor::owned("down", vec![d, width], rng.vec(d * width, -0.2, 0.2)));
+        let (norm, next) = (rng.vec(d, 0.5, 1.5), rng.vec(d, 0.5, 1.5));
+        let (a0, h0) = (rng.vec(rows * d, -2.0, 2.0), rng.vec(rows * d, -2.0, 2.0));
+        for act in [GatedActivation::GeluTanh, GatedActivation::Silu] {
+            for with_next in [false, true] {
+                let what = format!("ffn {rows}x{d}, width {width}, {act:?}, next {with_next}");
+                let run = |ops: &CudaOps| -> (Vec<f32>, Vec<f32>) {
+                    let (gu, dn) = (ops.matrix(gate_up.clone()).unwrap(), ops.matrix(down.clone()).unwrap());
+                    let (nw, nx) = (ops.vector(norm.clone()).unwrap(), ops.vector(next.clone()).unwrap());
+                    let (mut a, mut h) = (gpu.upload(&a0).unwrap(), gpu.upload(&h0).unwrap());
+                    ops.ffn_add_norm(&mut a, rows, &gu, width, act, &dn, &mut h, &nw, 0.7, d, 1e-6, with_next.then_some(&nx)).unwrap();
+                    (gpu.download(&a).unwrap(), gpu.download(&h).unwrap())
+                };
+                let (want, got) = (run(&composed), run(&handed));
+                assert_eq!(got.1, want.1, "{what}: h");
+                assert_eq!(got.0, want.0, "{what}: a");
+                let (gu, dn) = (cpu.matrix(gate_up.clone()).unwrap(), cpu.matrix(down.clone()).unwrap());
+                let (nw, nx) = (cpu.vector(norm.clone()).unwrap(), cpu.vector(next.clone()).unwrap());
+                let (mut a, mut h) = (a0.clone(), h0.clone());
+                cpu.ffn_add_norm(&mut a, rows, &gu, width, act, &dn, &mut h, &nw, 0.7, d, 1e-6, with_next.then_some(&nx)).unwrap();
+                let e = check(&format!("{what}: h against the CPU"), &got.1, &h, 2e-2);
+                if with_next {
+                    check(&format!("{what}: a against the CPU"), &got.0, &a, 2e-2);
+                }
+                eprintln!("{what}: bits equal, {e:.2e} from the CPU");
+            }
+        }
+    }
+}

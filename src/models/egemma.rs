@@ -520,20 +520,17 @@ impl<O: Ops> Encoder<O> {
         drop(qkv);
         ops.linear_add_norm_next(&att, t, &layer.wo, x, &layer.post_attn_norm, 1.0, h, cfg.eps, &layer.pre_ff_norm, a)?;
         drop(att);
-        let i = cfg.intermediate;
-        let g = ops.glu(a, t, &layer.gate_up, i, GatedActivation::GeluTanh)?;
+        let (i, gelu) = (cfg.intermediate, GatedActivation::GeluTanh);
         match (&layer.ple, ple) {
             (Some(block), Some(ple)) => {
-                let m = ops.linear(&g, t, &layer.down, None)?;
-                drop(g);
-                ops.add_norm(x, &m, &layer.post_ff_norm, 1.0, h, cfg.eps)?;
+                ops.ffn_add_norm(a, t, &layer.gate_up, i, gelu, &layer.down, x, &layer.post_ff_norm, 1.0, h, cfg.eps, None)?;
                 let (pd, nl) = (cfg.ple_dim, cfg.layers.len());
                 let pg = ops.linear(x, t, &block.gate, None)?;
                 let pg = ops.gelu_tanh_mul(View::new(&pg, 0, pd), View::new(ple, index * pd, nl * pd), t, pd)?;
                 let p = ops.linear(&pg, t, &block.proj, None)?;
                 ops.add_norm_next(x, &p, &block.post_norm, layer.layer_scalar, h, cfg.eps, next_norm, a)
             }
-            _ => ops.linear_add_norm_next(&g, t, &layer.down, x, &layer.post_ff_norm, 1.0, h, cfg.eps, next_norm, a),
+            _ => ops.ffn_add_norm(a, t, &layer.gate_up, i, gelu, &layer.down, x, &layer.post_ff_norm, 1.0, h, cfg.eps, Some(next_norm)),
         }
     }
 }

@@ -520,22 +520,57 @@ impl Blas {
                 self.expand(&self.expand_q8_f32, &[g.ptr(quants), g.ptr(scales)], n, g.ptr(e))?;
                 f32_operands(g.ptr(e))
             }
-            (weights, true) => {
-                let wp = match weights {
-                    GpuWeights::Q8 { quants, scales } => {
-                        let e = w16.insert(g.alloc::<u16>(n)?);
-                        self.expand(&self.expand_q8_bf16, &[g.ptr(quants), g.ptr(scales)], n, g.ptr(e))?;
-                        g.ptr(e)
-                    }
-                    GpuWeights::Bf16(wd) => g.ptr(wd),
-                    GpuWeights::F32(_) => unreachable!("matched above"),
-                };
+            (_, true) => {
+                let wp = self.bf16_weights(w, &mut w16)?;
                 let xb = x16.insert(g.alloc::<u16>(x.len())?);
                 self.to_bf16(x, xb)?;
                 (wp, blas_sys::cudaDataType_t::CUDA_R_16BF, g.ptr(xb), blas_sys::cudaDataType_t::CUDA_R_16BF)
             }
         };
         self.gemm(operands, rows, w, g.ptr(y))
+    }
+
+    /// Whether [`Blas::linear`] of `rows` rows through `w` rounds its input rows to bf16 for
+    /// the tensor cores (fast mode, bf16 or Q8_0 weights, too many rows for the GEMV): then a
+    /// producer may write its rows as bf16 and hand them to [`Blas::linear_bf16`], sparing the
+    /// f32 rows' write and the conversion pass's read.
+    pub fn takes_bf16_rows(&self, rows: usize, w: &GpuMatrix) -> bool {
+        self.tensor_cores && !matches!(w.w, GpuWeights::F32(_)) && !self.gemv_fits(rows, w)
+    }
+
+    /// [`Blas::linear`] from rows already rounded to bf16, as its tensor-core path rounds f32
+    /// rows ([`Blas::takes_bf16_rows`] must hold): the same product, so the same bits as
+    /// [`Blas::linear`] of the f32 rows those bf16 rows were rounded from.
+    pub fn linear_bf16(&self, x16: &CudaSlice<u16>, rows: usize, w: &GpuMatrix, y: &mut CudaSlice<f32>) -> Result<()> {
+        check_len("linear input", x16.len(), rows * w.inp)?;
+        check_len("linear output", y.len(), rows * w.out)?;
+        if !self.takes_bf16_rows(rows, w) {
+            return Err(Error::Shape(format!("linear of bf16 rows: {rows} rows through a {}×{} matrix do not take the tensor-core product", w.out, w.inp)));
+        }
+        if rows == 0 || w.out == 0 {
+            return Ok(());
+        }
+        let g = &self.gpu;
+        let mut w16 = None;
+        let wp = self.bf16_weights(w, &mut w16)?;
+        let bf16 = blas_sys::cudaDataType_t::CUDA_R_16BF;
+        self.gemm((wp, bf16, g.ptr(x16), bf16), rows, w, g.ptr(y))
+    }
+
+    /// The bf16 operand of a tensor-core product through `w`: its own bf16 weights, or Q8_0
+    /// weights expanded into `scratch` (which lives until the product is queued).
+    fn bf16_weights(&self, w: &GpuMatrix, scratch: &mut Option<CudaSlice<u16>>) -> Result<u64> {
+        let g = &self.gpu;
+        match &w.w {
+            GpuWeights::Q8 { quants, scales } => {
+                let n = w.out * w.inp;
+                let e = scratch.insert(g.alloc::<u16>(n)?);
+                self.expand(&self.expand_q8_bf16, &[g.ptr(quants), g.ptr(scales)], n, g.ptr(e))?;
+                Ok(g.ptr(e))
+            }
+            GpuWeights::Bf16(wd) => Ok(g.ptr(wd)),
+            GpuWeights::F32(_) => Err(Error::Shape("a tensor-core product of f32 weights".into())),
+        }
     }
 
     /// Y[r0 .. r0 + n] = X[r0 .. r0 + n]·W_gᵀ for each group (W_g, r0, n) of the rows of one X
