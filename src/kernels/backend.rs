@@ -780,7 +780,6 @@ pub fn matrix_shape(w: &Matrix) -> Result<(usize, usize)> {
     }
 }
 
-
 /// [`Ops::ffn_add_norm`] as the ops it is made of (the trait's form, and a backend's where it
 /// has nothing better for the shapes at hand).
 #[allow(clippy::too_many_arguments)]

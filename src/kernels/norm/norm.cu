@@ -2,8 +2,8 @@
 // ((x·pre)·inv)·w, the inverse RMS from a double sum rounded to f32 once), so results differ
 // from the CPU only by the order of the double sum. One block per row; a row's values are
 // re-read from L1 for the second pass rather than held in registers, so any width works.
-// Every output may also be written as bf16 (`y16`, nullable): the fast mode's GEMMs read it,
-// which saves a conversion pass over each normalised activation.
+// Every output may also be written as bf16 (`y16`, nullable), for a consumer that reads bf16
+// rows (a fast-mode GEMM) without a conversion pass.
 
 // The inverse RMS from each thread's partial sum of squares.
 __device__ __forceinline__ float tern_rms_finish(double ss, int d, float eps, double* scratch) {
