@@ -268,6 +268,29 @@ pub trait Ops: Send + Sync + Sized {
         batch: &Self::Batch,
         shape: &AttentionShape,
     ) -> Result<Self::Buf>;
+    /// An attention sublayer's end: [`Ops::attention`], then its output projection and the
+    /// sandwich-norm step after it ([`Ops::linear_add_norm_next`] of the attention's `rows`
+    /// rows through `wo`). A backend may hand the attention's rows to the product in the
+    /// precision the product reads, with the same results.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_add_norm_next(
+        &self,
+        (q, k, v): (View<Self::Buf>, View<Self::Buf>, View<Self::Buf>),
+        batch: &Self::Batch,
+        shape: &AttentionShape,
+        rows: usize,
+        wo: &Self::Mat,
+        h: &mut Self::Buf,
+        norm: &Self::Vector,
+        post: f32,
+        d: usize,
+        eps: f32,
+        next: &Self::Vector,
+        out: &mut Self::Buf,
+    ) -> Result<()> {
+        let att = self.attention(q, k, v, batch, shape)?;
+        self.linear_add_norm_next(&att, rows, wo, h, norm, post, d, eps, next, out)
+    }
     /// Mean of each sequence's rows, [sequences][d].
     fn mean_pool(&self, h: &Self::Buf, d: usize, batch: &Self::Batch) -> Result<Self::Buf>;
     fn to_host(&self, x: &Self::Buf) -> Result<Vec<f32>>;

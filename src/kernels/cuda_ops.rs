@@ -240,11 +240,12 @@ pub struct CudaOps {
     /// (the default, and any other value of TERN_MOE_DEVICE_SORT) for steps of at most
     /// [`MOE_DEVICE_SORT_MAX_ROWS`] rows, else always (TERN_MOE_DEVICE_SORT=1) or never (=0).
     moe_device_sort: Option<bool>,
-    /// Whether a feed-forward block whose down product reads bf16 rows ([`Ops::ffn_add_norm`],
-    /// fast mode, prompts and documents) has its gated activation write those rows as bf16,
-    /// sparing the f32 rows' write and the conversion pass: TERN_FFN_BF16=1, opt-in until
-    /// timed on a GPU (the same bits).
-    ffn_bf16: bool,
+    /// Whether, where a product reads bf16 rows (fast mode's tensor-core GEMMs: prompts and
+    /// documents), the op before it writes them as bf16 straight: a feed-forward block's gated
+    /// activation for its down product ([`Ops::ffn_add_norm`]) and the attention for its output
+    /// projection ([`Ops::attention_add_norm_next`]), sparing the f32 rows' write and the
+    /// conversion pass. TERN_BF16_ROWS=1, opt-in until timed on a GPU (the same bits).
+    bf16_rows: bool,
     /// cuBLAS handles are not thread-safe and forward passes share the stream: one at a time.
     exclusive: Mutex<()>,
     /// Recorded steps by their keys (Err: recording failed, run plainly).
@@ -283,11 +284,11 @@ impl Drop for OpTimer<'_> {
 }
 
 impl CudaOps {
-    /// These ops with a feed-forward block's activation handing bf16 rows to the down product
-    /// (`true`) or not, whatever TERN_FFN_BF16 says: the device test compares the two.
+    /// These ops with bf16 rows handed to the products that read them (`true`) or not,
+    /// whatever TERN_BF16_ROWS says: the device tests compare the two.
     #[cfg(test)]
-    pub(crate) fn with_ffn_bf16(mut self, on: bool) -> Self {
-        self.ffn_bf16 = on;
+    pub(crate) fn with_bf16_rows(mut self, on: bool) -> Self {
+        self.bf16_rows = on;
         self
     }
 
@@ -353,7 +354,7 @@ impl CudaOps {
                 _ => None,
             },
             moe_tile_rows: std::env::var("TERN_MOE_TILE_ROWS").ok().and_then(|v| v.parse().ok()),
-            ffn_bf16: std::env::var("TERN_FFN_BF16").is_ok_and(|v| v == "1"),
+            bf16_rows: std::env::var("TERN_BF16_ROWS").is_ok_and(|v| v == "1"),
             exclusive: Mutex::new(()),
             graphs: Mutex::new(HashMap::new()),
             profile: std::env::var_os("TERN_CUDA_PROFILE").map(|v| Profile {
@@ -905,7 +906,7 @@ impl Ops for CudaOps {
         // The activation writes bf16 rows straight for the down product when both products are
         // the tensor-core GEMMs that would round their input rows to bf16 anyway; otherwise
         // the composed ops, as the trait's form.
-        let handoff = self.ffn_bf16 && gate_up.out == 2 * width && self.blas.takes_bf16_rows(rows, gate_up) && self.blas.takes_bf16_rows(rows, down);
+        let handoff = self.bf16_rows && gate_up.out == 2 * width && self.blas.takes_bf16_rows(rows, gate_up) && self.blas.takes_bf16_rows(rows, down);
         if !handoff {
             return ffn_add_norm_composed(self, a, rows, gate_up, width, act, down, h, norm, post, d, eps, next);
         }
@@ -958,6 +959,37 @@ impl Ops for CudaOps {
             Precision::Bf16 => self.attention.attention_bf16(q, k, v, &batch.att, shape, Self::out(&mut out))?,
         }
         Ok(out)
+    }
+
+    fn attention_add_norm_next(
+        &self,
+        (q, k, v): (View<CudaSlice<f32>>, View<CudaSlice<f32>>, View<CudaSlice<f32>>),
+        batch: &CudaBatch,
+        shape: &AttentionShape,
+        rows: usize,
+        wo: &GpuMatrix,
+        h: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        post: f32,
+        d: usize,
+        eps: f32,
+        next: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        // Fast mode's attention writes bf16 rows straight for the output projection when that
+        // is a tensor-core GEMM, which would round its input rows to bf16 anyway.
+        let handoff = self.bf16_rows && self.precision == Precision::Bf16 && rows == batch.att.rows && self.blas.takes_bf16_rows(rows, wo);
+        if !handoff {
+            let att = self.attention(q, k, v, batch, shape)?;
+            return self.linear_add_norm_next(&att, rows, wo, h, norm, post, d, eps, next, out);
+        }
+        let _timer = self.op_timer("attention (bf16 rows) + gemm");
+        let mut att16 = self.gpu.alloc::<u16>(rows * shape.q_heads * shape.hd)?;
+        self.attention.attention_bf16(q, k, v, &batch.att, shape, NormOut { f32: None, bf16: Some(&mut att16) })?;
+        let mut y = self.gpu.alloc::<f32>(rows * wo.out)?;
+        self.blas.linear_bf16(&att16, rows, wo, &mut y)?;
+        drop(att16);
+        self.norm.add_norm(h, &y, norm, post, d, eps, Some((next, Self::out(out))))
     }
 
     fn mean_pool(&self, h: &CudaSlice<f32>, d: usize, batch: &CudaBatch) -> Result<CudaSlice<f32>> {

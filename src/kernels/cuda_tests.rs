@@ -947,7 +947,7 @@ fn cuda_best_logits_match_cpu() {
 }
 
 /// A feed-forward block with the activation writing its rows as bf16 for the down product
-/// (TERN_FFN_BF16) gives the composed ops' bits in fast mode (the same rounding, now in the
+/// (TERN_BF16_ROWS) gives the composed ops' bits in fast mode (the same rounding, now in the
 /// activation instead of a conversion pass), with and without the next pre-norm, for GELU
 /// and SiLU; and both stay within fast mode's bound of the CPU's f32 block. Every shape has
 /// more rows than the GEMV takes, so both products are tensor-core GEMMs.
@@ -958,8 +958,8 @@ fn cuda_ffn_bf16_rows_give_the_composed_bits() {
     use crate::kernels::backend::{CpuOps, GatedActivation, Ops};
     use crate::kernels::cuda_ops::CudaOps;
     let gpu = gpu();
-    let composed = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_ffn_bf16(false);
-    let handed = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_ffn_bf16(true);
+    let composed = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_bf16_rows(false);
+    let handed = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_bf16_rows(true);
     let cpu = CpuOps;
     let mut rng = rng("cuda_ffn_bf16_rows_give_the_composed_bits");
     for &(rows, d, width) in &[(9usize, 64usize, 128usize), (300, 512, 2048), (70, 96, 100)] {
@@ -991,5 +991,32 @@ fn cuda_ffn_bf16_rows_give_the_composed_bits() {
                 eprintln!("{what}: bits equal, {e:.2e} from the CPU");
             }
         }
+    }
+}
+
+/// Whole fast-mode encoders with bf16 rows handed from the attention and the gated activation
+/// to the products that read them (TERN_BF16_ROWS) give the hidden states of the composed ops
+/// bit for bit: a batch of 153 rows (the GEMM path), with and without per-layer inputs (the
+/// feed-forward block without and with the next pre-norm).
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_encoder_bf16_rows_give_the_composed_bits() {
+    use crate::kernels::backend::Ops;
+    use crate::kernels::cuda_ops::CudaOps;
+    use crate::models::egemma::Encoder;
+    let gpu = gpu();
+    let mut rng = rng("cuda_encoder_bf16_rows_give_the_composed_bits");
+    for name in ["egemma300m-tiny-f32", "egemma2-tiny-f32"] {
+        let dir = fixture(name);
+        let load = |on| Encoder::load_on(&dir, 64, CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_bf16_rows(on)).unwrap();
+        let (composed, handed) = (load(false), load(true));
+        let lengths = [1usize, 7, 17, 33, 47, 48];
+        let ids: Vec<u32> = (0..lengths.iter().sum::<usize>()).map(|_| 2 + rng.next_u32() % 200).collect();
+        let segs = pack(lengths);
+        let want = composed.ops().to_host(&composed.forward(&ids, &segs).unwrap()).unwrap();
+        let got = handed.ops().to_host(&handed.forward(&ids, &segs).unwrap()).unwrap();
+        assert!(want.iter().all(|v| v.is_finite()), "{name}: finite hidden states");
+        assert_eq!(got, want, "{name}: hidden states with bf16 rows handed on");
+        eprintln!("{name}: {} hidden values, the same bits", got.len());
     }
 }

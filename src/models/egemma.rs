@@ -516,10 +516,9 @@ impl<O: Ops> Encoder<O> {
             scale: cfg.attention_scale,
             max_distance: (kind == LayerKind::Sliding).then(|| cfg.window_max_distance()),
         };
-        let att = ops.attention(View::new(&qkv, 0, ld), View::new(&qkv, qw, ld), View::new(&qkv, qw + kw, ld), batch, &shape)?;
+        let qkv_views = (View::new(&qkv, 0, ld), View::new(&qkv, qw, ld), View::new(&qkv, qw + kw, ld));
+        ops.attention_add_norm_next(qkv_views, batch, &shape, t, &layer.wo, x, &layer.post_attn_norm, 1.0, h, cfg.eps, &layer.pre_ff_norm, a)?;
         drop(qkv);
-        ops.linear_add_norm_next(&att, t, &layer.wo, x, &layer.post_attn_norm, 1.0, h, cfg.eps, &layer.pre_ff_norm, a)?;
-        drop(att);
         let (i, gelu) = (cfg.intermediate, GatedActivation::GeluTanh);
         match (&layer.ple, ple) {
             (Some(block), Some(ple)) => {
