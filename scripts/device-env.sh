@@ -46,3 +46,27 @@ tern_python_packages() {
   done
   export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 }
+
+# Writes a variant of a kernel module for TERN_CUDA_SOURCE_DIR, from the repository's sources:
+#   tern_source_variant DIR MODULE SED_SCRIPT FILE...
+# DIR/MODULE.cu becomes the FILEs joined by newlines, as the module's KernelSource joins them
+# (e.g. src/kernels/gated_delta/cuda/common.cuh then recurrence.cu for tern_gdn_recurrence;
+# src/kernels/prelude.cuh then the family's .cu for the others), edited by sed's SED_SCRIPT.
+# Fails when the edit changes nothing, so that a stale pattern cannot time the default twice.
+tern_source_variant() {
+  local dir=$1 module=$2 script=$3 first=1 f
+  shift 3
+  mkdir -p "$dir"
+  for f in "$@"; do
+    if [ $first = 0 ]; then printf '\n'; fi
+    cat "$f"
+    first=0
+  done > "$dir/$module.cu.orig"
+  sed -e "$script" "$dir/$module.cu.orig" > "$dir/$module.cu"
+  if cmp -s "$dir/$module.cu.orig" "$dir/$module.cu"; then
+    echo "tern_source_variant: '$script' changes nothing in $module" >&2
+    rm -f "$dir/$module.cu" "$dir/$module.cu.orig"
+    return 1
+  fi
+  rm -f "$dir/$module.cu.orig"
+}
