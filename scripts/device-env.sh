@@ -52,17 +52,24 @@ tern_python_packages() {
 # DIR/MODULE.cu becomes the FILEs joined by newlines, as the module's KernelSource joins them
 # (e.g. src/kernels/gated_delta/cuda/common.cuh then recurrence.cu for tern_gdn_recurrence;
 # src/kernels/prelude.cuh then the family's .cu for the others), edited by sed's SED_SCRIPT.
-# Fails when the edit changes nothing, so that a stale pattern cannot time the default twice.
+# Fails (writing nothing) when a FILE cannot be read, sed fails, or the edit changes nothing, so
+# that a stale pattern cannot time the default twice.
 tern_source_variant() {
   local dir=$1 module=$2 script=$3 first=1 f
   shift 3
+  for f in "$@"; do
+    [ -r "$f" ] || { echo "tern_source_variant: cannot read $f" >&2; return 1; }
+  done
   mkdir -p "$dir"
   for f in "$@"; do
     if [ $first = 0 ]; then printf '\n'; fi
     cat "$f"
     first=0
   done > "$dir/$module.cu.orig"
-  sed -e "$script" "$dir/$module.cu.orig" > "$dir/$module.cu"
+  if ! sed -e "$script" "$dir/$module.cu.orig" > "$dir/$module.cu"; then
+    rm -f "$dir/$module.cu" "$dir/$module.cu.orig"
+    return 1
+  fi
   if cmp -s "$dir/$module.cu.orig" "$dir/$module.cu"; then
     echo "tern_source_variant: '$script' changes nothing in $module" >&2
     rm -f "$dir/$module.cu" "$dir/$module.cu.orig"

@@ -109,7 +109,8 @@ fn cuda_gelu_matches_cpu_on_strided_views() {
         let gu = rng.vec(rows * 2 * width, -12.0, 12.0);
         let dgu = gpu.upload(&gu).unwrap();
         // The same rows one element further on: offsets that are not multiples of 4 take the
-        // general form, which must give the quad form's bits.
+        // general form, which must give the quad form's bits (for the widths that take the
+        // quad form; the others compare the general form at two offsets).
         let shifted = gpu.upload(&[&[0.5f32][..], &gu[..]].concat()).unwrap();
         for gelu in [true, false] {
             let cpu = if gelu { super::activation::gelu_tanh_mul_views } else { super::activation::silu_mul_views };
@@ -130,7 +131,7 @@ fn cuda_gelu_matches_cpu_on_strided_views() {
             assert_eq!(gpu.download(&alone16).unwrap(), want16, "bf16 output alone, gelu={gelu} {rows}x{width}");
             let mut other = nan(&gpu, rows * width);
             run(&shifted, 1, NormOut { f32: Some(&mut other), bf16: None });
-            assert_eq!(gpu.download(&other).unwrap(), got, "general and quad forms, gelu={gelu} {rows}x{width}");
+            assert_eq!(gpu.download(&other).unwrap(), got, "the rows at an unaligned offset (general form), gelu={gelu} {rows}x{width}");
             eprintln!("gelu={gelu} {rows}x{width}: {e:.2e}");
         }
     }
@@ -962,7 +963,10 @@ fn cuda_ffn_bf16_rows_give_the_composed_bits() {
     let handed = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_bf16_rows(true);
     let cpu = CpuOps;
     let mut rng = rng("cuda_ffn_bf16_rows_give_the_composed_bits");
-    for &(rows, d, width) in &[(9usize, 64usize, 128usize), (300, 512, 2048), (70, 96, 100)] {
+    // Asks what the ops ask: whether the products are the GEMMs that read bf16 rows, so that
+    // the hand-off is what these shapes exercise.
+    let bf16_blas = Blas::new(gpu.clone(), true).unwrap();
+    for &(rows, d, width) in &[(GEMV_MAX_ROWS + 1, 64usize, 128usize), (300, 512, 2048), (70, 96, 100)] {
         let gate_up = Matrix::F32(Tensor::owned("gate_up", vec![2 * width, d], rng.vec(2 * width * d, -0.2, 0.2)));
         let down = Matrix::F32(Tensor::owned("down", vec![d, width], rng.vec(d * width, -0.2, 0.2)));
         let (norm, next) = (rng.vec(d, 0.5, 1.5), rng.vec(d, 0.5, 1.5));
@@ -972,6 +976,7 @@ fn cuda_ffn_bf16_rows_give_the_composed_bits() {
                 let what = format!("ffn {rows}x{d}, width {width}, {act:?}, next {with_next}");
                 let run = |ops: &CudaOps| -> (Vec<f32>, Vec<f32>) {
                     let (gu, dn) = (ops.matrix(gate_up.clone()).unwrap(), ops.matrix(down.clone()).unwrap());
+                    assert!(bf16_blas.takes_bf16_rows(rows, &gu) && bf16_blas.takes_bf16_rows(rows, &dn), "{what}: not the GEMM path");
                     let (nw, nx) = (ops.vector(norm.clone()).unwrap(), ops.vector(next.clone()).unwrap());
                     let (mut a, mut h) = (gpu.upload(&a0).unwrap(), gpu.upload(&h0).unwrap());
                     ops.ffn_add_norm(&mut a, rows, &gu, width, act, &dn, &mut h, &nw, 0.7, d, 1e-6, with_next.then_some(&nx)).unwrap();
@@ -995,9 +1000,9 @@ fn cuda_ffn_bf16_rows_give_the_composed_bits() {
 }
 
 /// Whole fast-mode encoders with bf16 rows handed from the attention and the gated activation
-/// to the products that read them (TERN_BF16_ROWS) give the hidden states of the composed ops
-/// bit for bit: a batch of 153 rows (the GEMM path), with and without per-layer inputs (the
-/// feed-forward block without and with the next pre-norm).
+/// to the products that read them (TERN_BF16_ROWS) give the composed ops' pooled states bit for
+/// bit: a batch of 153 rows (the GEMM path), with and without per-layer inputs (the
+/// feed-forward block without and with the next pre-norm). The op tests compare every row.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_encoder_bf16_rows_give_the_composed_bits() {
@@ -1016,7 +1021,70 @@ fn cuda_encoder_bf16_rows_give_the_composed_bits() {
         let want = composed.ops().to_host(&composed.forward(&ids, &segs).unwrap()).unwrap();
         let got = handed.ops().to_host(&handed.forward(&ids, &segs).unwrap()).unwrap();
         assert!(want.iter().all(|v| v.is_finite()), "{name}: finite hidden states");
-        assert_eq!(got, want, "{name}: hidden states with bf16 rows handed on");
-        eprintln!("{name}: {} hidden values, the same bits", got.len());
+        assert_eq!(got, want, "{name}: pooled states with bf16 rows handed on");
+        eprintln!("{name}: {} pooled values, the same bits", got.len());
+    }
+}
+
+/// An attention sublayer's end with the attention writing bf16 rows straight for the output
+/// projection (TERN_BF16_ROWS) gives the composed ops' bits in fast mode, every row of h and of
+/// the next pre-norm, through each attention kernel that fast mode runs: the short one (every
+/// sequence ≤ 32 rows, at most 64 rows), the f32 tile one (longer sequences, at most 64 rows)
+/// and the tensor-core one (more rows); windows and grouped heads; within fast mode's bound of
+/// the CPU.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_attention_bf16_rows_give_the_composed_bits() {
+    use crate::formats::Matrix;
+    use crate::kernels::backend::{CpuOps, Ops};
+    use crate::kernels::cuda_ops::CudaOps;
+    let gpu = gpu();
+    let composed = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_bf16_rows(false);
+    let handed = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_bf16_rows(true);
+    let bf16_blas = Blas::new(gpu.clone(), true).unwrap();
+    let cpu = CpuOps;
+    let mut rng = rng("cuda_attention_bf16_rows_give_the_composed_bits");
+    let d = 64;
+    // (sequence lengths, query heads, kv heads, head size, window)
+    let cases: [(&[usize], usize, usize, usize, Option<usize>); 4] = [
+        (&[GEMV_MAX_ROWS + 1], 2, 1, 64, None),
+        (&[5, 20, 8], 4, 2, 256, Some(6)),
+        (&[40, 9], 2, 2, 128, None),
+        (&[100, 30], 4, 1, 512, Some(40)),
+    ];
+    for (lengths, q_heads, kv_heads, hd, window) in cases {
+        let rows: usize = lengths.iter().sum();
+        let shape = AttentionShape { q_heads, kv_heads, hd, scale: 1.0 / (hd as f32).sqrt(), max_distance: window };
+        let (qw, kw) = (q_heads * hd, kv_heads * hd);
+        let ld = qw + 2 * kw;
+        let qkv = rng.vec(rows * ld, -1.0, 1.0);
+        let wo = Matrix::F32(Tensor::owned("wo", vec![d, qw], rng.vec(d * qw, -0.1, 0.1)));
+        let (norm, next) = (rng.vec(d, 0.5, 1.5), rng.vec(d, 0.5, 1.5));
+        let h0 = rng.vec(rows * d, -2.0, 2.0);
+        let segs = pack(lengths.iter().copied());
+        let ids = vec![0u32; rows];
+        let what = format!("attention end, lengths {lengths:?}, {q_heads}/{kv_heads} heads of {hd}, window {window:?}");
+        let run = |ops: &CudaOps| -> (Vec<f32>, Vec<f32>) {
+            let batch = ops.batch(&segs, &ids).unwrap();
+            let w = ops.matrix(wo.clone()).unwrap();
+            assert!(bf16_blas.takes_bf16_rows(rows, &w), "{what}: not the GEMM path");
+            let (nw, nx) = (ops.vector(norm.clone()).unwrap(), ops.vector(next.clone()).unwrap());
+            let x = gpu.upload(&qkv).unwrap();
+            let (mut h, mut out) = (gpu.upload(&h0).unwrap(), nan(&gpu, rows * d));
+            let views = (View::new(&x, 0, ld), View::new(&x, qw, ld), View::new(&x, qw + kw, ld));
+            ops.attention_add_norm_next(views, &batch, &shape, rows, &w, &mut h, &nw, 0.8, d, 1e-6, &nx, &mut out).unwrap();
+            (gpu.download(&h).unwrap(), gpu.download(&out).unwrap())
+        };
+        let (want, got) = (run(&composed), run(&handed));
+        assert_eq!(got.0, want.0, "{what}: h");
+        assert_eq!(got.1, want.1, "{what}: next pre-norm");
+        let batch = cpu.batch(&segs, &ids).unwrap();
+        let w = cpu.matrix(wo.clone()).unwrap();
+        let views = (View::new(&qkv, 0, ld), View::new(&qkv, qw, ld), View::new(&qkv, qw + kw, ld));
+        let (mut h, mut out) = (h0.clone(), vec![0.0; rows * d]);
+        cpu.attention_add_norm_next(views, &batch, &shape, rows, &w, &mut h, &norm, 0.8, d, 1e-6, &next, &mut out).unwrap();
+        let e = check(&format!("{what}: h against the CPU"), &got.0, &h, 2e-2);
+        check(&format!("{what}: next pre-norm against the CPU"), &got.1, &out, 2e-2);
+        eprintln!("{what}: bits equal, {e:.2e} from the CPU");
     }
 }

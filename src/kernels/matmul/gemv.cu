@@ -491,7 +491,7 @@ __device__ __forceinline__ void tern_gemv_mma_steps(const W& w, const size_t (&w
 
 // Features o0 .. o0 + 15 of w ([out][in], or gated [2·out][in]: gate rows, then up rows) for
 // rows r < rows <= 8 of x, written to y[r·out + o]; one block of TERN_GEMV_WARPS warps.
-// AHEAD (opt-in: TERN_GEMV_MMA_AHEAD=1, until timed): a warp's steps four at a time
+// AHEAD (the default; TERN_GEMV_MMA_AHEAD=0 off): a warp's steps four at a time
 // (tern_gemv_mma_steps), then two, then one, where the loop below has two steps' loads in
 // flight; rows of 1024 to 2048 weights (an output or down projection: 4 to 8 steps a warp)
 // then wait for memory once or twice instead of two to four times. The same bits. Its kernels

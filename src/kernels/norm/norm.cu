@@ -74,7 +74,7 @@ extern "C" __global__ void tern_residual_norm(float* __restrict__ x, const float
     }
 }
 
-// tern_add_norm with the row held in registers (opt-in: TERN_NORM_REGS=1, until timed): for
+// tern_add_norm with the row held in registers (steps of at most 64 rows; TERN_NORM_REGS=0 off): for
 // rows of at most TERN_NORM_SLOTS · blockDim.x values every operand (y, h, w, w2) is loaded
 // before the first sum, so a row waits for memory once rather than once per pass (above: y,
 // then h and w after the first sum, then h again and w2 after the second). Same products and

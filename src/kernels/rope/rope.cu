@@ -66,7 +66,7 @@ extern "C" __global__ void tern_head_prep(float* __restrict__ x, long long ld, i
     }
 }
 
-// tern_head_prep with the head held in registers (opt-in: TERN_NORM_REGS=1, until timed): the
+// tern_head_prep with the head held in registers (steps of at most 64 rows; TERN_NORM_REGS=0 off): the
 // position, the head's values and the norm weight are loaded first, the position's cos/sin
 // right after it, so a head waits for memory about twice instead of once per step above
 // (values, weight after the sum, position, its table, the normalised values read back); the
