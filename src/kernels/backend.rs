@@ -61,6 +61,22 @@ pub struct HeadOps<'a, O: Ops> {
     pub rope: Option<&'a O::Rope>,
 }
 
+/// The sandwich-norm step after a sublayer's output y ([`Ops::ffn_add_norm`],
+/// [`Ops::attention_add_norm_next`]): `h = (h + rms(y)·weight)·post` per row of `d`, epsilon `eps`.
+pub struct SandwichNorm<'a, O: Ops> {
+    pub weight: &'a O::Vector,
+    pub post: f32,
+    pub d: usize,
+    pub eps: f32,
+}
+
+impl<O: Ops> Clone for SandwichNorm<'_, O> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<O: Ops> Copy for SandwichNorm<'_, O> {}
+
 /// The operands of [`Ops::gated_delta`]: the conv output `qkv` ([rows][q | k | v]), the output
 /// gate `z` ([rows][n_v_heads·d_v]), the gate projections `alpha` and `b` ([rows][n_v_heads])
 /// with the layer's `dt_bias` and `a`, and the norm's weight (one head's d_v) and epsilon.
@@ -231,7 +247,7 @@ pub trait Ops: Send + Sync + Sized {
         self.add_norm_next(h, &y, norm, post, d, eps, next, out)
     }
     /// A feed-forward block and the sandwich-norm step after it: `g = glu(a)` ([`Ops::glu`]),
-    /// `y = g·downᵀ`, `h = (h + rms(y)·norm)·post`, then with `next` the next pre-norm
+    /// `y = g·downᵀ`, the step `norm` on h, then with `next` the next pre-norm
     /// `a = rms(h)·next` ([`Ops::linear_add_norm_next`]; without it `a` is left as it was).
     /// A backend may hand `g` from the activation to the product in the precision the product
     /// reads, with the same results.
@@ -240,18 +256,13 @@ pub trait Ops: Send + Sync + Sized {
         &self,
         a: &mut Self::Buf,
         rows: usize,
-        gate_up: &Self::Mat,
-        width: usize,
-        act: GatedActivation,
+        (gate_up, width, act): (&Self::Mat, usize, GatedActivation),
         down: &Self::Mat,
         h: &mut Self::Buf,
-        norm: &Self::Vector,
-        post: f32,
-        d: usize,
-        eps: f32,
+        norm: SandwichNorm<Self>,
         next: Option<&Self::Vector>,
     ) -> Result<()> {
-        ffn_add_norm_composed(self, a, rows, gate_up, width, act, down, h, norm, post, d, eps, next)
+        ffn_add_norm_composed(self, a, rows, (gate_up, width, act), down, h, norm, next)
     }
     /// `gelu_tanh(g)·u` over `rows × width`, contiguous out.
     fn gelu_tanh_mul(&self, g: View<Self::Buf>, u: View<Self::Buf>, rows: usize, width: usize) -> Result<Self::Buf>;
@@ -281,15 +292,12 @@ pub trait Ops: Send + Sync + Sized {
         rows: usize,
         wo: &Self::Mat,
         h: &mut Self::Buf,
-        norm: &Self::Vector,
-        post: f32,
-        d: usize,
-        eps: f32,
+        SandwichNorm { weight, post, d, eps }: SandwichNorm<Self>,
         next: &Self::Vector,
         out: &mut Self::Buf,
     ) -> Result<()> {
         let att = self.attention(q, k, v, batch, shape)?;
-        self.linear_add_norm_next(&att, rows, wo, h, norm, post, d, eps, next, out)
+        self.linear_add_norm_next(&att, rows, wo, h, weight, post, d, eps, next, out)
     }
     /// Mean of each sequence's rows, [sequences][d].
     fn mean_pool(&self, h: &Self::Buf, d: usize, batch: &Self::Batch) -> Result<Self::Buf>;
@@ -810,23 +818,18 @@ pub fn ffn_add_norm_composed<O: Ops>(
     ops: &O,
     a: &mut O::Buf,
     rows: usize,
-    gate_up: &O::Mat,
-    width: usize,
-    act: GatedActivation,
+    (gate_up, width, act): (&O::Mat, usize, GatedActivation),
     down: &O::Mat,
     h: &mut O::Buf,
-    norm: &O::Vector,
-    post: f32,
-    d: usize,
-    eps: f32,
+    SandwichNorm { weight, post, d, eps }: SandwichNorm<O>,
     next: Option<&O::Vector>,
 ) -> Result<()> {
     let g = ops.glu(a, rows, gate_up, width, act)?;
     match next {
-        Some(next) => ops.linear_add_norm_next(&g, rows, down, h, norm, post, d, eps, next, a),
+        Some(next) => ops.linear_add_norm_next(&g, rows, down, h, weight, post, d, eps, next, a),
         None => {
             let y = ops.linear(&g, rows, down, None)?;
-            ops.add_norm(h, &y, norm, post, d, eps)
+            ops.add_norm(h, &y, weight, post, d, eps)
         }
     }
 }

@@ -19,7 +19,7 @@ use crate::formats::Matrix;
 use crate::kernels::activation::cuda::ActivationCuda;
 use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch, GpuKv, KvAttentionCuda};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{check_past, ffn_add_norm_composed, gated_delta_in_steps, split_rows, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, View};
+use crate::kernels::backend::{check_past, ffn_add_norm_composed, gated_delta_in_steps, split_rows, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, SandwichNorm, View};
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::cuda::{ChunkAccumulate, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows, FUSED_MAX_DV};
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
@@ -892,15 +892,10 @@ impl Ops for CudaOps {
         &self,
         a: &mut CudaSlice<f32>,
         rows: usize,
-        gate_up: &GpuMatrix,
-        width: usize,
-        act: GatedActivation,
+        (gate_up, width, act): (&GpuMatrix, usize, GatedActivation),
         down: &GpuMatrix,
         h: &mut CudaSlice<f32>,
-        norm: &CudaSlice<f32>,
-        post: f32,
-        d: usize,
-        eps: f32,
+        norm: SandwichNorm<Self>,
         next: Option<&CudaSlice<f32>>,
     ) -> Result<()> {
         // The activation writes bf16 rows straight for the down product when both products are
@@ -908,8 +903,9 @@ impl Ops for CudaOps {
         // the composed ops, as the trait's form.
         let handoff = self.bf16_rows && gate_up.out == 2 * width && self.blas.takes_bf16_rows(rows, gate_up) && self.blas.takes_bf16_rows(rows, down);
         if !handoff {
-            return ffn_add_norm_composed(self, a, rows, gate_up, width, act, down, h, norm, post, d, eps, next);
+            return ffn_add_norm_composed(self, a, rows, (gate_up, width, act), down, h, norm, next);
         }
+        let SandwichNorm { weight, post, d, eps } = norm;
         let _timer = self.op_timer("ffn (gemm, bf16 rows)");
         check_len("ffn output", down.out, d)?;
         let mut gu = self.gpu.alloc::<f32>(rows * gate_up.out)?;
@@ -925,7 +921,7 @@ impl Ops for CudaOps {
         let mut y = self.gpu.alloc::<f32>(rows * d)?;
         self.blas.linear_bf16(&g16, rows, down, &mut y)?;
         drop(g16);
-        self.norm.add_norm(h, &y, norm, post, d, eps, next.map(|n| (n, Self::out(a))))
+        self.norm.add_norm(h, &y, weight, post, d, eps, next.map(|n| (n, Self::out(a))))
     }
 
     fn gelu_tanh_mul(&self, g: View<CudaSlice<f32>>, u: View<CudaSlice<f32>>, rows: usize, width: usize) -> Result<CudaSlice<f32>> {
@@ -969,10 +965,7 @@ impl Ops for CudaOps {
         rows: usize,
         wo: &GpuMatrix,
         h: &mut CudaSlice<f32>,
-        norm: &CudaSlice<f32>,
-        post: f32,
-        d: usize,
-        eps: f32,
+        SandwichNorm { weight, post, d, eps }: SandwichNorm<Self>,
         next: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
@@ -981,7 +974,7 @@ impl Ops for CudaOps {
         let handoff = self.bf16_rows && self.precision == Precision::Bf16 && rows == batch.att.rows && self.blas.takes_bf16_rows(rows, wo);
         if !handoff {
             let att = self.attention(q, k, v, batch, shape)?;
-            return self.linear_add_norm_next(&att, rows, wo, h, norm, post, d, eps, next, out);
+            return self.linear_add_norm_next(&att, rows, wo, h, weight, post, d, eps, next, out);
         }
         let _timer = self.op_timer("attention (bf16 rows) + gemm");
         let mut att16 = self.gpu.alloc::<u16>(rows * shape.q_heads * shape.hd)?;
@@ -989,7 +982,7 @@ impl Ops for CudaOps {
         let mut y = self.gpu.alloc::<f32>(rows * wo.out)?;
         self.blas.linear_bf16(&att16, rows, wo, &mut y)?;
         drop(att16);
-        self.norm.add_norm(h, &y, norm, post, d, eps, Some((next, Self::out(out))))
+        self.norm.add_norm(h, &y, weight, post, d, eps, Some((next, Self::out(out))))
     }
 
     fn mean_pool(&self, h: &CudaSlice<f32>, d: usize, batch: &CudaBatch) -> Result<CudaSlice<f32>> {

@@ -956,7 +956,7 @@ fn cuda_best_logits_match_cpu() {
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_ffn_bf16_rows_give_the_composed_bits() {
     use crate::formats::Matrix;
-    use crate::kernels::backend::{CpuOps, GatedActivation, Ops};
+    use crate::kernels::backend::{CpuOps, GatedActivation, Ops, SandwichNorm};
     use crate::kernels::cuda_ops::CudaOps;
     let gpu = gpu();
     let composed = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_bf16_rows(false);
@@ -979,7 +979,8 @@ fn cuda_ffn_bf16_rows_give_the_composed_bits() {
                     assert!(bf16_blas.takes_bf16_rows(rows, &gu) && bf16_blas.takes_bf16_rows(rows, &dn), "{what}: not the GEMM path");
                     let (nw, nx) = (ops.vector(norm.clone()).unwrap(), ops.vector(next.clone()).unwrap());
                     let (mut a, mut h) = (gpu.upload(&a0).unwrap(), gpu.upload(&h0).unwrap());
-                    ops.ffn_add_norm(&mut a, rows, &gu, width, act, &dn, &mut h, &nw, 0.7, d, 1e-6, with_next.then_some(&nx)).unwrap();
+                    let norm = SandwichNorm { weight: &nw, post: 0.7, d, eps: 1e-6 };
+                    ops.ffn_add_norm(&mut a, rows, (&gu, width, act), &dn, &mut h, norm, with_next.then_some(&nx)).unwrap();
                     (gpu.download(&a).unwrap(), gpu.download(&h).unwrap())
                 };
                 let (want, got) = (run(&composed), run(&handed));
@@ -988,7 +989,8 @@ fn cuda_ffn_bf16_rows_give_the_composed_bits() {
                 let (gu, dn) = (cpu.matrix(gate_up.clone()).unwrap(), cpu.matrix(down.clone()).unwrap());
                 let (nw, nx) = (cpu.vector(norm.clone()).unwrap(), cpu.vector(next.clone()).unwrap());
                 let (mut a, mut h) = (a0.clone(), h0.clone());
-                cpu.ffn_add_norm(&mut a, rows, &gu, width, act, &dn, &mut h, &nw, 0.7, d, 1e-6, with_next.then_some(&nx)).unwrap();
+                let norm = SandwichNorm { weight: &nw, post: 0.7, d, eps: 1e-6 };
+                cpu.ffn_add_norm(&mut a, rows, (&gu, width, act), &dn, &mut h, norm, with_next.then_some(&nx)).unwrap();
                 let e = check(&format!("{what}: h against the CPU"), &got.1, &h, 2e-2);
                 if with_next {
                     check(&format!("{what}: a against the CPU"), &got.0, &a, 2e-2);
@@ -1036,7 +1038,7 @@ fn cuda_encoder_bf16_rows_give_the_composed_bits() {
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_attention_bf16_rows_give_the_composed_bits() {
     use crate::formats::Matrix;
-    use crate::kernels::backend::{CpuOps, Ops};
+    use crate::kernels::backend::{CpuOps, Ops, SandwichNorm};
     use crate::kernels::cuda_ops::CudaOps;
     let gpu = gpu();
     let composed = CudaOps::new(gpu.clone(), Precision::Bf16).unwrap().with_bf16_rows(false);
@@ -1072,7 +1074,8 @@ fn cuda_attention_bf16_rows_give_the_composed_bits() {
             let x = gpu.upload(&qkv).unwrap();
             let (mut h, mut out) = (gpu.upload(&h0).unwrap(), nan(&gpu, rows * d));
             let views = (View::new(&x, 0, ld), View::new(&x, qw, ld), View::new(&x, qw + kw, ld));
-            ops.attention_add_norm_next(views, &batch, &shape, rows, &w, &mut h, &nw, 0.8, d, 1e-6, &nx, &mut out).unwrap();
+            let norm = SandwichNorm { weight: &nw, post: 0.8, d, eps: 1e-6 };
+            ops.attention_add_norm_next(views, &batch, &shape, rows, &w, &mut h, norm, &nx, &mut out).unwrap();
             (gpu.download(&h).unwrap(), gpu.download(&out).unwrap())
         };
         let (want, got) = (run(&composed), run(&handed));
@@ -1082,7 +1085,8 @@ fn cuda_attention_bf16_rows_give_the_composed_bits() {
         let w = cpu.matrix(wo.clone()).unwrap();
         let views = (View::new(&qkv, 0, ld), View::new(&qkv, qw, ld), View::new(&qkv, qw + kw, ld));
         let (mut h, mut out) = (h0.clone(), vec![0.0; rows * d]);
-        cpu.attention_add_norm_next(views, &batch, &shape, rows, &w, &mut h, &norm, 0.8, d, 1e-6, &next, &mut out).unwrap();
+        let sandwich = SandwichNorm { weight: &norm, post: 0.8, d, eps: 1e-6 };
+        cpu.attention_add_norm_next(views, &batch, &shape, rows, &w, &mut h, sandwich, &next, &mut out).unwrap();
         let e = check(&format!("{what}: h against the CPU"), &got.0, &h, 2e-2);
         check(&format!("{what}: next pre-norm against the CPU"), &got.1, &out, 2e-2);
         eprintln!("{what}: bits equal, {e:.2e} from the CPU");

@@ -21,7 +21,7 @@ use crate::formats::config::JsonFile;
 use crate::formats::safetensors::SafetensorsWeights;
 use crate::formats::Tensor;
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{CpuOps, GatedActivation, HeadOps, Ops, View};
+use crate::kernels::backend::{CpuOps, GatedActivation, HeadOps, Ops, SandwichNorm, View};
 use crate::kernels::embedding::check_ids;
 use crate::kernels::rope::RopeTable;
 use crate::kernels::Segment;
@@ -517,19 +517,21 @@ impl<O: Ops> Encoder<O> {
             max_distance: (kind == LayerKind::Sliding).then(|| cfg.window_max_distance()),
         };
         let qkv_views = (View::new(&qkv, 0, ld), View::new(&qkv, qw, ld), View::new(&qkv, qw + kw, ld));
-        ops.attention_add_norm_next(qkv_views, batch, &shape, t, &layer.wo, x, &layer.post_attn_norm, 1.0, h, cfg.eps, &layer.pre_ff_norm, a)?;
+        let post_attn = SandwichNorm { weight: &layer.post_attn_norm, post: 1.0, d: h, eps: cfg.eps };
+        ops.attention_add_norm_next(qkv_views, batch, &shape, t, &layer.wo, x, post_attn, &layer.pre_ff_norm, a)?;
         drop(qkv);
-        let (i, gelu) = (cfg.intermediate, GatedActivation::GeluTanh);
+        let ffn = (&layer.gate_up, cfg.intermediate, GatedActivation::GeluTanh);
+        let post_ff = SandwichNorm { weight: &layer.post_ff_norm, post: 1.0, d: h, eps: cfg.eps };
         match (&layer.ple, ple) {
             (Some(block), Some(ple)) => {
-                ops.ffn_add_norm(a, t, &layer.gate_up, i, gelu, &layer.down, x, &layer.post_ff_norm, 1.0, h, cfg.eps, None)?;
+                ops.ffn_add_norm(a, t, ffn, &layer.down, x, post_ff, None)?;
                 let (pd, nl) = (cfg.ple_dim, cfg.layers.len());
                 let pg = ops.linear(x, t, &block.gate, None)?;
                 let pg = ops.gelu_tanh_mul(View::new(&pg, 0, pd), View::new(ple, index * pd, nl * pd), t, pd)?;
                 let p = ops.linear(&pg, t, &block.proj, None)?;
                 ops.add_norm_next(x, &p, &block.post_norm, layer.layer_scalar, h, cfg.eps, next_norm, a)
             }
-            _ => ops.ffn_add_norm(a, t, &layer.gate_up, i, gelu, &layer.down, x, &layer.post_ff_norm, 1.0, h, cfg.eps, Some(next_norm)),
+            _ => ops.ffn_add_norm(a, t, ffn, &layer.down, x, post_ff, Some(next_norm)),
         }
     }
 }
