@@ -44,8 +44,11 @@ fn cuda_norms_match_cpu() {
     let gpu = gpu();
     let k = NormCuda::new(gpu.clone()).unwrap().with_regs(false);
     let k_regs = NormCuda::new(gpu.clone()).unwrap().with_regs(true);
+    // Long steps of rows of 128·n values (n <= 8) on one warp per row (TERN_NORM_WARP_ROWS).
+    let k_rows = NormCuda::new(gpu.clone()).unwrap().with_regs(false).with_warp_rows(true);
     let mut rng = rng("cuda_norms_match_cpu");
-    for &(rows, d) in &[(1usize, 32usize), (7, 768), (300, 1152), (5, 3072), (2, 100), (8, 1152), (9, 768)] {
+    let shapes = [(1usize, 32usize), (7, 768), (300, 1152), (5, 3072), (2, 100), (8, 1152), (9, 768), (300, 512), (100, 1024), (65, 768), (70, 128)];
+    for &(rows, d) in &shapes {
         let x = rng.vec(rows * d, -3.0, 3.0);
         let w = rng.vec(d, -1.0, 2.0);
         let (dx, dw) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap());
@@ -83,9 +86,22 @@ fn cuda_norms_match_cpu() {
             assert_eq!(ar, gpu.download(&a).unwrap(), "add_norm next, register form, {rows}x{d}");
             let want16: Vec<u16> = ar.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
             assert_eq!(gpu.download(&ar16).unwrap(), want16, "add_norm next's bf16 copy, register form");
+            // One warp per row: the block form's bits (the same products; its double sums
+            // in another order round to the same f32 factor but within ~1e-16 of a boundary).
+            let mut hw = gpu.upload(&x).unwrap();
+            let (mut aw, mut aw16) = (nan(&gpu, x.len()), gpu.upload(&vec![0x7fc0u16; x.len()]).unwrap());
+            k_rows.add_norm(&mut hw, &dy, &dw, post, d, 1e-6, Some((&dw2, NormOut { f32: Some(&mut aw), bf16: Some(&mut aw16) }))).unwrap();
+            assert_eq!(gpu.download(&hw).unwrap(), gpu.download(&h).unwrap(), "add_norm h, warp rows, {rows}x{d}");
+            let aw = gpu.download(&aw).unwrap();
+            assert_eq!(aw, gpu.download(&a).unwrap(), "add_norm next, warp rows, {rows}x{d}");
+            let want16: Vec<u16> = aw.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            assert_eq!(gpu.download(&aw16).unwrap(), want16, "add_norm next's bf16 copy, warp rows");
             let mut h = gpu.upload(&x).unwrap();
             k.add_norm(&mut h, &dy, &dw, post, d, 1e-6, None).unwrap();
             check("add_norm alone", &gpu.download(&h).unwrap(), &h_alone, BOUND);
+            let mut hw = gpu.upload(&x).unwrap();
+            k_rows.add_norm(&mut hw, &dy, &dw, post, d, 1e-6, None).unwrap();
+            assert_eq!(gpu.download(&hw).unwrap(), gpu.download(&h).unwrap(), "add_norm alone, warp rows, {rows}x{d}");
             let mut hr = gpu.upload(&x).unwrap();
             k_regs.add_norm(&mut hr, &dy, &dw, post, d, 1e-6, None).unwrap();
             assert_eq!(gpu.download(&hr).unwrap(), gpu.download(&h).unwrap(), "add_norm alone, register form, {rows}x{d}");

@@ -51,8 +51,18 @@ pub struct NormCuda {
     /// `regs` is off (TERN_NORM_REGS=0).
     add_regs: CudaFunction,
     regs: bool,
+    /// `tern_add_norm_rows_c{n}`: one warp per row of 128·n values (n = 1..=8), for steps of
+    /// more than [`REGS_MAX_ROWS`] rows when `warp_rows` is on (TERN_NORM_WARP_ROWS=1, opt-in
+    /// until timed).
+    add_rows: Vec<CudaFunction>,
+    warp_rows: bool,
     residual: CudaFunction,
 }
+
+/// Rows a block of `tern_add_norm_rows` (8 warps, one row each).
+const WARP_ROWS_PER_BLOCK: usize = 8;
+/// The widest row `tern_add_norm_rows` holds: 8 chunks of 128 values (4 a lane).
+const WARP_ROWS_MAX_CHUNKS: usize = 8;
 
 /// Values a thread holds in `tern_add_norm_regs` (TERN_NORM_SLOTS in norm.cu).
 const NORM_SLOTS: usize = 4;
@@ -77,6 +87,8 @@ impl NormCuda {
             add: gpu.function(&SOURCE, "tern_add_norm")?,
             add_regs: gpu.function(&SOURCE, "tern_add_norm_regs")?,
             regs: regs_from_env(),
+            add_rows: (1..=WARP_ROWS_MAX_CHUNKS).map(|n| gpu.function(&SOURCE, &format!("tern_add_norm_rows_c{n}"))).collect::<Result<_>>()?,
+            warp_rows: std::env::var("TERN_NORM_WARP_ROWS").is_ok_and(|v| v == "1"),
             residual: gpu.function(&SOURCE, "tern_residual_norm")?,
             gpu,
         })
@@ -87,6 +99,14 @@ impl NormCuda {
     #[cfg(test)]
     pub(crate) fn with_regs(mut self, on: bool) -> Self {
         self.regs = on;
+        self
+    }
+
+    /// This handle with long steps' sandwich-norm step on one warp per row (`true`) or one
+    /// block per row, whatever TERN_NORM_WARP_ROWS says: the device test runs both.
+    #[cfg(test)]
+    pub(crate) fn with_warp_rows(mut self, on: bool) -> Self {
+        self.warp_rows = on;
         self
     }
 
@@ -142,6 +162,19 @@ impl NormCuda {
             None => (0, 0, 0),
         };
         let (hp, yp, wp) = (g.ptr(h), g.ptr(y), g.ptr(w));
+        let chunks = d / 128;
+        if self.warp_rows && rows > REGS_MAX_ROWS && d % 128 == 0 && (1..=WARP_ROWS_MAX_CHUNKS).contains(&chunks) {
+            let rows_arg = int_arg("add_norm rows", rows)?;
+            let mut l = g.launch_builder(&self.add_rows[chunks - 1]);
+            l.arg(&hp).arg(&yp).arg(&wp).arg(&post).arg(&eps).arg(&dw).arg(&w2p).arg(&ap).arg(&a16p).arg(&rows_arg);
+            let blocks = grid_for(rows, WARP_ROWS_PER_BLOCK as u32)?;
+            let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * WARP_ROWS_PER_BLOCK as u32, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: argument types match tern_add_norm_rows_c{chunks}; all buffers hold rows ×
+            // d (checked) with d = 128·chunks, so every lane's 16-byte chunk of a row is inside
+            // it and aligned (rows start at multiples of 128 values); warps past `rows` return.
+            unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_add_norm_rows"))?;
+            return Ok(());
+        }
         let in_regs = self.regs && rows <= REGS_MAX_ROWS && d <= NORM_SLOTS * row_block(d) as usize;
         // Both kernels take the same arguments.
         let mut l = g.launch_builder(if in_regs { &self.add_regs } else { &self.add });

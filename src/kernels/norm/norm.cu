@@ -129,3 +129,80 @@ extern "C" __global__ void tern_add_norm_regs(float* __restrict__ h, const float
             if (a16) a16[off + t + j * nt] = tern_bf16_from_f32(v);
         }
 }
+
+// tern_add_norm for steps of many rows (a batch of documents), opt-in (TERN_NORM_WARP_ROWS=1,
+// until timed): one warp per row, 8 rows a block, no block barrier. The block form gives each
+// row a block whose two sums each meet at two barriers, for a row of only 512 to 1024 values;
+// ncu put that kernel at 2.8 ms of an eg2 8192-token document (72 launches, base clocks), about
+// twice its bytes' time. Here lane L holds the row's 16-byte chunks L, L + 32, ... (NC chunks,
+// d = 128·NC) of y and h, loaded before the first sum; the weights, the same for every row,
+// come from L1 when used. Same products as tern_add_norm; the double sums run in another order
+// (a lane's chunks, then the warp's butterfly), and the inverse RMS is that sum rounded to f32
+// once, so it equals the block form's unless the exact value lies within ~1e-16 of an f32
+// rounding boundary.
+__device__ __forceinline__ double tern_sum_squares4(float4 v) {
+    const double a = v.x, b = v.y, c = v.z, e = v.w;
+    return ((a * a + b * b) + c * c) + e * e;
+}
+template <int NC>
+__device__ __forceinline__ void tern_add_norm_rows_body(float* __restrict__ h, const float* __restrict__ y, const float* __restrict__ w,
+                                                        float post, float eps, int d, const float* __restrict__ w2, float* __restrict__ a,
+                                                        tern_bf16* __restrict__ a16, int rows) {
+    const int lane = threadIdx.x % 32;
+    const int row = (int)(blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32);
+    if (row >= rows) return;  // uniform per warp: no shuffle is left half-joined
+    const size_t off = (size_t)row * d;
+    float4 yv[NC], hv[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const int i = (c * 32 + lane) * 4;
+        yv[c] = *reinterpret_cast<const float4*>(y + off + i);
+        hv[c] = *reinterpret_cast<const float4*>(h + off + i);
+    }
+    double ss = 0.0;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) ss += tern_sum_squares4(yv[c]);
+    const float inv = tern_inv_rms_of(tern_warp_sum_d(ss), d, eps);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const int i = (c * 32 + lane) * 4;
+        const float4 wv = *reinterpret_cast<const float4*>(w + i);
+        float4 v = make_float4(hv[c].x + (yv[c].x * inv) * wv.x, hv[c].y + (yv[c].y * inv) * wv.y,
+                               hv[c].z + (yv[c].z * inv) * wv.z, hv[c].w + (yv[c].w * inv) * wv.w);
+        if (post != 1.0f) v = make_float4(v.x * post, v.y * post, v.z * post, v.w * post);
+        hv[c] = v;
+        *reinterpret_cast<float4*>(h + off + i) = v;
+    }
+    if (!w2) return;
+    double ss2 = 0.0;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) ss2 += tern_sum_squares4(hv[c]);
+    const float inv2 = tern_inv_rms_of(tern_warp_sum_d(ss2), d, eps);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const int i = (c * 32 + lane) * 4;
+        const float4 wv = *reinterpret_cast<const float4*>(w2 + i);
+        const float4 v = make_float4((hv[c].x * inv2) * wv.x, (hv[c].y * inv2) * wv.y, (hv[c].z * inv2) * wv.z, (hv[c].w * inv2) * wv.w);
+        if (a) *reinterpret_cast<float4*>(a + off + i) = v;
+        if (a16)
+            *reinterpret_cast<uint2*>(a16 + off + i) =
+                make_uint2((tern_u32)tern_bf16_from_f32(v.x) | ((tern_u32)tern_bf16_from_f32(v.y) << 16),
+                           (tern_u32)tern_bf16_from_f32(v.z) | ((tern_u32)tern_bf16_from_f32(v.w) << 16));
+    }
+}
+#define TERN_ADD_NORM_ROWS(NC)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) tern_add_norm_rows_c##NC(                                         \
+        float* __restrict__ h, const float* __restrict__ y, const float* __restrict__ w, float post, float eps, int d,    \
+        const float* __restrict__ w2, float* __restrict__ a, tern_bf16* __restrict__ a16, int rows) {                   \
+        tern_await_prior_kernel();                                                                                      \
+        tern_add_norm_rows_body<NC>(h, y, w, post, eps, d, w2, a, a16, rows);                                           \
+    }
+TERN_ADD_NORM_ROWS(1)
+TERN_ADD_NORM_ROWS(2)
+TERN_ADD_NORM_ROWS(3)
+TERN_ADD_NORM_ROWS(4)
+TERN_ADD_NORM_ROWS(5)
+TERN_ADD_NORM_ROWS(6)
+TERN_ADD_NORM_ROWS(7)
+TERN_ADD_NORM_ROWS(8)
+#undef TERN_ADD_NORM_ROWS
