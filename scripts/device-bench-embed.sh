@@ -30,7 +30,7 @@ for model in $models; do
   for dtype in f32 bf16; do
     tern_variants "$tern" bench embed --model $bench/$model --device cuda --dtype $dtype "${docs[@]}" --batch 64 --iters 5 $([ $dtype = bf16 ] && echo --compare-f32)
     if [ $model = eg2 ] && [ ${#docs[@]} -gt 0 ]; then
-      "$tern" bench embed --model $bench/$model --device cuda --dtype $dtype --input $bench/inputs/long.txt --batch 1 --iters 5
+      tern_variants "$tern" bench embed --model $bench/$model --device cuda --dtype $dtype --input $bench/inputs/long.txt --batch 1 --iters 5
     fi
   done
 done
