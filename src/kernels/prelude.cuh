@@ -60,6 +60,12 @@ __device__ __forceinline__ tern_bf16 tern_bf16_from_f32(float x) {
     return (tern_bf16)(u >> 16);
 }
 __device__ __forceinline__ float tern_bf16_to_f32(tern_bf16 b) { return __uint_as_float(((tern_u32)b) << 16); }
+// Two values as two bf16 in one u32 (lo at the lower address), each rounded as
+// tern_bf16_from_f32 rounds it: the packed stores of every bf16 copy. (tern_tc_pack below is the
+// tensor cores' operand form: one cvt instruction, whose NaN is the canonical one.)
+__device__ __forceinline__ tern_u32 tern_bf16_pair(float lo, float hi) {
+    return (tern_u32)tern_bf16_from_f32(lo) | ((tern_u32)tern_bf16_from_f32(hi) << 16);
+}
 
 // The attention kernels' window argument: a distance >= 0 (|i - j| <= it), TERN_ATT_NO_WINDOW
 // (the whole sequence, both directions) or TERN_ATT_CAUSAL (j <= i: a prompt from an empty cache).

@@ -39,10 +39,7 @@
             const float4 v = make_float4(act(a.x) * b.x, act(a.y) * b.y, act(a.z) * b.z, act(a.w) * b.w);          \
             const size_t e = (size_t)q * 4;                                                                        \
             if (out) *reinterpret_cast<float4*>(out + e) = v;                                                      \
-            if (out16)                                                                                             \
-                *reinterpret_cast<uint2*>(out16 + e) =                                                             \
-                    make_uint2((tern_u32)tern_bf16_from_f32(v.x) | ((tern_u32)tern_bf16_from_f32(v.y) << 16),      \
-                               (tern_u32)tern_bf16_from_f32(v.z) | ((tern_u32)tern_bf16_from_f32(v.w) << 16));     \
+            if (out16) *reinterpret_cast<uint2*>(out16 + e) = make_uint2(tern_bf16_pair(v.x, v.y), tern_bf16_pair(v.z, v.w)); \
         }                                                                                                          \
     }
 

@@ -326,7 +326,7 @@ __device__ void tern_attention_tc_tile(const float* __restrict__ q, long long q_
             const float o0 = acc[n][2 * half] * inv, o1 = acc[n][2 * half + 1] * inv;
             const long long at = (start + qi) * out_ld + (long long)head * hd + col;
             if (out) *(float2*)(out + at) = make_float2(o0, o1);
-            if (out16) *(tern_u32*)(out16 + at) = (tern_u32)tern_bf16_from_f32(o0) | ((tern_u32)tern_bf16_from_f32(o1) << 16);
+            if (out16) *(tern_u32*)(out16 + at) = tern_bf16_pair(o0, o1);
         }
     }
 }

@@ -9,12 +9,7 @@ extern "C" __global__ void tern_to_bf16(const float* __restrict__ x, size_t n, t
     const size_t n8 = n / 8, stride = (size_t)gridDim.x * blockDim.x, first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     for (size_t e = first; e < n8; e += stride) {
         const float4 a = ((const float4*)x)[2 * e], b = ((const float4*)x)[2 * e + 1];
-        uint4 o;
-        o.x = (tern_u32)tern_bf16_from_f32(a.x) | ((tern_u32)tern_bf16_from_f32(a.y) << 16);
-        o.y = (tern_u32)tern_bf16_from_f32(a.z) | ((tern_u32)tern_bf16_from_f32(a.w) << 16);
-        o.z = (tern_u32)tern_bf16_from_f32(b.x) | ((tern_u32)tern_bf16_from_f32(b.y) << 16);
-        o.w = (tern_u32)tern_bf16_from_f32(b.z) | ((tern_u32)tern_bf16_from_f32(b.w) << 16);
-        ((uint4*)y)[e] = o;
+        ((uint4*)y)[e] = make_uint4(tern_bf16_pair(a.x, a.y), tern_bf16_pair(a.z, a.w), tern_bf16_pair(b.x, b.y), tern_bf16_pair(b.z, b.w));
     }
     for (size_t e = 8 * n8 + first; e < n; e += stride) y[e] = tern_bf16_from_f32(x[e]);
 }

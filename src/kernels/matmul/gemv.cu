@@ -431,7 +431,7 @@ __device__ __forceinline__ uint4 tern_weights_bf16x8(const TernWeightsQ8& w, siz
     w.load(at, v);
     unsigned h[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = (unsigned)tern_bf16_from_f32(v[2 * i]) | ((unsigned)tern_bf16_from_f32(v[2 * i + 1]) << 16);
+    for (int i = 0; i < 4; ++i) h[i] = tern_bf16_pair(v[2 * i], v[2 * i + 1]);
     return make_uint4(h[0], h[1], h[2], h[3]);
 }
 

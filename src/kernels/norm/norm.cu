@@ -184,10 +184,7 @@ __device__ __forceinline__ void tern_add_norm_rows_body(float* __restrict__ h, c
         const float4 wv = *reinterpret_cast<const float4*>(w2 + i);
         const float4 v = make_float4((hv[c].x * inv2) * wv.x, (hv[c].y * inv2) * wv.y, (hv[c].z * inv2) * wv.z, (hv[c].w * inv2) * wv.w);
         if (a) *reinterpret_cast<float4*>(a + off + i) = v;
-        if (a16)
-            *reinterpret_cast<uint2*>(a16 + off + i) =
-                make_uint2((tern_u32)tern_bf16_from_f32(v.x) | ((tern_u32)tern_bf16_from_f32(v.y) << 16),
-                           (tern_u32)tern_bf16_from_f32(v.z) | ((tern_u32)tern_bf16_from_f32(v.w) << 16));
+        if (a16) *reinterpret_cast<uint2*>(a16 + off + i) = make_uint2(tern_bf16_pair(v.x, v.y), tern_bf16_pair(v.z, v.w));
     }
 }
 #define TERN_ADD_NORM_ROWS(NC)                                                                                          \
