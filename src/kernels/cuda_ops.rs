@@ -827,11 +827,7 @@ impl Ops for CudaOps {
             GatedActivation::GeluTanh => GemvOutput::GeluTanh,
         };
         self.blas.glu(x, rows, gate_up, output, &mut y, |gu, y| {
-            let (g, u) = (View::new(gu, 0, 2 * width), View::new(gu, width, 2 * width));
-            match act {
-                GatedActivation::Silu => self.activation.silu_mul(g, u, rows, width, Self::out(y)),
-                GatedActivation::GeluTanh => self.activation.gelu_tanh_mul(g, u, rows, width, Self::out(y)),
-            }
+            self.activation.gated_mul(act, View::new(gu, 0, 2 * width), View::new(gu, width, 2 * width), rows, width, Self::out(y))
         })?;
         Ok(y)
     }
@@ -907,16 +903,11 @@ impl Ops for CudaOps {
         }
         let SandwichNorm { weight, post, d, eps } = norm;
         let _timer = self.op_timer("ffn (gemm, bf16 rows)");
-        check_len("ffn output", down.out, d)?;
         let mut gu = self.gpu.alloc::<f32>(rows * gate_up.out)?;
         self.blas.linear(a, rows, gate_up, &mut gu)?;
         let mut g16 = self.gpu.alloc::<u16>(rows * width)?;
         let (g, u) = (View::new(&gu, 0, 2 * width), View::new(&gu, width, 2 * width));
-        let rounded = NormOut { f32: None, bf16: Some(&mut g16) };
-        match act {
-            GatedActivation::Silu => self.activation.silu_mul(g, u, rows, width, rounded)?,
-            GatedActivation::GeluTanh => self.activation.gelu_tanh_mul(g, u, rows, width, rounded)?,
-        }
+        self.activation.gated_mul(act, g, u, rows, width, NormOut { f32: None, bf16: Some(&mut g16) })?;
         drop(gu);
         let mut y = self.gpu.alloc::<f32>(rows * d)?;
         self.blas.linear_bf16(&g16, rows, down, &mut y)?;
@@ -971,7 +962,7 @@ impl Ops for CudaOps {
     ) -> Result<()> {
         // Fast mode's attention writes bf16 rows straight for the output projection when that
         // is a tensor-core GEMM, which would round its input rows to bf16 anyway.
-        let handoff = self.bf16_rows && self.precision == Precision::Bf16 && rows == batch.att.rows && self.blas.takes_bf16_rows(rows, wo);
+        let handoff = self.bf16_rows && rows == batch.att.rows && self.blas.takes_bf16_rows(rows, wo);
         if !handoff {
             let att = self.attention(q, k, v, batch, shape)?;
             return self.linear_add_norm_next(&att, rows, wo, h, weight, post, d, eps, next, out);

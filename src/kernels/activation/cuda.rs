@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use crate::cuda::{driver_err, grid_for, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use crate::error::Result;
-use crate::kernels::backend::{check_view, View};
+use crate::kernels::backend::{check_view, GatedActivation, View};
 use crate::kernels::check_len;
 use crate::kernels::norm::cuda::NormOut;
 
@@ -38,6 +38,15 @@ impl ActivationCuda {
     /// [`super::gelu_tanh_mul_views`].
     pub fn gelu_tanh_mul(&self, g: View<CudaSlice<f32>>, u: View<CudaSlice<f32>>, rows: usize, width: usize, out: NormOut) -> Result<()> {
         self.gated("gelu_tanh_mul", &self.gelu, g, u, rows, width, out)
+    }
+
+    /// `act(g)·u` over `rows × width` (out contiguous): [`Self::gelu_tanh_mul`] or
+    /// [`Self::silu_mul`] as `act` says.
+    pub fn gated_mul(&self, act: GatedActivation, g: View<CudaSlice<f32>>, u: View<CudaSlice<f32>>, rows: usize, width: usize, out: NormOut) -> Result<()> {
+        match act {
+            GatedActivation::GeluTanh => self.gelu_tanh_mul(g, u, rows, width, out),
+            GatedActivation::Silu => self.silu_mul(g, u, rows, width, out),
+        }
     }
 
     /// out = silu(g)·u over `rows × width` (out contiguous). CPU twin: [`super::silu_mul_views`].
