@@ -235,7 +235,13 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
                     k.set_chunk_prepare_only(true);
                     let vprep = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
                     k.set_chunk_prepare_only(false);
-                    println!("RESULT prefill_fast_variant tokens={t} rows={} stages={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}", v.0, v.1, vms - vprep);
+                    println!(
+                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}",
+                        v.rows,
+                        v.stages,
+                        v.compact,
+                        vms - vprep
+                    );
                 }
                 k.set_fast_variant(FAST_VARIANT)?;
             } else {

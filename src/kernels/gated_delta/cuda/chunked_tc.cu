@@ -186,10 +186,77 @@ __device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y
         }
 }
 
-// NR: rows of q, k and v a warp fetches at once (1 or 8; the results are the same bits).
-template <int DK, int DV, int NR>
+// Where tern_gdn_tc_prepare_body keeps its arrays in shared memory. Wide: every array apart
+// (106 KB at d_k = d_v = 128, two blocks a multiprocessor). Compact: arrays whose lives do not
+// meet share room (72 KB, three blocks a multiprocessor), in the body's phases
+//   1. k, q, v rows in; KK^T and QK^T, A written     live: G, beta, e^G, K, V, Q, A
+//   2. T's diagonal blocks, then its block rows       live: G, beta, e^G, K, V, A, T, P
+//   3. the two scaled bf16 copies of T                live: beta, e^G, K, V, T, Tw, Tu
+//   4. W and U                                        live: K, V, Tw, Tu
+// so Q (dead after phase 1) lies under T and the block-row partials P, and Tw, Tu (born in
+// phase 3) under A (dead after phase 2). A barrier separates each phase from the next, so no
+// read of an array's last phase meets a write of the array that takes its place. Same
+// arithmetic in both layouts, so the same bits.
+template <int DK, int DV, bool COMPACT>
+struct tern_gdn_tc_prep_smem {
+    static constexpr int C = tern_gdn_tc_c, LDA = C + 1, LDT = tern_gdn_tc_ldc;
+    static constexpr int SCALARS = 8 * C + 4 * 2 * C;  // G (f64), beta, e^G
+    static constexpr int MAT = 4 * C * LDA;            // A or T, f32
+    static constexpr int PARTS = 4 * 3 * 16 * 17;      // block-row partials, f32
+    static constexpr int KROWS = 2 * C * (DK + 8), VROWS = 2 * C * (DV + 8), TCOPY = 2 * C * LDT;
+    static constexpr int QROOM = KROWS > MAT + PARTS ? KROWS : MAT + PARTS;   // compact: Q | T, P
+    static constexpr int AROOM = MAT > 2 * TCOPY ? MAT : 2 * TCOPY;          // compact: A | Tw, Tu
+    static constexpr int BYTES = COMPACT ? SCALARS + KROWS + VROWS + QROOM + AROOM
+                                         : SCALARS + 2 * MAT + PARTS + 2 * KROWS + VROWS + 2 * TCOPY;
+    static_assert(SCALARS % 16 == 0 && KROWS % 16 == 0 && VROWS % 16 == 0 && QROOM % 16 == 0 && MAT % 16 == 0 &&
+                      PARTS % 16 == 0 && TCOPY % 16 == 0,
+                  "every bf16 tile starts on 16 bytes (ldmatrix rows)");
+    double* G;
+    float *Bt, *Ex, *As, *Ts, *Ps;
+    tern_gdn_bf16 *Kb, *Qb, *Vb, *Tw, *Tu;
+    __device__ explicit tern_gdn_tc_prep_smem(unsigned char* base) {
+        G = reinterpret_cast<double*>(base);
+        Bt = reinterpret_cast<float*>(G + C);
+        Ex = Bt + C;
+        unsigned char* at = base + SCALARS;
+        auto take = [&at](int bytes) { unsigned char* p = at; at += bytes; return p; };
+        if constexpr (COMPACT) {
+            Kb = reinterpret_cast<tern_gdn_bf16*>(take(KROWS));
+            Vb = reinterpret_cast<tern_gdn_bf16*>(take(VROWS));
+            unsigned char* q_room = take(QROOM);
+            unsigned char* a_room = take(AROOM);
+            Qb = reinterpret_cast<tern_gdn_bf16*>(q_room);
+            Ts = reinterpret_cast<float*>(q_room);
+            Ps = reinterpret_cast<float*>(q_room + MAT);
+            As = reinterpret_cast<float*>(a_room);
+            Tw = reinterpret_cast<tern_gdn_bf16*>(a_room);
+            Tu = reinterpret_cast<tern_gdn_bf16*>(a_room + TCOPY);
+        } else {
+            As = reinterpret_cast<float*>(take(MAT));
+            Ts = reinterpret_cast<float*>(take(MAT));
+            Ps = reinterpret_cast<float*>(take(PARTS));
+            Kb = reinterpret_cast<tern_gdn_bf16*>(take(KROWS));
+            Qb = reinterpret_cast<tern_gdn_bf16*>(take(KROWS));
+            Vb = reinterpret_cast<tern_gdn_bf16*>(take(VROWS));
+            Tw = reinterpret_cast<tern_gdn_bf16*>(take(TCOPY));
+            Tu = reinterpret_cast<tern_gdn_bf16*>(take(TCOPY));
+        }
+    }
+};
+
+// The host sizes the launch by the same sum (tc_prepare_smem in mod.rs; its test pins these).
+static_assert(tern_gdn_tc_prep_smem<128, 128, false>::BYTES == 108224, "wide layout at 128 x 128: as mod.rs sizes it");
+static_assert(tern_gdn_tc_prep_smem<128, 128, true>::BYTES == 74176, "compact layout at 128 x 128: as mod.rs sizes it");
+static_assert(tern_gdn_tc_prep_smem<64, 64, true>::BYTES == 57792, "compact layout at 64 x 64: as mod.rs sizes it");
+
+// NR: rows of q, k and v a warp fetches at once (1 or 8; the results are the same bits). The
+// wide layout with NR = 8 holds a warp's 8 rows of k and of q in registers together (100
+// registers, two blocks a multiprocessor); the compact one fetches k's rows, then q's (three
+// blocks need <= 80 registers).
+template <int DK, int DV, int NR, bool COMPACT>
 __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     constexpr int C = tern_gdn_tc_c, LDA = C + 1, LDT = tern_gdn_tc_ldc;
+    constexpr bool KQ_TOGETHER = NR == 8 && !COMPACT;
     const int h = blockIdx.x, chunk = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nk = a.nk, nv = a.nv;
     const int kh = tern_gdn_key_head(h, nk, nv, a.grouped);
@@ -200,27 +267,31 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     const size_t ch = (size_t)chunk * nv + h, chk = (size_t)chunk * nk + kh;
 
     extern __shared__ __align__(16) unsigned char tern_gdn_tc_smem[];
-    double* G = reinterpret_cast<double*>(tern_gdn_tc_smem);  // [C] cumulative log-decay
-    float* Bt = reinterpret_cast<float*>(G + C);              // [C] beta
-    float* Ex = Bt + C;                                       // [C] exp(G_r)
-    float* As = Ex + C;                                       // [C][C + 1] A (strictly lower)
-    float* Ts = As + C * LDA;                                 // [C][C + 1] T (lower)
-    float* Ps = Ts + C * LDA;                                 // [3][16][17] block-row partials
-    tern_gdn_bf16* Kb = reinterpret_cast<tern_gdn_bf16*>(Ps + 3 * 16 * 17);  // [C][DK + 8]
-    tern_gdn_bf16* Qb = Kb + C * (DK + 8);                                    // [C][DK + 8]
-    tern_gdn_bf16* Vb = Qb + C * (DK + 8);                                    // [C][DV + 8]
-    tern_gdn_bf16* Tw = Vb + C * (DV + 8);                                    // [C][LDT] T diag(beta e^G)
-    tern_gdn_bf16* Tu = Tw + C * LDT;                                         // [C][LDT] T diag(beta)
+    const tern_gdn_tc_prep_smem<DK, DV, COMPACT> sm(tern_gdn_tc_smem);
+    double* const G = sm.G;          // [C] cumulative log-decay
+    float* const Bt = sm.Bt;         // [C] beta
+    float* const Ex = sm.Ex;         // [C] exp(G_r)
+    float* const As = sm.As;         // [C][C + 1] A (strictly lower)
+    float* const Ts = sm.Ts;         // [C][C + 1] T (lower)
+    float* const Ps = sm.Ps;         // [3][16][17] block-row partials
+    tern_gdn_bf16* const Kb = sm.Kb; // [C][DK + 8]
+    tern_gdn_bf16* const Qb = sm.Qb; // [C][DK + 8]
+    tern_gdn_bf16* const Vb = sm.Vb; // [C][DV + 8]
+    tern_gdn_bf16* const Tw = sm.Tw; // [C][LDT] T diag(beta e^G)
+    tern_gdn_bf16* const Tu = sm.Tu; // [C][LDT] T diag(beta)
 
     tern_gdn_bf16* kn = writer ? a.kn_s + chk * C * DK : nullptr;
     tern_gdn_bf16* qn = writer ? a.qn_s + chk * C * DK : nullptr;
-    float xk[NR][DK / 32], xq[NR][DK / 32];
+    float xk[KQ_TOGETHER ? NR : 1][DK / 32], xq[KQ_TOGETHER ? NR : 1][DK / 32];
     if constexpr (NR == 8) {
-        // All of a warp's k and q rows requested at once, v's rows fetched into L2 meanwhile.
+        // v's rows fetched into L2 while k and q come in.
         for (int idx = tid; idx < C * (DV / 32); idx += blockDim.x) {
             const int r = idx / (DV / 32), p = (idx % (DV / 32)) * 32;
             if (r < len) asm volatile("prefetch.global.L2 [%0];" ::"l"(a.v + (t0 + r) * a.v_stride + (size_t)h * DV + p));
         }
+    }
+    if constexpr (KQ_TOGETHER) {
+        // All of a warp's k and q rows requested at once.
         tern_gdn_tc_fetch<DK, NR>(xk, a.k, a.k_stride, t0, len, (size_t)kh * DK, warp);
         tern_gdn_tc_fetch<DK, NR>(xq, a.q, a.q_stride, t0, len, (size_t)kh * DK, warp);
     }
@@ -241,7 +312,7 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     } else if (warp == 1) {
         for (int r = lane; r < C; r += 32) Bt[r] = r < len ? a.beta[(t0 + r) * nv + h] : 0.0f;
     }
-    if constexpr (NR == 8) {
+    if constexpr (KQ_TOGETHER) {
         tern_gdn_tc_put<DK, NR>(Kb, xk, len, warp, a.l2qk, a.eps, 1.0f, kn);
         tern_gdn_tc_put<DK, NR>(Qb, xq, len, warp, a.l2qk, a.eps, a.q_scale, qn);
     } else {
@@ -536,38 +607,25 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         }
 }
 
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv64_r1(tern_gdn_tc_prep_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_prepare_body<64, 64, 1>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv64_r8(tern_gdn_tc_prep_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_prepare_body<64, 64, 8>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv128_r1(tern_gdn_tc_prep_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_prepare_body<64, 128, 1>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk64_dv128_r8(tern_gdn_tc_prep_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_prepare_body<64, 128, 8>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv64_r1(tern_gdn_tc_prep_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_prepare_body<128, 64, 1>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv64_r8(tern_gdn_tc_prep_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_prepare_body<128, 64, 8>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv128_r1(tern_gdn_tc_prep_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_prepare_body<128, 128, 1>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk128_dv128_r8(tern_gdn_tc_prep_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_prepare_body<128, 128, 8>(a);
-}
+// Prepare kernels by head sizes and fetch rows: _r{NR} in the wide layout (two blocks a
+// multiprocessor), _r{NR}c in the compact one (three: <= 80 registers, 72 KB at 128 x 128).
+#define TERN_GDN_TC_PREPARE(DK, DV, NR)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r##NR(tern_gdn_tc_prep_args a) { \
+        tern_await_prior_kernel();                                                                                     \
+        tern_gdn_tc_prepare_body<DK, DV, NR, false>(a);                                                                \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 3) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r##NR##c(tern_gdn_tc_prep_args a) { \
+        tern_await_prior_kernel();                                                                                     \
+        tern_gdn_tc_prepare_body<DK, DV, NR, true>(a);                                                                 \
+    }
+TERN_GDN_TC_PREPARE(64, 64, 1)
+TERN_GDN_TC_PREPARE(64, 64, 8)
+TERN_GDN_TC_PREPARE(64, 128, 1)
+TERN_GDN_TC_PREPARE(64, 128, 8)
+TERN_GDN_TC_PREPARE(128, 64, 1)
+TERN_GDN_TC_PREPARE(128, 64, 8)
+TERN_GDN_TC_PREPARE(128, 128, 1)
+TERN_GDN_TC_PREPARE(128, 128, 8)
 extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk64_s2(tern_gdn_tc_state_args a) {
     tern_await_prior_kernel();
     tern_gdn_tc_state_body<64, 2>(a);

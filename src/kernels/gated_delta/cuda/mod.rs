@@ -320,9 +320,9 @@ pub struct GatedDeltaCuda {
     /// incomplete), so that the two passes can be timed apart.
     chunk_prepare_only: bool,
     /// Fast mode: prepare kernels by (d_k, d_v, rows) and state kernels by (d_k, stages).
-    tc_prepare: Vec<((usize, usize, usize), CudaFunction)>,
+    tc_prepare: Vec<((usize, usize, usize, bool), CudaFunction)>,
     tc_state: Vec<((usize, usize), CudaFunction)>,
-    fast_variant: (usize, usize),
+    fast_variant: FastVariant,
     /// Per-(chunk, head) intermediates of the chunked prefill (either mode), grown on demand.
     chunk_scratch: Mutex<Option<CudaSlice<f32>>>,
 }
@@ -356,18 +356,43 @@ fn state_smem(d_k: usize, bv: usize) -> usize {
 pub const FAST_CHUNK_HEAD_DIMS: [usize; 2] = [64, 128];
 /// State rows (value columns) per block of the fast mode's state pass.
 const TC_STATE_ROWS: usize = 32;
-/// How the fast mode's kernels are built, `(rows, stages)`: the prepare pass fetches `rows` rows
-/// of q, k and v per warp at once (1, or 8 with v prefetched into L2), the state pass keeps
-/// `stages` chunks of operands in flight (2 or 3). Every variant computes the same bits (a
-/// device test checks it); only the speed differs.
-pub const FAST_VARIANTS: [(usize, usize); 4] = [(1, 2), (8, 2), (1, 3), (8, 3)];
-/// The default fast variant.
-pub const FAST_VARIANT: (usize, usize) = (8, 3);
+/// How the fast mode's kernels are built. Every variant computes the same bits (a device test
+/// checks it); only the speed differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FastVariant {
+    /// Rows of q, k and v a warp of the prepare pass fetches at once: 1, or 8 with v
+    /// prefetched into L2.
+    pub rows: usize,
+    /// Chunks of operands the state pass keeps in flight: 2 or 3.
+    pub stages: usize,
+    /// The prepare pass's compact shared-memory layout (arrays whose lives do not meet share
+    /// room: three blocks a multiprocessor where the wide layout fits two).
+    pub compact: bool,
+}
 
-/// Bytes of `tern_gdn_tc_prepare_body`'s shared memory: G (f64), beta, e^G, A, T, the block-row
-/// partials (f32), then k, q, v and the two scaled copies of T (bf16 rows padded by 8).
-fn tc_prepare_smem(d_k: usize, d_v: usize) -> usize {
-    8 * CHUNK + 4 * (2 * CHUNK + 2 * CHUNK * (CHUNK + 1) + 3 * 16 * 17) + 2 * (CHUNK * (d_k + 8) * 2 + CHUNK * (d_v + 8) + 2 * CHUNK * 72)
+const fn fast(rows: usize, stages: usize, compact: bool) -> FastVariant {
+    FastVariant { rows, stages, compact }
+}
+
+/// The fast variants compiled.
+pub const FAST_VARIANTS: [FastVariant; 6] =
+    [fast(1, 2, false), fast(8, 2, false), fast(1, 3, false), fast(8, 3, false), fast(1, 3, true), fast(8, 3, true)];
+/// The default fast variant.
+pub const FAST_VARIANT: FastVariant = fast(8, 3, false);
+
+/// Bytes of `tern_gdn_tc_prepare_body`'s shared memory (`tern_gdn_tc_prep_smem` in
+/// chunked_tc.cu): G (f64), beta and e^G, then A, T, the block-row partials (f32), k, q, v and
+/// the two scaled copies of T (bf16 rows padded by 8) apart (wide) or with Q under T and the
+/// partials, and the copies of T under A (compact).
+fn tc_prepare_smem(d_k: usize, d_v: usize, compact: bool) -> usize {
+    let scalars = 8 * CHUNK + 4 * 2 * CHUNK;
+    let (mat, parts) = (4 * CHUNK * (CHUNK + 1), 4 * 3 * 16 * 17);
+    let (k_rows, v_rows, t_copy) = (2 * CHUNK * (d_k + 8), 2 * CHUNK * (d_v + 8), 2 * CHUNK * 72);
+    if compact {
+        scalars + k_rows + v_rows + k_rows.max(mat + parts) + mat.max(2 * t_copy)
+    } else {
+        scalars + 2 * mat + parts + 2 * k_rows + v_rows + 2 * t_copy
+    }
 }
 
 /// `sizeof(tern_gdn_tc_state_smem<d_k, stages>)`: per stage W, Q, K (bf16 rows of d_k + 8), the
@@ -568,7 +593,10 @@ impl GatedDeltaCuda {
         for dk in FAST_CHUNK_HEAD_DIMS {
             for rows in [1, 8] {
                 for dv in FAST_CHUNK_HEAD_DIMS {
-                    tc_prepare.push(((dk, dv, rows), fc(&format!("tern_gdn_tc_prepare_dk{dk}_dv{dv}_r{rows}"), tc_prepare_smem(dk, dv))?));
+                    for compact in [false, true] {
+                        let name = format!("tern_gdn_tc_prepare_dk{dk}_dv{dv}_r{rows}{}", if compact { "c" } else { "" });
+                        tc_prepare.push(((dk, dv, rows, compact), fc(&name, tc_prepare_smem(dk, dv, compact))?));
+                    }
                 }
             }
             for stages in [2, 3] {
@@ -619,7 +647,7 @@ impl GatedDeltaCuda {
 
     /// Selects how the fast mode's kernels are built (one of [`FAST_VARIANTS`]); results are
     /// bit-identical for every choice.
-    pub fn set_fast_variant(&mut self, variant: (usize, usize)) -> Result<()> {
+    pub fn set_fast_variant(&mut self, variant: FastVariant) -> Result<()> {
         if !FAST_VARIANTS.contains(&variant) {
             return Err(Error::Input(format!("fast variant {variant:?}: expected one of {FAST_VARIANTS:?}")));
         }
@@ -1051,8 +1079,8 @@ impl GatedDeltaCuda {
         Self::unfused("delta_rule_chunked_fast", x)?;
         let (pool, state_table) = states.resolve(&self.gpu, "delta_rule_chunked_fast states", segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
-        let (rows, stages) = self.fast_variant;
-        let prepare = self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows)).map(|(_, f)| f);
+        let FastVariant { rows, stages, compact } = self.fast_variant;
+        let prepare = self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact)).map(|(_, f)| f);
         let state = self.tc_state.iter().find(|(d, _)| *d == (d_k, stages)).map(|(_, f)| f);
         let (Some(prepare), Some(state)) = (prepare, state) else {
             return Err(Error::Shape(format!(
@@ -1110,7 +1138,7 @@ impl GatedDeltaCuda {
         let cfg = LaunchConfig {
             grid_dim: (n_v_heads as u32, table.n_chunks as u32, 1),
             block_dim: (CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: tc_prepare_smem(d_k, d_v) as u32,
+            shared_mem_bytes: tc_prepare_smem(d_k, d_v, compact) as u32,
         };
         let mut l = self.gpu.launch_builder(prepare);
         l.arg(&args);

@@ -20,6 +20,24 @@ fn scattered_slots(n: usize) -> Vec<usize> {
     (0..n).map(|s| (2 * s + 1) % (2 * n + 1)).collect()
 }
 
+/// The fast prepare pass's shared memory: the sizes chunked_tc.cu asserts for its layouts, and
+/// the blocks a multiprocessor of the H200 (228 KB, 1 KB of it reserved per block) then holds:
+/// two in the wide layout, three in the compact one, at every head size compiled.
+#[test]
+fn fast_prepare_layouts_fit_their_blocks() {
+    assert_eq!(tc_prepare_smem(128, 128, false), 108_224);
+    assert_eq!(tc_prepare_smem(128, 128, true), 74_176);
+    assert_eq!(tc_prepare_smem(64, 64, true), 57_792);
+    let per_sm = 228 * 1024;
+    for dk in FAST_CHUNK_HEAD_DIMS {
+        for dv in FAST_CHUNK_HEAD_DIMS {
+            let (wide, compact) = (tc_prepare_smem(dk, dv, false), tc_prepare_smem(dk, dv, true));
+            assert!(2 * (wide + 1024) <= per_sm, "wide {dk}x{dv}: {wide} bytes");
+            assert!(3 * (compact + 1024) <= per_sm, "compact {dk}x{dv}: {compact} bytes");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_gates_match_cpu() {
