@@ -2,9 +2,10 @@
 //! heads, d = 128, f32 state), printed as a table; the fla peer runs in
 //! scripts/bench_gdn_fla.py on the same shapes in the same device call.
 //!
-//!   cargo run --release --example gdn_bench [decode] [prefill] [batch=N]   (on a machine with an NVIDIA GPU)
+//!   cargo run --release --example gdn_bench [decode] [prefill] [batch=N] [tokens=N]   (on a machine with an NVIDIA GPU)
 //!
-//! With no section named both run; `batch=N` limits decode to that batch.
+//! With no section named both run; `batch=N` limits decode to that batch, `tokens=N` prefill to
+//! that prompt length (e.g. under a profiler).
 //!
 //! Decode: one token for B sequences, state bytes read + written per second against the copy
 //! bandwidth measured first in the same run (1 GiB), beside a device copy of the step's own
@@ -202,7 +203,8 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
         "{:>6} {:>9} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
         "tokens", "scan ms", "chunk32 ms", "chunk64 ms", "fast ms", "c32 out", "c32 state", "fast out", "fast st", "fast par", "of floor"
     );
-    for &t in &[2048usize, 8192, 32768] {
+    let only: Option<usize> = std::env::args().find_map(|a| a.strip_prefix("tokens=").and_then(|n| n.parse().ok()));
+    for t in [2048usize, 8192, 32768].into_iter().filter(|t| only.is_none_or(|o| o == *t)) {
         let l = layer(gpu, rng, heads, t)?;
         let x = inputs(heads, &l);
         let init = rng.vec(heads.state_len(), -0.5, 0.5);
