@@ -341,6 +341,69 @@ __device__ __forceinline__ double tern_gemv_sum_squares(const float* v, int d, d
     return tern_block_sum_d(ss, scratch);
 }
 
+// The tail of a one-row launch (a decode step) whose row fits TERN_NORM_TAIL_SLOTS values a
+// thread: every operand (h, w, and for ADD_NORM y and the next norm's weight) loaded at once,
+// so the tail waits for L2 once; the loop form below waits once per pass (h for the sum, then h
+// and w again for the output). Same values, products and sums in the same order: the same
+// bits. (Qwen3.5's rows of 1024 and 2048, EmbeddingGemma's of 768.)
+#define TERN_NORM_TAIL_SLOTS 8
+__device__ __forceinline__ double tern_gemv_held_sum_squares(const float (&v)[TERN_NORM_TAIL_SLOTS], int d) {
+    double ss = 0.0;
+#pragma unroll
+    for (int j = 0; j < TERN_NORM_TAIL_SLOTS; ++j)
+        if ((int)threadIdx.x + j * (int)blockDim.x < d) {
+            const double e = (double)(v[j] * 1.0f);
+            ss += e * e;
+        }
+    return ss;
+}
+
+template <int OMODE>
+__device__ __forceinline__ void tern_gemv_norm_tail_held(const tern_gemv_parts& p, double* scratch) {
+    constexpr int S = TERN_NORM_TAIL_SLOTS;
+    const int d = p.out[0], t = threadIdx.x, nt = blockDim.x;
+    // RESIDUAL: the stream is y, already x + W·v, written by every block (read through L2).
+    // ADD_NORM: y is the product (through L2), h the stream, which this launch has not written.
+    float* h = OMODE == TERN_Y_RESIDUAL ? (float*)p.y[0] : (float*)p.stream;
+    const float* y = (const float*)p.y[0];
+    const float* w = (const float*)p.norm_w;
+    const float* w2 = (const float*)p.next_w;
+    float hv[S], wv[S], yv[S], w2v[S];
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+        const int i = t + j * nt;
+        const bool in = i < d;
+        if (OMODE == TERN_Y_RESIDUAL) {
+            hv[j] = in ? __ldcg(h + i) : 0.0f;
+        } else {
+            hv[j] = in ? h[i] : 0.0f;
+            yv[j] = in ? __ldcg(y + i) : 0.0f;
+            w2v[j] = in ? w2[i] : 0.0f;
+        }
+        wv[j] = in ? w[i] : 0.0f;
+    }
+    if (OMODE == TERN_Y_ADD_NORM) {
+        const float inv = tern_inv_rms_of(tern_block_sum_d(tern_gemv_held_sum_squares(yv, d), scratch), d, p.eps);
+#pragma unroll
+        for (int j = 0; j < S; ++j) {
+            const int i = t + j * nt;
+            if (i >= d) continue;
+            float v = hv[j] + (yv[j] * inv) * wv[j];
+            if (p.post != 1.0f) v *= p.post;
+            hv[j] = v;
+            h[i] = v;
+            wv[j] = w2v[j];  // the output's weight: the next norm's
+        }
+    }
+    const float inv = tern_inv_rms_of(tern_block_sum_d(tern_gemv_held_sum_squares(hv, d), scratch), d, p.eps);
+    float* a = (float*)p.norm_out;
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+        const int i = t + j * nt;
+        if (i < d) a[i] = (hv[j] * inv) * wv[j];
+    }
+}
+
 template <int R, int OMODE>
 __device__ __forceinline__ void tern_gemv_norm_tail(const tern_gemv_parts& p, int rows) {
     __shared__ int last;
@@ -354,6 +417,11 @@ __device__ __forceinline__ void tern_gemv_norm_tail(const tern_gemv_parts& p, in
     __threadfence();
     constexpr int C = TERN_NORM_TAIL_CHUNK;
     const int d = p.out[0];
+    if (R == 1 && d <= TERN_NORM_TAIL_SLOTS * (int)blockDim.x) {
+        tern_gemv_norm_tail_held<OMODE>(p, scratch);
+        if (threadIdx.x == 0) *(unsigned*)p.counter = 0u;
+        return;
+    }
     const float* w = (const float*)p.norm_w;
     float* a = (float*)p.norm_out;
     // (R == 1: the one row a decode step has, known at compile time.)
