@@ -209,6 +209,14 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
         }
         const int h = grp / groups, j0 = grp % groups * ROWS;
         const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
+        // Lane m writes row j0 + m's output (m < ROWS), so it also holds what that row's
+        // output takes beside the state (fused: the norm weight, and per token z), loaded with
+        // the token's other operands rather than after the norm's barrier.
+        const bool row_lane = lane < ROWS && j0 + lane < dv;
+        float nw_lane = 0.0f;
+        if constexpr (FUSED) {
+            if (row_lane) nw_lane = a.norm_w[j0 + lane];
+        }
         for (size_t t = start; t < end; t++) {
             float kk[E], qq[E];
             tern_gdn_load_row<DK>(a.k + t * a.k_stride + (size_t)kh * DK + lane * E, kk);
@@ -221,34 +229,36 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
                 decay = expf(a.g[t * nv + h]);
                 b = a.beta[t * nv + h];
             }
-            const float v_lane = lane < ROWS && j0 + lane < dv ? a.v[t * a.v_stride + (size_t)h * dv + j0 + lane] : 0.0f;
+            const float v_lane = row_lane ? a.v[t * a.v_stride + (size_t)h * dv + j0 + lane] : 0.0f;
+            float z_lane = 0.0f;
+            if constexpr (FUSED) {
+                if (row_lane) z_lane = a.z[t * a.z_stride + (size_t)h * dv + j0 + lane];
+            }
             if (a.l2qk) {
                 tern_gdn_l2_regs<DK>(kk, a.eps, 1.0f);
                 tern_gdn_l2_regs<DK>(qq, a.eps, a.q_scale);
             }
             float o[ROWS];
             tern_gdn_rows_token<DK, ROWS>(r, kk, qq, v_lane, decay, b, o);
+            // Every lane has every row's output (warp sums); lane m keeps row m's, selected
+            // without indexing o at run time (which would put it in local memory).
+            float o_lane = 0.0f;
+#pragma unroll
+            for (int m = 0; m < ROWS; m++)
+                if (lane == m) o_lane = o[m];
             float* row_out = a.out + (t * nv + h) * dv;
             if constexpr (FUSED) {
                 // Two buffers by token parity: a warp writing token t + 1's row never meets one
                 // still reading token t's, which passed this barrier before it could.
                 float* head = o_smem + (t & 1) * TERN_GDN_FUSED_MAX_DV;
-#pragma unroll
-                for (int m = 0; m < ROWS; m++)
-                    if (lane == 0 && j0 + m < dv) head[j0 + m] = o[m];
+                if (row_lane) head[j0 + lane] = o_lane;
                 __syncthreads();
                 float ss = 0.0f;
                 for (int i = lane; i < dv; i += 32) ss += head[i] * head[i];
                 const float inv = 1.0f / sqrtf(tern_gdn_warp_sum(ss) / (float)dv + a.norm_eps);
-                const float* zr = a.z + t * a.z_stride + (size_t)h * dv;
-#pragma unroll
-                for (int m = 0; m < ROWS; m++)
-                    if (lane == 0 && j0 + m < dv)
-                        row_out[j0 + m] = ((o[m] * inv) * a.norm_w[j0 + m]) * tern_gdn_silu(zr[j0 + m]);
+                if (row_lane) row_out[j0 + lane] = ((o_lane * inv) * nw_lane) * tern_gdn_silu(z_lane);
             } else {
-#pragma unroll
-                for (int m = 0; m < ROWS; m++)
-                    if (lane == 0 && j0 + m < dv) row_out[j0 + m] = o[m];
+                if (row_lane) row_out[j0 + lane] = o_lane;
             }
         }
 #pragma unroll
