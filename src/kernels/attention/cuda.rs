@@ -498,9 +498,16 @@ struct RowTables {
 pub struct KvAttentionCuda {
     gpu: Arc<Gpu>,
     append: CudaFunction,
-    attend: CudaFunction,
+    /// tern_kv_attention_p{PER} for each of [`KV_LANE_VALUES`].
+    attend: Vec<CudaFunction>,
     gate: CudaFunction,
 }
+
+/// Values of a head row each lane of tern_kv_attention holds, one kernel each: heads of up to
+/// 64, 128, 256 and 512 values (the launch takes the smallest that holds the head).
+const KV_LANE_VALUES: [usize; 4] = [2, 4, 8, 16];
+/// The most splits tern_kv_attention merges (TERN_KV_MAX_SPLITS in kv.cu).
+const KV_MAX_SPLITS: usize = 8;
 
 /// Threads per block of tern_kv_attention (TERN_KV_WARPS warps).
 const KV_BLOCK: u32 = 128;
@@ -509,6 +516,7 @@ const KV_BLOCK: u32 = 128;
 /// batch or on their caches (a sequence decodes the same alone and in a server's batch); and
 /// the launch shape of a recorded step does not depend on the positions.
 const KV_SPLITS: usize = 8;
+const _: () = assert!(KV_SPLITS <= KV_MAX_SPLITS);
 /// The most floats of split partials one launch keeps (128 MiB: a decode step of 512
 /// sequences of up to 31 query heads of 256): a step of more rows (a long prompt continued
 /// after earlier turns, which runs alone) takes one split.
@@ -528,7 +536,7 @@ impl KvAttentionCuda {
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
         Ok(KvAttentionCuda {
             append: gpu.function(&SOURCE_KV, "tern_kv_append")?,
-            attend: gpu.function(&SOURCE_KV, "tern_kv_attention")?,
+            attend: KV_LANE_VALUES.iter().map(|per| gpu.function(&SOURCE_KV, &format!("tern_kv_attention_p{per}"))).collect::<Result<_>>()?,
             gate: gpu.function(&SOURCE_KV, "tern_sigmoid_gate")?,
             gpu,
         })
@@ -687,7 +695,9 @@ impl KvAttentionCuda {
         // Split partials (unused with one split) and the heads' arrival counters.
         let partial = g.alloc::<f32>(if splits > 1 { rows * q_heads * splits * (hd + 2) } else { 1 })?;
         let counters = g.zeros::<u32>(rows * q_heads)?;
-        let mut l = g.launch_builder(&self.attend);
+        // hd <= MAX_HEAD_DIM = 32 · the last lane count (checked above).
+        let attend = KV_LANE_VALUES.iter().position(|&per| 32 * per >= hd).map(|at| &self.attend[at]).expect("hd <= MAX_HEAD_DIM");
+        let mut l = g.launch_builder(attend);
         l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld).buf(&*tables.k_at).buf(&*tables.v_at).buf(positions);
         l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).buf(&partial).buf(&counters).buf(out);
         let grid_rows = u32::try_from(rows).ok().filter(|&r| r <= 65_535).ok_or_else(|| {
@@ -707,6 +717,19 @@ impl KvAttentionCuda {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The launcher's kernels and merge bound are the ones kv.cu defines, and its lane counts
+    /// cover every head it accepts.
+    #[test]
+    fn kv_entries_match_the_launcher() {
+        let code = include_str!("kv.cu");
+        for per in KV_LANE_VALUES {
+            assert_eq!(code.matches(&format!("\nTERN_KV_ATTENTION({per}, ")).count(), 1, "per {per}");
+        }
+        assert_eq!(code.matches("\nTERN_KV_ATTENTION(").count(), KV_LANE_VALUES.len());
+        assert!(code.contains(&format!("#define TERN_KV_MAX_SPLITS {KV_MAX_SPLITS}\n")));
+        assert_eq!(32 * KV_LANE_VALUES[KV_LANE_VALUES.len() - 1], MAX_HEAD_DIM);
+    }
 
     #[test]
     fn kv_splits_depend_on_the_launch_size_only() {

@@ -6,8 +6,6 @@
 // straight from the cache; the query heads that share a kv head find them in L2.
 
 #define TERN_KV_WARPS 4
-#define TERN_KV_MAX_HD 512
-#define TERN_KV_PER_LANE (TERN_KV_MAX_HD / 32)
 
 // Positions come from device memory (the batch's, one per row), never from kernel arguments:
 // a decode step recorded as a CUDA graph replays with new positions and the same arguments.
@@ -43,65 +41,89 @@ extern "C" __global__ void tern_kv_append(const float* __restrict__ k, long long
 // unnormalised output — to `partial` [rows][q_heads][splits][hd + 2]; the last of a head's
 // blocks to arrive (an arrival counter, zero between launches) merges the splits in order and
 // writes the gated output. One split writes the output directly.
-extern "C" __global__ void tern_kv_attention(const float* __restrict__ q, long long q_off, long long q_ld,
-                                             const float* __restrict__ gate, long long g_off, long long g_ld,
-                                             const unsigned long long* __restrict__ k_at,
-                                             const unsigned long long* __restrict__ v_at,
-                                             const unsigned* __restrict__ positions, int q_heads, int kv_heads, int hd, float scale,
-                                             float* __restrict__ partial, unsigned* __restrict__ counters,
-                                             float* __restrict__ out) {
-    tern_await_prior_kernel();
+//
+// PER: values of a head row a lane holds (hd <= 32·PER). A warp takes its keys KB at a time:
+// the KB keys' k and v rows are requested together, then the keys go through the online
+// softmax one by one in the order of the one-key loop (keys warp, warp + TERN_KV_WARPS, ...),
+// so a warp waits for memory once per KB keys rather than once per key (a context of
+// thousands of tokens is ~100 keys a warp) and the results are the same bits. The merge
+// reads each split's max and sum once.
+#define TERN_KV_MAX_SPLITS 8
+template <int PER, int KB>
+__device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__ q, long long q_off, long long q_ld,
+                                                       const float* __restrict__ gate, long long g_off, long long g_ld,
+                                                       const unsigned long long* __restrict__ k_at,
+                                                       const unsigned long long* __restrict__ v_at,
+                                                       const unsigned* __restrict__ positions, int q_heads, int kv_heads,
+                                                       int hd, float scale, float* __restrict__ partial,
+                                                       unsigned* __restrict__ counters, float* __restrict__ out) {
+    constexpr int HD = 32 * PER;
     const int h = blockIdx.x, i = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int kvh = h / (q_heads / kv_heads);
     const size_t kw = (size_t)kv_heads * hd;
-    const int per = (hd + 31) / 32;
     const float* __restrict__ k_cache = (const float*)k_at[i];
     const float* __restrict__ v_cache = (const float*)v_at[i];
-    __shared__ float qs[TERN_KV_MAX_HD];
+    // Addresses read from memory: without the assumption the compiler issues generic loads,
+    // which resolve the address space per access.
+    __builtin_assume(__isGlobal(k_cache) && __isGlobal(v_cache));
+    // The row's key count, requested with its q before the barrier.
+    const int keys = (int)positions[i] + 1;
+    __shared__ float qs[HD];
     __shared__ float warp_max[TERN_KV_WARPS], warp_sum[TERN_KV_WARPS];
-    __shared__ float warp_acc[TERN_KV_WARPS][TERN_KV_MAX_HD];
+    __shared__ float warp_acc[TERN_KV_WARPS][HD];
     __shared__ bool last;
     const float* qr = q + q_off + (size_t)i * q_ld + (size_t)h * hd;
     for (int c = threadIdx.x; c < hd; c += blockDim.x) qs[c] = qr[c];
     __syncthreads();
 
     // This block's keys: the split-th of `keys` in `splits` ranges (the first always holds key 0).
-    const int keys = (int)positions[i] + 1;
     const int chunk = (keys + splits - 1) / splits;
     const int j0 = split * chunk, j1 = min(keys, j0 + chunk);
-    float m = -tern_inf(), l = 0.0f, acc[TERN_KV_PER_LANE];
+    float m = -tern_inf(), l = 0.0f, acc[PER];
 #pragma unroll
-    for (int t = 0; t < TERN_KV_PER_LANE; ++t) acc[t] = 0.0f;
-    for (int j = j0 + warp; j < j1; j += TERN_KV_WARPS) {
-        const float* kr = k_cache + (size_t)j * kw + (size_t)kvh * hd;
-        float s = 0.0f;
+    for (int t = 0; t < PER; ++t) acc[t] = 0.0f;
+    for (int jb = j0 + warp; jb < j1; jb += KB * TERN_KV_WARPS) {
+        float kv[KB][PER], vv[KB][PER];
 #pragma unroll
-        for (int t = 0; t < TERN_KV_PER_LANE; ++t) {
-            const int c = lane + 32 * t;
-            if (t < per && c < hd) s += qs[c] * kr[c];
+        for (int u = 0; u < KB; ++u) {
+            const int j = jb + u * TERN_KV_WARPS;
+            const float* kr = k_cache + (size_t)j * kw + (size_t)kvh * hd;
+            const float* vr = v_cache + (size_t)j * kw + (size_t)kvh * hd;
+#pragma unroll
+            for (int t = 0; t < PER; ++t) {
+                const int c = lane + 32 * t;
+                const bool in = j < j1 && c < hd;
+                kv[u][t] = in ? kr[c] : 0.0f;
+                vv[u][t] = in ? vr[c] : 0.0f;
+            }
         }
-        s = tern_warp_sum(s) * scale;
-        const float m_new = fmaxf(m, s);
-        // The first key: m is −inf, so the old terms get weight exp(−inf) = 0.
-        const float corr = expf(m - m_new), p = expf(s - m_new);
-        l = l * corr + p;
-        const float* vr = v_cache + (size_t)j * kw + (size_t)kvh * hd;
 #pragma unroll
-        for (int t = 0; t < TERN_KV_PER_LANE; ++t) {
-            const int c = lane + 32 * t;
-            if (t < per && c < hd) acc[t] = acc[t] * corr + p * vr[c];
+        for (int u = 0; u < KB; ++u) {
+            if (jb + u * TERN_KV_WARPS >= j1) break;
+            float s = 0.0f;
+#pragma unroll
+            for (int t = 0; t < PER; ++t)
+                if (lane + 32 * t < hd) s += qs[lane + 32 * t] * kv[u][t];
+            s = tern_warp_sum(s) * scale;
+            const float m_new = fmaxf(m, s);
+            // The first key: m is −inf, so the old terms get weight exp(−inf) = 0.
+            const float corr = expf(m - m_new), p = expf(s - m_new);
+            l = l * corr + p;
+#pragma unroll
+            for (int t = 0; t < PER; ++t)
+                if (lane + 32 * t < hd) acc[t] = acc[t] * corr + p * vv[u][t];
+            m = m_new;
         }
-        m = m_new;
     }
     if (lane == 0) {
         warp_max[warp] = m;
         warp_sum[warp] = l;
     }
 #pragma unroll
-    for (int t = 0; t < TERN_KV_PER_LANE; ++t) {
+    for (int t = 0; t < PER; ++t) {
         const int c = lane + 32 * t;
-        if (t < per && c < hd) warp_acc[warp][c] = acc[t];
+        if (c < hd) warp_acc[warp][c] = acc[t];
     }
     __syncthreads();
     // The block's max over its warps: −inf only for a split with no key (then it adds nothing:
@@ -144,23 +166,49 @@ extern "C" __global__ void tern_kv_attention(const float* __restrict__ q, long l
     if (!last) return;
     __threadfence();
     const float* parts = partial + head * splits * (size_t)(hd + 2);
-    float big = -tern_inf();
-    for (int t = 0; t < splits; ++t) big = fmaxf(big, __ldcg(parts + (size_t)t * (hd + 2)));
-    float sum = 0.0f;
-    for (int t = 0; t < splits; ++t) {
-        const float mt = __ldcg(parts + (size_t)t * (hd + 2));
-        if (mt != -tern_inf()) sum += __ldcg(parts + (size_t)t * (hd + 2) + 1) * expf(mt - big);
+    // Each split's max and sum, read once (splits <= TERN_KV_MAX_SPLITS, checked by the host).
+    float mt[TERN_KV_MAX_SPLITS], lt[TERN_KV_MAX_SPLITS];
+#pragma unroll
+    for (int t = 0; t < TERN_KV_MAX_SPLITS; ++t) {
+        mt[t] = t < splits ? __ldcg(parts + (size_t)t * (hd + 2)) : -tern_inf();
+        lt[t] = t < splits ? __ldcg(parts + (size_t)t * (hd + 2) + 1) : 0.0f;
     }
+    float big = -tern_inf();
+#pragma unroll
+    for (int t = 0; t < TERN_KV_MAX_SPLITS; ++t)
+        if (t < splits) big = fmaxf(big, mt[t]);
+    float sum = 0.0f;
+#pragma unroll
+    for (int t = 0; t < TERN_KV_MAX_SPLITS; ++t)
+        if (t < splits && mt[t] != -tern_inf()) sum += lt[t] * expf(mt[t] - big);
     for (int c = threadIdx.x; c < hd; c += blockDim.x) {
         float o = 0.0f;
-        for (int t = 0; t < splits; ++t) {
-            const float mt = __ldcg(parts + (size_t)t * (hd + 2));
-            if (mt != -tern_inf()) o += __ldcg(parts + (size_t)t * (hd + 2) + 2 + c) * expf(mt - big);
-        }
+#pragma unroll
+        for (int t = 0; t < TERN_KV_MAX_SPLITS; ++t)
+            if (t < splits && mt[t] != -tern_inf()) o += __ldcg(parts + (size_t)t * (hd + 2) + 2 + c) * expf(mt[t] - big);
         o_row[c] = o / sum * (1.0f / (1.0f + expf(-gr[c])));
     }
     if (threadIdx.x == 0) counters[head] = 0u;
 }
+
+// One kernel per PER (heads of up to 64, 128, 256, 512 values; the launcher takes the
+// smallest that holds hd) with its KB: 4 keys a warp at once, 2 for the 512-wide head (then
+// 64 registers of rows either way).
+#define TERN_KV_ATTENTION(PER, KB)                                                                                     \
+    extern "C" __global__ void tern_kv_attention_p##PER(                                                               \
+        const float* __restrict__ q, long long q_off, long long q_ld, const float* __restrict__ gate, long long g_off,  \
+        long long g_ld, const unsigned long long* __restrict__ k_at, const unsigned long long* __restrict__ v_at,      \
+        const unsigned* __restrict__ positions, int q_heads, int kv_heads, int hd, float scale,                        \
+        float* __restrict__ partial, unsigned* __restrict__ counters, float* __restrict__ out) {                       \
+        tern_await_prior_kernel();                                                                                     \
+        tern_kv_attention_body<PER, KB>(q, q_off, q_ld, gate, g_off, g_ld, k_at, v_at, positions, q_heads, kv_heads,  \
+                                        hd, scale, partial, counters, out);                                            \
+    }
+TERN_KV_ATTENTION(2, 4)
+TERN_KV_ATTENTION(4, 4)
+TERN_KV_ATTENTION(8, 4)
+TERN_KV_ATTENTION(16, 2)
+#undef TERN_KV_ATTENTION
 
 // out[r][c] *= sigmoid(gate[g_off + r·g_ld + c]) over rows × width (the prefill path, after the
 // flash kernels' causal attention).
