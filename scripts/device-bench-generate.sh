@@ -10,8 +10,9 @@
 # (scripts/make_bench_qwen35.py: real shapes, bf16 safetensors) and, with the converter, its
 # BF16 and Q8_0 GGUFs; then runs `tern bench generate` on each file in f32 and bf16 (prefill of
 # 4096 tokens and of the shorter prompts of TERN_BENCH_PREFILL_ALSO (default 16,128,512), batch-1
-# decode, decode rounds of 1, 8, 32 and 128 sequences, each with the rooflines measured in the
-# run) and llama-bench on the GGUFs (pp16, pp128, pp512, pp4096, tg128), plus one profiled
+# decode from an empty context and after a prompt of TERN_BENCH_DEPTH tokens (default 4096),
+# decode rounds of 1, 8, 32 and 128 sequences, each with the rooflines measured in the run) and
+# llama-bench on the GGUFs (pp16, pp128, pp512, pp4096, tg128, and tg128 @ d4096), plus one profiled
 # run per precision (TERN_CUDA_PROFILE). TERN_BENCH_MODELS, TERN_BENCH_CONCURRENT and
 # TERN_BENCH_VARIANTS (device-env.sh) narrow or repeat the tern runs. TERN_BENCH_35B=1 also makes
 # Qwen3.5-35B-A3B's random-weight GGUFs (its checkpoint in /dev/shm, removed after the conversion;
@@ -64,7 +65,8 @@ for model in "${models[@]}"; do
   [ -e "$model" ] || continue
   for dtype in f32 bf16; do
     tern_variants "$tern" bench generate --model "$model" --device cuda --dtype $dtype --prompt-tokens 4096 --gen-tokens 64 --iters 3 \
-      --prefill-also ${TERN_BENCH_PREFILL_ALSO:-16,128,512} --concurrent ${TERN_BENCH_CONCURRENT:-1,8,32,128} | tee -a "$report"
+      --prefill-also ${TERN_BENCH_PREFILL_ALSO:-16,128,512} --decode-depth ${TERN_BENCH_DEPTH:-4096} \
+      --concurrent ${TERN_BENCH_CONCURRENT:-1,8,32,128} | tee -a "$report"
   done
 done
 
@@ -85,5 +87,6 @@ if [ -n "$llama" ]; then
   for model in "${models[@]}"; do
     [ -e "$model" ] && [ "${model%.gguf}" != "$model" ] || continue
     "$llama" -m "$model" -p 16,128,512,4096 -n 128 -r 3 -o json | tee -a "${OUT:-$bench}/llama-bench.json"
+    "$llama" -m "$model" -p 0 -n 128 -d ${TERN_BENCH_DEPTH:-4096} -r 3 -o json | tee -a "${OUT:-$bench}/llama-bench.json"
   done
 fi

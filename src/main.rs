@@ -260,6 +260,11 @@ struct BenchGenerateArgs {
     /// turn's, take other kernels than a long one's).
     #[arg(long, value_delimiter = ',')]
     prefill_also: Vec<usize>,
+    /// Also time decode steps after prompts of these lengths, comma-separated: the context a
+    /// reply decodes over, which the attention layers read at every step (llama-bench's `-d`,
+    /// its "tg @ dN").
+    #[arg(long, value_delimiter = ',')]
+    decode_depth: Vec<usize>,
     /// Copy every step's whole logits row to the host and take the greedy token there (what a
     /// sampler with penalties or a request that keeps its logits costs), instead of asking the
     /// step for its best entry as a greedy generation does.
@@ -793,8 +798,8 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
     if args.prompt_tokens == 0 || args.gen_tokens == 0 {
         return Err(Error::Input("--prompt-tokens and --gen-tokens must be at least 1".into()));
     }
-    if args.concurrent.contains(&0) || args.prefill_also.contains(&0) {
-        return Err(Error::Input("--concurrent and --prefill-also sizes must be at least 1".into()));
+    if args.concurrent.contains(&0) || args.prefill_also.contains(&0) || args.decode_depth.contains(&0) {
+        return Err(Error::Input("--concurrent, --prefill-also and --decode-depth sizes must be at least 1".into()));
     }
     let placement = LoadOptions { threads, max_tokens: None, device: args.device, dtype: args.dtype }.placement()?;
     pool.install(|| {
@@ -879,6 +884,30 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
         let decode_mean_s = median(&mut run_means);
         let decode_profile = profile();
 
+        // Decode after a prompt of each depth: the median step of gen_tokens steps that follow
+        // a prefill of `depth` tokens (the prefill untimed), over the timed runs.
+        let mut at_depth = Vec::new();
+        for &depth in &args.decode_depth {
+            let ids: Vec<u32> = (0..depth).map(|_| next_id()).collect();
+            let mut steps = Vec::new();
+            for i in 0..=args.iters.max(1) {
+                let mut st = model.new_state()?;
+                model.forward(&ids, &mut st)?;
+                let mut tok = first;
+                for _ in 0..args.gen_tokens {
+                    let t = Instant::now();
+                    let logits = model.forward_want(&[tok], &mut st, want)?;
+                    let dt = t.elapsed().as_secs_f64();
+                    tok = greedy.sample_step(logits, &[], &[]);
+                    if i > 0 {
+                        steps.push(dt);
+                    }
+                }
+            }
+            let step = median(&mut steps);
+            at_depth.push((depth, step));
+        }
+
         // Decode rounds of B sequences at once (the server's continuous-batching step).
         let mut concurrent = Vec::new();
         for &b in &args.concurrent {
@@ -919,6 +948,18 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             PlacedQwen35::Cuda(q) => (q.ops().measure_copy_bandwidth(1 << 30)?, q.ops().measure_gemm_rate(m, 3584, 1024)?, q.ops().weight_bytes()),
         };
         let bytes_per_token = model.decode_bytes_per_token(args.gen_tokens / 2);
+        let decode_at_depth: Vec<_> = at_depth
+            .iter()
+            .map(|&(depth, step)| {
+                let bytes = model.decode_bytes_per_token(depth + args.gen_tokens / 2);
+                serde_json::json!({
+                    "depth": depth,
+                    "decode_tokens_per_s": 1.0 / step,
+                    "decode_bytes_per_token": bytes,
+                    "decode_bandwidth_fraction": bytes as f64 / step / bandwidth,
+                })
+            })
+            .collect();
         let flops = model.prefill_flops(args.prompt_tokens);
         // Decode steps recorded as CUDA graphs, and why any recording failed.
         let graphs = match &model {
@@ -941,6 +982,7 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             "decode_tokens_per_s": 1.0 / decode_s,
             "decode_tokens_per_s_mean": 1.0 / decode_mean_s,
             "decode_logits": if args.full_logits { "whole rows to the host" } else { "greedy token's entry" },
+            "decode_at_depth": decode_at_depth,
             "concurrent_decode": concurrent,
             "cuda_graphs": graphs,
             "op_profile": {"prefill": prefill_profile, "decode": decode_profile, "concurrent": concurrent_profile},
