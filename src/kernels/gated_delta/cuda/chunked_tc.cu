@@ -476,9 +476,12 @@ __device__ void tern_gdn_tc_issue(tern_gdn_tc_stage<DK>& st, const tern_gdn_tc_s
 
 __device__ __forceinline__ void tern_gdn_tc_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
-// NS: pipeline stages (2 or 3): chunk n + NS - 1 is requested while chunk n is computed. The
-// results do not depend on NS.
-template <int DK, int NS>
+// NS: pipeline stages (2 or 3): chunk n + NS - 1 is requested while chunk n is computed. LATE:
+// where chunk n's copies of chunk n + NS - 1 are issued: right after the barrier that opens
+// chunk n (all 8 warps then spend ~15 cp.async and their addresses before the first mma), or
+// after the Delta and P products, whose dependent mma chains leave issue slots free. The
+// results do not depend on NS or LATE.
+template <int DK, int NS, bool LATE>
 __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
     constexpr int C = tern_gdn_tc_c, BV = tern_gdn_tc_bv, LDK = DK + 8, LDC = tern_gdn_tc_ldc, NI = DK / 32;
     const int h = blockIdx.x, j0 = blockIdx.y * BV, seq = blockIdx.z;
@@ -518,8 +521,12 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         tern_gdn_tc_stage<DK>& st = sm.st[n % NS];
         asm volatile("cp.async.wait_group %0;" ::"n"(NS - 2) : "memory");
         __syncthreads();  // this chunk's operands and the state copy are in; the stage of chunk n - 1 is free
-        if (n + NS - 1 < nc) tern_gdn_tc_issue<DK>(sm.st[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
-        tern_gdn_tc_commit();
+        // One commit group per chunk wherever it is issued, so the wait above keeps its meaning.
+        const auto issue_ahead = [&]() {
+            if (n + NS - 1 < nc) tern_gdn_tc_issue<DK>(sm.st[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
+            tern_gdn_tc_commit();
+        };
+        if constexpr (!LATE) issue_ahead();
         const size_t t0 = a.chunk_t0[chunk];
         const int len = (int)a.chunk_len[chunk];
 
@@ -540,6 +547,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
             tern_gdn_tc_mma(o[0], aq, b[0], b[1]);
             tern_gdn_tc_mma(o[1], aq, b[2], b[3]);
         }
+        if constexpr (LATE) issue_ahead();
 #pragma unroll
         for (int t = 0; t < 2; t++)
 #pragma unroll
@@ -626,19 +634,15 @@ TERN_GDN_TC_PREPARE(128, 64, 1)
 TERN_GDN_TC_PREPARE(128, 64, 8)
 TERN_GDN_TC_PREPARE(128, 128, 1)
 TERN_GDN_TC_PREPARE(128, 128, 8)
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk64_s2(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_body<64, 2>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk64_s3(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_body<64, 3>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s2(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_body<128, 2>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_body<128, 3>(a);
-}
+// State kernels by d_k and stages; _s3l issues the copies late (LATE above).
+#define TERN_GDN_TC_STATE(DK, NS, LATE, SUFFIX)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk##DK##_s##NS##SUFFIX(tern_gdn_tc_state_args a) { \
+        tern_await_prior_kernel();                                                                                     \
+        tern_gdn_tc_state_body<DK, NS, LATE>(a);                                                                       \
+    }
+TERN_GDN_TC_STATE(64, 2, false, )
+TERN_GDN_TC_STATE(64, 3, false, )
+TERN_GDN_TC_STATE(64, 3, true, l)
+TERN_GDN_TC_STATE(128, 2, false, )
+TERN_GDN_TC_STATE(128, 3, false, )
+TERN_GDN_TC_STATE(128, 3, true, l)

@@ -321,7 +321,7 @@ pub struct GatedDeltaCuda {
     chunk_prepare_only: bool,
     /// Fast mode: prepare kernels by (d_k, d_v, rows) and state kernels by (d_k, stages).
     tc_prepare: Vec<((usize, usize, usize, bool), CudaFunction)>,
-    tc_state: Vec<((usize, usize), CudaFunction)>,
+    tc_state: Vec<((usize, usize, bool), CudaFunction)>,
     fast_variant: FastVariant,
     /// Per-(chunk, head) intermediates of the chunked prefill (either mode), grown on demand.
     chunk_scratch: Mutex<Option<CudaSlice<f32>>>,
@@ -368,17 +368,28 @@ pub struct FastVariant {
     /// The prepare pass's compact shared-memory layout (arrays whose lives do not meet share
     /// room: three blocks a multiprocessor where the wide layout fits two).
     pub compact: bool,
+    /// The state pass issues a chunk's copies of the chunk `stages - 1` ahead after its first
+    /// products instead of before them (3 stages only).
+    pub late_issue: bool,
 }
 
-const fn fast(rows: usize, stages: usize, compact: bool) -> FastVariant {
-    FastVariant { rows, stages, compact }
+const fn fast(rows: usize, stages: usize, compact: bool, late_issue: bool) -> FastVariant {
+    FastVariant { rows, stages, compact, late_issue }
 }
 
 /// The fast variants compiled.
-pub const FAST_VARIANTS: [FastVariant; 6] =
-    [fast(1, 2, false), fast(8, 2, false), fast(1, 3, false), fast(8, 3, false), fast(1, 3, true), fast(8, 3, true)];
+pub const FAST_VARIANTS: [FastVariant; 8] = [
+    fast(1, 2, false, false),
+    fast(8, 2, false, false),
+    fast(1, 3, false, false),
+    fast(8, 3, false, false),
+    fast(1, 3, true, false),
+    fast(8, 3, true, false),
+    fast(8, 3, false, true),
+    fast(8, 3, true, true),
+];
 /// The default fast variant.
-pub const FAST_VARIANT: FastVariant = fast(8, 3, false);
+pub const FAST_VARIANT: FastVariant = fast(8, 3, false, false);
 
 /// Bytes of `tern_gdn_tc_prepare_body`'s shared memory (`tern_gdn_tc_prep_smem` in
 /// chunked_tc.cu): G (f64), beta and e^G, then A, T, the block-row partials (f32), k, q, v and
@@ -599,8 +610,9 @@ impl GatedDeltaCuda {
                     }
                 }
             }
-            for stages in [2, 3] {
-                tc_state.push(((dk, stages), fc(&format!("tern_gdn_tc_state_dk{dk}_s{stages}"), tc_state_smem(dk, stages))?));
+            for (stages, late) in [(2, false), (3, false), (3, true)] {
+                let name = format!("tern_gdn_tc_state_dk{dk}_s{stages}{}", if late { "l" } else { "" });
+                tc_state.push(((dk, stages, late), fc(&name, tc_state_smem(dk, stages))?));
             }
         }
         Ok(GatedDeltaCuda {
@@ -1079,9 +1091,9 @@ impl GatedDeltaCuda {
         Self::unfused("delta_rule_chunked_fast", x)?;
         let (pool, state_table) = states.resolve(&self.gpu, "delta_rule_chunked_fast states", segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
-        let FastVariant { rows, stages, compact } = self.fast_variant;
+        let FastVariant { rows, stages, compact, late_issue } = self.fast_variant;
         let prepare = self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact)).map(|(_, f)| f);
-        let state = self.tc_state.iter().find(|(d, _)| *d == (d_k, stages)).map(|(_, f)| f);
+        let state = self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue)).map(|(_, f)| f);
         let (Some(prepare), Some(state)) = (prepare, state) else {
             return Err(Error::Shape(format!(
                 "delta_rule_chunked_fast on CUDA: d_k {d_k}, d_v {d_v} (each must be one of {FAST_CHUNK_HEAD_DIMS:?})"
