@@ -196,6 +196,24 @@ pub trait Ops: Send + Sync + Sized {
     fn linears(&self, x: &Self::Buf, rows: usize, ws: &[&Self::Mat]) -> Result<Vec<Self::Buf>> {
         ws.iter().map(|w| self.linear(x, rows, w, None)).collect()
     }
+    /// A gated-delta layer's input projections and the causal conv1d + SiLU of the first
+    /// one's `channels` outputs (`conv`: its weights [channels][kernel] and the kernel width;
+    /// `states`: each sequence's raw-input history, advanced): [`Ops::linears`], then
+    /// [`Ops::conv1d_silu`] of the first output. A GPU may convolve each channel as the product
+    /// writes it, with the same results.
+    #[allow(clippy::too_many_arguments)]
+    fn linears_conv(
+        &self,
+        x: &Self::Buf,
+        rows: usize,
+        ws: &[&Self::Mat],
+        conv: (&Self::Vector, usize),
+        channels: usize,
+        batch: &Self::Batch,
+        states: &mut [&mut Self::Buf],
+    ) -> Result<Vec<Self::Buf>> {
+        linears_conv_composed(self, x, rows, ws, conv, channels, batch, states)
+    }
     /// The gated linear unit: `act(x·Gᵀ)·(x·Uᵀ)` over `rows` rows for `gate_up` stacking a gate
     /// [width][in] over an up [width][in] (a fused gate|up product); [rows][width]. The product,
     /// then the gated activation of its halves; a GPU may apply the activation as the product
@@ -809,6 +827,25 @@ pub fn matrix_shape(w: &Matrix) -> Result<(usize, usize)> {
         [out, inp] => Ok((out, inp)),
         _ => Err(Error::Shape(format!("{}: a matrix needs 2 dimensions, the tensor has {:?}", w.name(), w.shape()))),
     }
+}
+
+/// [`Ops::linears_conv`] as the ops it is made of (the trait's form, and a backend's where it
+/// has nothing better for the shapes at hand).
+#[allow(clippy::too_many_arguments)]
+pub fn linears_conv_composed<O: Ops>(
+    ops: &O,
+    x: &O::Buf,
+    rows: usize,
+    ws: &[&O::Mat],
+    (conv, kernel): (&O::Vector, usize),
+    channels: usize,
+    batch: &O::Batch,
+    states: &mut [&mut O::Buf],
+) -> Result<Vec<O::Buf>> {
+    let mut ys = ops.linears(x, rows, ws)?;
+    let first = ys.first().ok_or_else(|| Error::Shape("linears_conv: no product".into()))?;
+    ys[0] = ops.conv1d_silu(first, channels, conv, kernel, batch, states)?;
+    Ok(ys)
 }
 
 /// [`Ops::ffn_add_norm`] as the ops it is made of (the trait's form, and a backend's where it

@@ -19,7 +19,7 @@ use crate::formats::Matrix;
 use crate::kernels::activation::cuda::ActivationCuda;
 use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch, GpuKv, KvAttentionCuda};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{check_past, ffn_add_norm_composed, gated_delta_in_steps, split_rows, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, SandwichNorm, View};
+use crate::kernels::backend::{check_past, ffn_add_norm_composed, gated_delta_in_steps, linears_conv_composed, split_rows, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, SandwichNorm, View};
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::cuda::{ChunkAccumulate, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows, FUSED_MAX_DV};
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
@@ -814,6 +814,30 @@ impl Ops for CudaOps {
         let mut parts: Vec<(&GpuMatrix, &mut CudaSlice<f32>)> = ws.iter().copied().zip(ys.iter_mut()).collect();
         self.blas.linears(x, rows, &mut parts)?;
         Ok(ys)
+    }
+
+    fn linears_conv(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        ws: &[&GpuMatrix],
+        conv: (&CudaSlice<f32>, usize),
+        channels: usize,
+        batch: &CudaBatch,
+        states: &mut [&mut CudaSlice<f32>],
+    ) -> Result<Vec<CudaSlice<f32>>> {
+        // A decode step of one sequence: the products and the conv of the first one's channels
+        // in one launch (one launch and the conv kernel's two waits fewer a gated-delta layer).
+        let one_token = matches!(self.segments(batch), [s] if s.len == 1) && rows == 1 && states.len() == 1;
+        if one_token && ws.first().is_some_and(|w| w.out == channels) {
+            let _timer = self.op_timer("linears_conv (gemv)");
+            let mut ys = ws.iter().map(|w| self.gpu.alloc::<f32>(w.out)).collect::<Result<Vec<_>>>()?;
+            let mut parts: Vec<(&GpuMatrix, &mut CudaSlice<f32>)> = ws.iter().copied().zip(ys.iter_mut()).collect();
+            if self.blas.linears_conv(x, rows, &mut parts, conv, &mut *states[0])? {
+                return Ok(ys);
+            }
+        }
+        linears_conv_composed(self, x, rows, ws, conv, channels, batch, states)
     }
 
     fn glu(&self, x: &CudaSlice<f32>, rows: usize, gate_up: &GpuMatrix, width: usize, act: GatedActivation) -> Result<CudaSlice<f32>> {

@@ -1109,3 +1109,66 @@ fn cuda_attention_bf16_rows_give_the_composed_bits() {
         eprintln!("{what}: bits equal, {e:.2e} from the CPU");
     }
 }
+
+/// A gated-delta layer's one-row input projections with the conv of the first part's channels
+/// applied as the product writes them (`Blas::linears_conv`, a decode step of one sequence)
+/// against the products (`Blas::linears`), then the conv kernel, bit for bit: the convolved
+/// channels, the other parts and the advanced history, three steps in a row, every stored
+/// weight type, conv widths 2 to 4 (Qwen3.5's is 4). More rows and mixed weight types are left
+/// to the caller (`Ok(false)`) with the history untouched.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_linears_conv_equals_products_then_conv() {
+    use crate::kernels::gated_delta::cuda::{GatedDeltaCuda, GpuSegments, GpuStates};
+    let gpu = gpu();
+    let mut rng = rng("cuda_linears_conv_equals_products_then_conv");
+    let blas = Blas::new(gpu.clone(), false).unwrap();
+    let gdn = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    let one = GpuSegments::decode(&gpu, &[0]).unwrap();
+    for &(channels, inp, kernel) in &[(96usize, 64usize, 4usize), (6144, 1024, 4), (40, 256, 2), (300, 512, 3)] {
+        let widths = [channels, 32, 16, 16];
+        let forms: Vec<StoredForms> = widths.iter().map(|&o| StoredForms::new(rng.vec(o * inp, -0.1, 0.1), inp)).collect();
+        let weight = gpu.upload(&rng.vec(channels * kernel, -0.5, 0.5)).unwrap();
+        for kind in 0..3 {
+            let stored: Vec<_> = forms.iter().map(|f| f.all()[kind].1).collect();
+            let name = forms[0].all()[kind].0;
+            let ms: Vec<_> = stored.iter().zip(widths).map(|(w, o)| blas.matrix(w, o, inp).unwrap()).collect();
+            let hist0 = rng.vec(channels * (kernel - 1), -1.0, 1.0);
+            let (mut h_two, mut h_one) = (gpu.upload(&hist0).unwrap(), gpu.upload(&hist0).unwrap());
+            for step in 0..3 {
+                let what = format!("linears_conv {name} {channels} channels of {inp}, width {kernel}, step {step}");
+                let x = gpu.upload(&rng.vec(inp, -1.0, 1.0)).unwrap();
+                // Two launches: the products, then the conv of the first.
+                let mut ys: Vec<_> = widths.iter().map(|&o| nan(&gpu, o)).collect();
+                let mut parts: Vec<_> = ms.iter().zip(ys.iter_mut()).collect();
+                blas.linears(&x, 1, &mut parts).unwrap();
+                let mut want = nan(&gpu, channels);
+                gdn.conv1d_silu(&ys[0], &weight, kernel, &one, GpuStates::Each(&mut [&mut h_two]), &mut want).unwrap();
+                // One launch.
+                let mut zs: Vec<_> = widths.iter().map(|&o| nan(&gpu, o)).collect();
+                let mut parts: Vec<_> = ms.iter().zip(zs.iter_mut()).collect();
+                assert!(blas.linears_conv(&x, 1, &mut parts, (&weight, kernel), &mut h_one).unwrap(), "{what}: one row takes the launch");
+                assert_eq!(gpu.download(&zs[0]).unwrap(), gpu.download(&want).unwrap(), "{what}: convolved channels");
+                for i in 1..widths.len() {
+                    assert_eq!(gpu.download(&zs[i]).unwrap(), gpu.download(&ys[i]).unwrap(), "{what}: part {i}");
+                }
+                assert_eq!(gpu.download(&h_one).unwrap(), gpu.download(&h_two).unwrap(), "{what}: history");
+            }
+            eprintln!("linears_conv {name} {channels}x{inp} width {kernel}: == products, then the conv kernel");
+        }
+        // Two rows, or a part of another weight type: left to the caller, nothing queued.
+        let hist0 = rng.vec(channels * (kernel - 1), -1.0, 1.0);
+        let mut h = gpu.upload(&hist0).unwrap();
+        let f32s: Vec<_> = forms.iter().zip(widths).map(|(f, o)| blas.matrix(&f.all()[0].1, o, inp).unwrap()).collect();
+        let x2 = gpu.upload(&rng.vec(2 * inp, -1.0, 1.0)).unwrap();
+        let mut ys: Vec<_> = widths.iter().map(|&o| nan(&gpu, 2 * o)).collect();
+        let mut parts: Vec<_> = f32s.iter().zip(ys.iter_mut()).collect();
+        assert!(!blas.linears_conv(&x2, 2, &mut parts, (&weight, kernel), &mut h).unwrap(), "two rows");
+        let mixed = blas.matrix(&forms[1].all()[1].1, widths[1], inp).unwrap();
+        let x1 = gpu.upload(&rng.vec(inp, -1.0, 1.0)).unwrap();
+        let mut ys: Vec<_> = widths.iter().map(|&o| nan(&gpu, o)).collect();
+        let mut parts: Vec<_> = [&f32s[0], &mixed, &f32s[2], &f32s[3]].into_iter().zip(ys.iter_mut()).collect();
+        assert!(!blas.linears_conv(&x1, 1, &mut parts, (&weight, kernel), &mut h).unwrap(), "mixed weight types");
+        assert_eq!(gpu.download(&h).unwrap(), hist0, "a refused call leaves the history as it was");
+    }
+}

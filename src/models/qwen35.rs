@@ -797,11 +797,10 @@ impl<O: Ops> Qwen35<O> {
         let (c, ops) = (&self.cfg, &self.ops);
         let (kd, vd) = (c.lin_k_heads * c.lin_k_dim, c.lin_v_heads * c.lin_v_dim);
         let conv_dim = 2 * kd + vd;
-        let [mixed, z, beta_in, alpha]: [O::Buf; 4] = ops
-            .linears(a, n, &[&m.in_qkv, &m.in_z, &m.in_b, &m.in_a])?
+        let [qkv, z, beta_in, alpha]: [O::Buf; 4] = ops
+            .linears_conv(a, n, &[&m.in_qkv, &m.in_z, &m.in_b, &m.in_a], (&m.conv, c.conv_kernel), conv_dim, b, conv_states)?
             .try_into()
             .map_err(|_| Error::Shape("linear attention: four input projections expected".into()))?;
-        let qkv = ops.conv1d_silu(&mixed, conv_dim, &m.conv, c.conv_kernel, b, conv_states)?;
         let heads = DeltaRuleHeads {
             n_k_heads: c.lin_k_heads,
             n_v_heads: c.lin_v_heads,

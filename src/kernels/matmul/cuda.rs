@@ -158,6 +158,22 @@ struct GemvParts {
     /// The kernel's norm_w .. post fields (same offsets: the nested struct is 8-aligned as its
     /// first field, which follows `ks` at the same padded offset).
     tail: NormTail,
+    /// The kernel's conv_w .. conv_k fields.
+    conv: ConvTail,
+}
+
+/// The causal conv1d + SiLU a one-row GEMV applies to one part's outputs as it writes them (the
+/// conv_w .. conv_k fields of `tern_gemv_parts`; zero: none).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct ConvTail {
+    /// Weights [channels][k].
+    w: u64,
+    /// The sequence's history [channels][k - 1].
+    at: u64,
+    /// 1 + the part convolved; 0: none.
+    part: i32,
+    k: i32,
 }
 // SAFETY: plain integers in the kernel's C layout.
 unsafe impl DeviceRepr for GemvParts {}
@@ -246,6 +262,10 @@ pub fn expert_tiles(start: &[usize]) -> Result<Vec<[i32; 3]>> {
 /// for every stored type (gemv.cu).
 const GEMV_STEP_WEIGHTS: usize = 32 * 8;
 
+/// Widest conv a one-row GEMV applies to its outputs ([`Blas::linears_conv`]): the conv
+/// kernel's (gated_delta/cuda/conv.cu instantiates widths 1 to 8).
+const MAX_CONV_KERNEL: usize = 8;
+
 /// Rows up to which a product fuses the norm after it (see [`Blas::norm_tail_fits`]).
 pub const NORM_TAIL_MAX_ROWS: usize = 1;
 
@@ -294,6 +314,9 @@ pub struct Blas {
     q8_paired: bool,
     /// `tern_gemv_q8_1x2`: a one-row Q8_0 product, two features a warp.
     q8_paired_kernel: CudaFunction,
+    /// `tern_gemv_conv_{f32,bf16,q8}_1`: one-row plain products with a conv part
+    /// ([`Blas::linears_conv`]), by weight type.
+    conv_kernels: [CudaFunction; 3],
     /// Whether fast mode's products of several rows with bf16 weights take the tensor-core
     /// GEMV ([`Blas::gemv_mma_fits`]); TERN_GEMV_MMA=0 turns it off, to measure the two forms
     /// on the same run.
@@ -364,6 +387,7 @@ impl Blas {
             gemv_split: std::env::var("TERN_GEMV_SPLIT").map_or(true, |v| v != "0"),
             q8_paired: std::env::var("TERN_GEMV_Q8_PAIRED").map_or(true, |v| v != "0"),
             q8_paired_kernel: f("tern_gemv_q8_1x2")?,
+            conv_kernels: [f("tern_gemv_conv_f32_1")?, f("tern_gemv_conv_bf16_1")?, f("tern_gemv_conv_q8_1")?],
             gemv_mma: std::env::var("TERN_GEMV_MMA").map_or(true, |v| v != "0"),
             gemv_mma_q8: std::env::var("TERN_GEMV_MMA_Q8").map_or(true, |v| v != "0"),
             mma_kernels: [
@@ -750,6 +774,42 @@ impl Blas {
         Ok(())
     }
 
+    /// A gated-delta layer's input projections of one row (a decode step of one sequence) in
+    /// one launch, the first part's outputs (conv channels) going through the causal conv1d +
+    /// SiLU as they are written: `weight` [channels][kernel], `history` the sequence's
+    /// [channels][kernel − 1] raw inputs (advanced). The same bits as [`Blas::linears`] then the
+    /// conv kernel
+    /// (`GatedDeltaCuda::conv1d_silu`). `Ok(false)`, with nothing queued, where the products do
+    /// not take one CUDA-core launch (more rows, mixed weight types); the caller then runs the
+    /// two.
+    pub fn linears_conv(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)],
+        (weight, kernel): (&CudaSlice<f32>, usize),
+        history: &mut CudaSlice<f32>,
+    ) -> Result<bool> {
+        let one_launch = rows == 1
+            && !parts.is_empty()
+            && parts.len() <= GEMV_PARTS
+            && parts.iter().all(|(w, _)| self.gemv_fits(rows, w) && std::mem::discriminant(&w.w) == std::mem::discriminant(&parts[0].0.w) && w.inp == parts[0].0.inp);
+        if !one_launch || !(1..=MAX_CONV_KERNEL).contains(&kernel) {
+            return Ok(false);
+        }
+        let channels = parts[0].0.out;
+        check_len("linears_conv input", x.len(), parts[0].0.inp)?;
+        for (w, y) in parts.iter() {
+            check_len("linears_conv output", y.len(), w.out)?;
+        }
+        check_len("linears_conv conv weights", weight.len(), channels * kernel)?;
+        check_len("linears_conv conv history", history.len(), channels * (kernel - 1))?;
+        let g = &self.gpu;
+        let conv = ConvTail { w: g.ptr(weight), at: g.ptr(&*history), part: 1, k: kernel as i32 };
+        self.gemv_conv(x, GemvOutput::Plain, rows, parts, None, Some(conv))?;
+        Ok(true)
+    }
+
     /// The gated linear unit `Y = act(X·Gᵀ)·(X·Uᵀ)` for `w` stacking a gate G [h][in] over an
     /// up U [h][in]; Y is [rows][h]. A GEMV that writes the gated values when the product takes
     /// one (the activation costs nothing and X·Wᵀ never goes to memory); else the product into a
@@ -864,6 +924,20 @@ impl Blas {
         parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)],
         tail: Option<NormTail>,
     ) -> Result<()> {
+        self.gemv_conv(x, output, rows, parts, tail, None)
+    }
+
+    /// [`Blas::gemv_with`], and with `conv` the causal conv1d + SiLU of one part's outputs as
+    /// they are written (one row, plain outputs, the CUDA-core form: the caller checks).
+    fn gemv_conv(
+        &self,
+        x: &CudaSlice<f32>,
+        output: GemvOutput,
+        rows: usize,
+        parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)],
+        tail: Option<NormTail>,
+        conv: Option<ConvTail>,
+    ) -> Result<()> {
         let tailed = matches!(output, GemvOutput::Residual | GemvOutput::AddNorm);
         if tailed != (tail.is_some() && parts.len() == 1) {
             return Err(Error::Shape("gemv: a norm after the product takes one product and its operands".into()));
@@ -871,17 +945,18 @@ impl Blas {
         let g = &self.gpu;
         let first = parts.first().map(|(w, _)| *w).ok_or_else(|| Error::Shape("gemv: no product".into()))?;
         let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", first.inp)?);
-        if tail.is_none() && self.gemv_mma_fits(rows, output, parts.iter().map(|(w, _)| *w)) {
+        if tail.is_none() && conv.is_none() && self.gemv_mma_fits(rows, output, parts.iter().map(|(w, _)| *w)) {
             return self.gemv_mma(x, output, r, inp, parts);
         }
         let features: usize = parts.iter().map(|(w, _)| output.features(w)).sum();
         let ks = if self.gemv_split { gemv_split(features, first.inp, self.multiprocessors) } else { 1 };
-        let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, tail: tail.unwrap_or_default(), ..Default::default() };
+        let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, tail: tail.unwrap_or_default(), conv: conv.unwrap_or_default(), ..Default::default() };
         // Features a block covers: its warps' feature groups (ks warps each) times the
         // features a warp holds.
         // A one-row Q8_0 product of many features (a vocabulary head) takes the paired kernel,
         // two features a warp ([`Q8_PAIRED_MIN_FEATURES`]).
         let paired = self.q8_paired
+            && conv.is_none()
             && ks == 1
             && rows == 1
             && output == GemvOutput::Plain
@@ -894,7 +969,13 @@ impl Blas {
         let narrow = !paired && wide_blocks < 2 * self.multiprocessors;
         let blocks = self.gemv_parts(&mut p, output, parts, per_block(narrow) as u32)?;
         let xp = g.ptr(x);
-        let kernel = if paired { &self.q8_paired_kernel } else { self.gemv.get(output, first, rows, narrow) };
+        let kernel = if paired {
+            &self.q8_paired_kernel
+        } else if conv.is_some() {
+            &self.conv_kernels[first.kind()]
+        } else {
+            self.gemv.get(output, first, rows, narrow)
+        };
         let mut l = g.launch_builder(kernel);
         l.arg(&p).arg(&xp).arg(&r).arg(&inp);
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
@@ -1282,7 +1363,8 @@ mod tests {
 
     /// GemvParts mirrors tern_gemv_parts (4 parts): 12 addresses, 4 + 5 + 2 ints, then the norm
     /// operands from byte 144 (norm_w, norm_out, counter, eps, stream at 176, next_w, post),
-    /// 200 bytes in all, as the C compiler lays the kernel's struct out.
+    /// then the conv's from byte 200 (conv_w, conv_at, conv_part, conv_k), 224 bytes in all, as
+    /// the C compiler lays the kernel's struct out.
     #[test]
     fn gemv_parts_keep_the_kernels_layout() {
         assert_eq!(std::mem::offset_of!(GemvParts, ks), 136);
@@ -1290,7 +1372,11 @@ mod tests {
         assert_eq!(std::mem::offset_of!(NormTail, eps), 24);
         assert_eq!(std::mem::offset_of!(NormTail, stream), 32);
         assert_eq!(std::mem::offset_of!(NormTail, post), 48);
-        assert_eq!(std::mem::size_of::<GemvParts>(), 200);
+        assert_eq!(std::mem::offset_of!(GemvParts, conv), 200);
+        assert_eq!(std::mem::offset_of!(ConvTail, part), 16);
+        assert_eq!(std::mem::size_of::<GemvParts>(), 224);
+        let code = include_str!("gemv.cu");
+        assert!(code.contains("static_assert(sizeof(tern_gemv_parts) == 224,"));
     }
 
     #[test]

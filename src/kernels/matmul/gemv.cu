@@ -55,10 +55,33 @@ struct tern_gemv_parts {
     unsigned long long stream;
     unsigned long long next_w;
     float post;
+    // One row only (a decode step of one sequence): the outputs of part conv_part - 1 (0: no
+    // part) go through a gated-delta layer's causal conv1d + SiLU as they are written
+    // (tern_gemv_conv_step): its weights [out][conv_k] and the sequence's raw-input history
+    // [out][conv_k - 1], which the step advances.
+    unsigned long long conv_w;
+    unsigned long long conv_at;
+    int conv_part;
+    int conv_k;
 };
 // The host's GemvParts mirrors this layout; its test (matmul/cuda.rs) checks the same size and
 // the field offsets this order gives.
-static_assert(sizeof(tern_gemv_parts) == 200, "tern_gemv_parts: 200 bytes, as GemvParts");
+static_assert(sizeof(tern_gemv_parts) == 224, "tern_gemv_parts: 224 bytes, as GemvParts");
+
+// The causal depthwise conv1d + SiLU of channel c for a sequence's one new input xc, and the
+// channel's history advanced: tern_gdn_conv_body's arithmetic for a one-position segment
+// (gated_delta/cuda/conv.cu; the newest tap first, then the history oldest first; the same
+// silu), so the same bits as the product written out and that kernel after it.
+__device__ __forceinline__ float tern_gemv_conv_step(const tern_gemv_parts& p, int c, float xc) {
+    const int k = p.conv_k, t_len = k - 1;
+    const float* w = (const float*)p.conv_w + (size_t)c * k;
+    float* hist = (float*)p.conv_at + (size_t)c * t_len;
+    float acc = xc * w[t_len];
+    for (int t = 0; t < t_len; t++) acc += hist[t] * w[t];
+    for (int t = 0; t + 1 < t_len; t++) hist[t] = hist[t + 1];
+    if (t_len > 0) hist[t_len - 1] = xc;
+    return tern_silu(acc);
+}
 
 __device__ __forceinline__ float tern_f16_to_f32(unsigned short h) {
     float f;
@@ -249,7 +272,8 @@ __device__ __forceinline__ void tern_gemv_rows_in_flight(const W& w, const float
 // (the slices meet at a barrier), those past `out` included.
 template <int R, int OPW, int OMODE, typename W>
 __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restrict__ x, int rows, int in, int o0, int out,
-                                               float* __restrict__ y, int ks = 1, int slice = 0) {
+                                               float* __restrict__ y, int ks = 1, int slice = 0,
+                                               const tern_gemv_parts* conv = nullptr) {
     constexpr bool GATED = OMODE == TERN_Y_SILU || OMODE == TERN_Y_GELU;
     constexpr int NW = GATED ? 2 * OPW : OPW;  // weight rows held
     constexpr int S = W::STEP;                 // weights a lane takes per step
@@ -308,6 +332,9 @@ __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restri
         for (int r = 0; r < R; ++r) {
             float s = acc[j][r];
             if constexpr (GATED) s = (OMODE == TERN_Y_SILU ? tern_silu(s) : tern_gelu_tanh(s)) * acc[j + OPW][r];
+            if constexpr (R == 1 && OMODE == TERN_Y_PLAIN) {
+                if (conv != nullptr && lane == 0 && o0 + j < out) s = tern_gemv_conv_step(*conv, o0 + j, s);
+            }
             if (lane == 0 && r < rows && o0 + j < out) {
                 float* at = y + (size_t)r * out + o0 + j;
                 *at = OMODE == TERN_Y_RESIDUAL ? *at + s : s;
@@ -474,7 +501,10 @@ __device__ __forceinline__ void tern_gemv_norm_tail(const tern_gemv_parts& p, in
 // y_part[r][o] for r < rows <= R, o < out[part] (see tern_gemv_rows); a block covers
 // TERN_GEMV_WARPS / ks · OPW output features of its part, warp w slice w % ks of its feature
 // group w / ks.
-template <int R, int OPW, int OMODE, typename W>
+// CONV: the kernel applies p's conv step (tern_gemv_conv_step) to its conv part; only the
+// one-row plain kernels built for it do (tern_gemv_conv_*), so that the others keep their
+// registers (the vocabulary head's 1-row GEMV: 31 against 40).
+template <int R, int OPW, int OMODE, typename W, bool CONV = false>
 __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
     int part = 0;
     while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
@@ -485,7 +515,7 @@ __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float*
     constexpr bool tail = OMODE == TERN_Y_RESIDUAL || OMODE == TERN_Y_ADD_NORM;
     if (ks == 1 && !tail && o0 >= p.out[part]) return;
     tern_gemv_rows<R, OPW, OMODE>(W(p.w[part], p.scales[part]), x, rows, in, o0, p.out[part], (float*)p.y[part], ks,
-                                  warp % ks);
+                                  warp % ks, CONV && part + 1 == p.conv_part ? &p : nullptr);
     if constexpr (tail) tern_gemv_norm_tail<R, OMODE>(p, rows);
 }
 
@@ -805,6 +835,16 @@ TERN_GEMV_KERNELS(8n, 8, 1, 1)
 // A one-row Q8_0 product of many features (the head), two features a warp (see
 // Q8_PAIRED_MIN_FEATURES in matmul/cuda.rs).
 TERN_GEMV_KERNEL(tern_gemv_q8_1x2, 1, 2, TernWeightsQ8, TERN_Y_PLAIN)
+// One-row plain products whose conv part goes through the conv step (Blas::linears_conv).
+#define TERN_GEMV_CONV_KERNEL(name, W)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)       \
+        name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
+        tern_await_prior_kernel();                                                                                \
+        tern_gemv<1, 1, TERN_Y_PLAIN, W, true>(p, x, rows, in);                                                   \
+    }
+TERN_GEMV_CONV_KERNEL(tern_gemv_conv_f32_1, TernWeightsF32)
+TERN_GEMV_CONV_KERNEL(tern_gemv_conv_bf16_1, TernWeightsBf16)
+TERN_GEMV_CONV_KERNEL(tern_gemv_conv_q8_1, TernWeightsQ8)
 
 #define TERN_GEMV_ROUTED_KERNEL(name, W, OMODE)                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)         \
