@@ -284,6 +284,14 @@ pub trait Ops: Send + Sync + Sized {
     }
     /// `gelu_tanh(g)·u` over `rows × width`, contiguous out.
     fn gelu_tanh_mul(&self, g: View<Self::Buf>, u: View<Self::Buf>, rows: usize, width: usize) -> Result<Self::Buf>;
+    /// `gelu_tanh(x·Wᵀ)·u` over `rows` rows of `width` (W [width][in]; u a view of another
+    /// tensor: EmbeddingGemma 2's per-layer input gate): [`Ops::linear`], then
+    /// [`Ops::gelu_tanh_mul`]. A GPU may apply the gelu and the product with u as the product
+    /// writes its outputs, with the same results.
+    fn linear_gelu_mul(&self, x: &Self::Buf, rows: usize, w: &Self::Mat, width: usize, u: View<Self::Buf>) -> Result<Self::Buf> {
+        let g = self.linear(x, rows, w, None)?;
+        self.gelu_tanh_mul(View::new(&g, 0, width), u, rows, width)
+    }
     /// In place on the heads of `x`'s rows (row stride `stride`), at each row's position in
     /// `batch`: per section `(offset, prep)`, `prep.heads` heads from column `offset` (the q,
     /// k and v of one fused projection, prepared together).

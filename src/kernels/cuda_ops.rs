@@ -840,6 +840,20 @@ impl Ops for CudaOps {
         linears_conv_composed(self, x, rows, ws, conv, channels, batch, states)
     }
 
+    fn linear_gelu_mul(&self, x: &CudaSlice<f32>, rows: usize, w: &GpuMatrix, width: usize, u: View<CudaSlice<f32>>) -> Result<CudaSlice<f32>> {
+        // A query's few rows on the tensor cores: the gelu and the product with u as the GEMV
+        // writes (one launch fewer each EmbeddingGemma 2 layer).
+        if w.out == width {
+            let _timer = self.op_timer("linear_gelu_mul (gemv)");
+            let mut y = self.gpu.alloc::<f32>(rows * width)?;
+            if self.blas.linear_gelu_by(x, rows, w, View::new(u.buf, u.offset, u.stride), &mut y)? {
+                return Ok(y);
+            }
+        }
+        let g = self.linear(x, rows, w, None)?;
+        self.gelu_tanh_mul(View::new(&g, 0, width), u, rows, width)
+    }
+
     fn glu(&self, x: &CudaSlice<f32>, rows: usize, gate_up: &GpuMatrix, width: usize, act: GatedActivation) -> Result<CudaSlice<f32>> {
         let _timer = self.op_timer(if rows <= GEMV_MAX_ROWS { "glu (gemv)" } else { "glu (gemm)" });
         if gate_up.out != 2 * width {

@@ -1114,7 +1114,7 @@ fn cuda_attention_bf16_rows_give_the_composed_bits() {
 /// applied as the product writes them (`Blas::linears_conv`, a decode step of one sequence)
 /// against the products (`Blas::linears`), then the conv kernel, bit for bit: the convolved
 /// channels, the other parts and the advanced history, three steps in a row, every stored
-/// weight type, conv widths 2 to 4 (Qwen3.5's is 4). More rows and mixed weight types are left
+/// weight type, conv widths 2 to 4 (Qwen3.5's is 4), features whole and split over warps. More rows and mixed weight types are left
 /// to the caller (`Ok(false)`) with the history untouched.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
@@ -1125,7 +1125,9 @@ fn cuda_linears_conv_equals_products_then_conv() {
     let blas = Blas::new(gpu.clone(), false).unwrap();
     let gdn = GatedDeltaCuda::new(gpu.clone()).unwrap();
     let one = GpuSegments::decode(&gpu, &[0]).unwrap();
-    for &(channels, inp, kernel) in &[(96usize, 64usize, 4usize), (6144, 1024, 4), (40, 256, 2), (300, 512, 3)] {
+    // (96, 1024): few features of long rows, so each feature is split over two warps (the
+    // convolving warp is the one that adds the slices).
+    for &(channels, inp, kernel) in &[(96usize, 64usize, 4usize), (6144, 1024, 4), (96, 1024, 4), (40, 256, 2), (300, 512, 3)] {
         let widths = [channels, 32, 16, 16];
         let forms: Vec<StoredForms> = widths.iter().map(|&o| StoredForms::new(rng.vec(o * inp, -0.1, 0.1), inp)).collect();
         let weight = gpu.upload(&rng.vec(channels * kernel, -0.5, 0.5)).unwrap();
@@ -1170,5 +1172,56 @@ fn cuda_linears_conv_equals_products_then_conv() {
         let mut parts: Vec<_> = [&f32s[0], &mixed, &f32s[2], &f32s[3]].into_iter().zip(ys.iter_mut()).collect();
         assert!(!blas.linears_conv(&x1, 1, &mut parts, (&weight, kernel), &mut h).unwrap(), "mixed weight types");
         assert_eq!(gpu.download(&h).unwrap(), hist0, "a refused call leaves the history as it was");
+    }
+}
+
+/// EmbeddingGemma 2's per-layer input gate in one tensor-core GEMV launch
+/// (`Blas::linear_gelu_by`: gelu_tanh(x·Wᵀ)·u, u a strided view of another tensor) against the
+/// product (`Blas::linear`, the same kernel's product for 2 to 8 rows) and then the gated
+/// activation kernel, bit for bit: bf16 and Q8_0 weights, both step forms, 2, 5 and 8 rows, u a
+/// layer's slice of a wider buffer. One row, and f32 mode, are left to the caller (`Ok(false)`),
+/// and a view that would overrun its buffer is an error.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_gelu_by_gemv_equals_product_then_activation() {
+    let gpu = gpu();
+    let mut rng = rng("cuda_gelu_by_gemv_equals_product_then_activation");
+    let act = ActivationCuda::new(gpu.clone()).unwrap();
+    let f32_mode = Blas::new(gpu.clone(), false).unwrap();
+    for ahead in [true, false] {
+        let blas = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_ahead(ahead);
+        for &(out, inp) in &[(256usize, 768usize), (512, 768), (48, 2048)] {
+            let forms = StoredForms::new(rng.vec(out * inp, -0.1, 0.1), inp);
+            // The per-layer inputs: 3 layers of `out` values a row, this layer the second.
+            let (layers, index) = (3usize, 1usize);
+            for (name, w) in forms.all().into_iter().filter(|(n, _)| *n != "f32") {
+                let m = blas.matrix(&w, out, inp).unwrap();
+                for rows in [2usize, 5, 8] {
+                    let what = format!("gelu_by {name} {out}x{inp}, {rows} rows, ahead {ahead}");
+                    let x = gpu.upload(&rng.vec(rows * inp, -1.0, 1.0)).unwrap();
+                    let ple = gpu.upload(&rng.vec(rows * layers * out, -2.0, 2.0)).unwrap();
+                    let up = || View::new(&ple, index * out, layers * out);
+                    let mut g = nan(&gpu, rows * out);
+                    blas.linear(&x, rows, &m, &mut g).unwrap();
+                    let mut want = nan(&gpu, rows * out);
+                    act.gelu_tanh_mul(View::new(&g, 0, out), up(), rows, out, NormOut { f32: Some(&mut want), bf16: None }).unwrap();
+                    let mut got = nan(&gpu, rows * out);
+                    assert!(blas.linear_gelu_by(&x, rows, &m, up(), &mut got).unwrap(), "{what}: takes the launch");
+                    assert_eq!(gpu.download(&got).unwrap(), gpu.download(&want).unwrap(), "{what}");
+                }
+                // One row keeps the CUDA-core GEMV; f32 mode has no tensor-core product.
+                let x1 = gpu.upload(&rng.vec(inp, -1.0, 1.0)).unwrap();
+                let ple = gpu.upload(&rng.vec(layers * out, -2.0, 2.0)).unwrap();
+                let mut y = nan(&gpu, out);
+                assert!(!blas.linear_gelu_by(&x1, 1, &m, View::new(&ple, index * out, layers * out), &mut y).unwrap(), "one row");
+                let m32 = f32_mode.matrix(&w, out, inp).unwrap();
+                let x2 = gpu.upload(&rng.vec(2 * inp, -1.0, 1.0)).unwrap();
+                let ple2 = gpu.upload(&rng.vec(2 * layers * out, -2.0, 2.0)).unwrap();
+                let mut y2 = nan(&gpu, 2 * out);
+                assert!(!f32_mode.linear_gelu_by(&x2, 2, &m32, View::new(&ple2, index * out, layers * out), &mut y2).unwrap(), "f32 mode");
+                // A view past its buffer's end.
+                assert!(blas.linear_gelu_by(&x2, 2, &m, View::new(&ple2, 2 * out + 1, layers * out), &mut y2).is_err(), "overrun");
+            }
+        }
     }
 }

@@ -526,8 +526,7 @@ impl<O: Ops> Encoder<O> {
             (Some(block), Some(ple)) => {
                 ops.ffn_add_norm(a, t, ffn, &layer.down, x, post_ff, None)?;
                 let (pd, nl) = (cfg.ple_dim, cfg.layers.len());
-                let pg = ops.linear(x, t, &block.gate, None)?;
-                let pg = ops.gelu_tanh_mul(View::new(&pg, 0, pd), View::new(ple, index * pd, nl * pd), t, pd)?;
+                let pg = ops.linear_gelu_mul(x, t, &block.gate, pd, View::new(ple, index * pd, nl * pd))?;
                 let p = ops.linear(&pg, t, &block.proj, None)?;
                 ops.add_norm_next(x, &p, &block.post_norm, layer.layer_scalar, h, cfg.eps, next_norm, a)
             }

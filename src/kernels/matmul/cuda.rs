@@ -24,13 +24,22 @@ use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use crate::cuda::{cublas_available, driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use cudarc::driver::DeviceRepr;
 use crate::error::{Error, Result};
+use crate::kernels::backend::View;
 use crate::kernels::check_len;
 use super::q8_0::{BLOCK, BLOCK_BYTES};
 use crate::kernels::matmul::Weights;
 
 pub const SOURCE: KernelSource = KernelSource {
     name: "tern_matmul",
-    code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("convert.cu"), "\n", include_str!("gemv.cu")),
+    code: concat!(
+        include_str!("../prelude.cuh"),
+        "\n",
+        include_str!("../gated_delta/cuda/conv_sum.cuh"),
+        "\n",
+        include_str!("convert.cu"),
+        "\n",
+        include_str!("gemv.cu")
+    ),
 };
 
 /// Products of at most this many rows take the GEMV kernel (they read the weights once, and
@@ -160,6 +169,9 @@ struct GemvParts {
     tail: NormTail,
     /// The kernel's conv_w .. conv_k fields.
     conv: ConvTail,
+    /// The kernel's up and up_ld (TERN_Y_GELU_BY): the view the product's gelu multiplies.
+    up: u64,
+    up_ld: i64,
 }
 
 /// The causal conv1d + SiLU a one-row GEMV applies to one part's outputs as it writes them (the
@@ -334,6 +346,9 @@ pub struct Blas {
     /// 0.858 ms against 1.155 (bf16 mode).
     mma_ahead_kernels: [[CudaFunction; 3]; 2],
     gemv_mma_ahead: bool,
+    /// The tensor-core GEMV whose gelu multiplies another tensor's view
+    /// ([`Blas::linear_gelu_by`]): [one step, four ahead][bf16, Q8_0 weights].
+    mma_gelu_by: [[CudaFunction; 2]; 2],
     /// The tensor-core GEMV over tiles of expert rows: [bf16, Q8_0 weights][plain, silu-gated].
     mma_tiles: [[CudaFunction; 2]; 2],
     /// The same over a tile list made on the device ([`Blas::tiles_counted`]).
@@ -399,6 +414,10 @@ impl Blas {
                 [f("tern_gemv_mma_ahead_q8")?, f("tern_gemv_mma_ahead_silu_q8")?, f("tern_gemv_mma_ahead_gelu_q8")?],
             ],
             gemv_mma_ahead: std::env::var("TERN_GEMV_MMA_AHEAD").map_or(true, |v| v != "0"),
+            mma_gelu_by: [
+                [f("tern_gemv_mma_gelu_by_bf16")?, f("tern_gemv_mma_gelu_by_q8")?],
+                [f("tern_gemv_mma_ahead_gelu_by_bf16")?, f("tern_gemv_mma_ahead_gelu_by_q8")?],
+            ],
             mma_tiles: [
                 [f("tern_gemv_mma_tiles_bf16")?, f("tern_gemv_mma_tiles_silu_bf16")?],
                 [f("tern_gemv_mma_tiles_q8")?, f("tern_gemv_mma_tiles_silu_q8")?],
@@ -807,6 +826,42 @@ impl Blas {
         let g = &self.gpu;
         let conv = ConvTail { w: g.ptr(weight), at: g.ptr(&*history), part: 1, k: kernel as i32 };
         self.gemv_conv(x, GemvOutput::Plain, rows, parts, None, Some(conv))?;
+        Ok(true)
+    }
+
+    /// `y = gelu_tanh(x·Wᵀ) · up` over `rows` rows, `up` row r at `up.offset + r·up.stride` of
+    /// its buffer (EmbeddingGemma 2's per-layer input gate), in one tensor-core GEMV launch:
+    /// the same bits as [`Blas::linear`] (which takes the same kernel's product for these rows)
+    /// and then the gated activation kernel. `Ok(false)`, with nothing queued, where the product
+    /// does not take the tensor-core GEMV (one row, more than [`GEMV_MAX_ROWS`], f32 mode or
+    /// weights it does not take); the caller then runs the two.
+    pub fn linear_gelu_by(&self, x: &CudaSlice<f32>, rows: usize, w: &GpuMatrix, up: View<CudaSlice<f32>>, y: &mut CudaSlice<f32>) -> Result<bool> {
+        if !self.gemv_mma_fits(rows, GemvOutput::Plain, [w].into_iter()) {
+            return Ok(false);
+        }
+        check_len("linear_gelu_by input", x.len(), rows * w.inp)?;
+        check_len("linear_gelu_by output", y.len(), rows * w.out)?;
+        if up.offset + (rows - 1) * up.stride + w.out > up.buf.len() {
+            return Err(Error::Shape(format!(
+                "linear_gelu_by: {rows} rows of {} from offset {} every {} overrun {} values",
+                w.out,
+                up.offset,
+                up.stride,
+                up.buf.len()
+            )));
+        }
+        let m = self.mma_kind(w.kind()).ok_or_else(|| Error::Shape("linear_gelu_by: weights the tensor-core GEMV does not take".into()))?;
+        let g = &self.gpu;
+        let mut p = GemvParts { n: 1, ks: 1, up: g.ptr(up.buf) + 4 * up.offset as u64, up_ld: up.stride as i64, ..Default::default() };
+        let blocks = self.gemv_parts(&mut p, GemvOutput::Plain, &[(w, y)], 16)?;
+        let kernel = &self.mma_gelu_by[self.gemv_mma_ahead as usize][m];
+        let (xp, r, inp) = (g.ptr(x), int_arg("gemv rows", rows)?, int_arg("gemv in", w.inp)?);
+        let mut l = g.launch_builder(kernel);
+        l.arg(&p).arg(&xp).arg(&r).arg(&inp);
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: as gemv_mma (one part), and row r < rows of `up` spans w.out values from
+        // up.offset + r·up.stride inside its buffer (checked above).
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_mma_gelu_by"))?;
         Ok(true)
     }
 
@@ -1363,8 +1418,8 @@ mod tests {
 
     /// GemvParts mirrors tern_gemv_parts (4 parts): 12 addresses, 4 + 5 + 2 ints, then the norm
     /// operands from byte 144 (norm_w, norm_out, counter, eps, stream at 176, next_w, post),
-    /// then the conv's from byte 200 (conv_w, conv_at, conv_part, conv_k), 224 bytes in all, as
-    /// the C compiler lays the kernel's struct out.
+    /// then the conv's from byte 200 (conv_w, conv_at, conv_part, conv_k), then up and up_ld,
+    /// 240 bytes in all, as the C compiler lays the kernel's struct out.
     #[test]
     fn gemv_parts_keep_the_kernels_layout() {
         assert_eq!(std::mem::offset_of!(GemvParts, ks), 136);
@@ -1374,9 +1429,10 @@ mod tests {
         assert_eq!(std::mem::offset_of!(NormTail, post), 48);
         assert_eq!(std::mem::offset_of!(GemvParts, conv), 200);
         assert_eq!(std::mem::offset_of!(ConvTail, part), 16);
-        assert_eq!(std::mem::size_of::<GemvParts>(), 224);
+        assert_eq!(std::mem::offset_of!(GemvParts, up), 224);
+        assert_eq!(std::mem::size_of::<GemvParts>(), 240);
         let code = include_str!("gemv.cu");
-        assert!(code.contains("static_assert(sizeof(tern_gemv_parts) == 224,"));
+        assert!(code.contains("static_assert(sizeof(tern_gemv_parts) == 240,"));
     }
 
     #[test]

@@ -63,21 +63,25 @@ struct tern_gemv_parts {
     unsigned long long conv_at;
     int conv_part;
     int conv_k;
+    // TERN_Y_GELU_BY only: the view the product's gelu multiplies, row r at up + r·up_ld.
+    unsigned long long up;
+    long long up_ld;
 };
 // The host's GemvParts mirrors this layout; its test (matmul/cuda.rs) checks the same size and
 // the field offsets this order gives.
-static_assert(sizeof(tern_gemv_parts) == 224, "tern_gemv_parts: 224 bytes, as GemvParts");
+static_assert(sizeof(tern_gemv_parts) == 240, "tern_gemv_parts: 240 bytes, as GemvParts");
 
 // The causal depthwise conv1d + SiLU of channel c for a sequence's one new input xc, and the
 // channel's history advanced: tern_gdn_conv_body's arithmetic for a one-position segment
-// (gated_delta/cuda/conv.cu; the newest tap first, then the history oldest first; the same
-// silu), so the same bits as the product written out and that kernel after it.
+// (gated_delta/cuda/conv.cu; the same rounding helpers, tern_conv_newest and
+// tern_conv_add_tap, and the same silu), so the same bits as the product written out and that
+// kernel after it.
 __device__ __forceinline__ float tern_gemv_conv_step(const tern_gemv_parts& p, int c, float xc) {
     const int k = p.conv_k, t_len = k - 1;
     const float* w = (const float*)p.conv_w + (size_t)c * k;
     float* hist = (float*)p.conv_at + (size_t)c * t_len;
-    float acc = xc * w[t_len];
-    for (int t = 0; t < t_len; t++) acc += hist[t] * w[t];
+    float acc = tern_conv_newest(xc, w[t_len]);
+    for (int t = 0; t < t_len; t++) acc = tern_conv_add_tap(acc, hist[t], w[t]);
     for (int t = 0; t + 1 < t_len; t++) hist[t] = hist[t + 1];
     if (t_len > 0) hist[t_len - 1] = xc;
     return tern_silu(acc);
@@ -199,6 +203,11 @@ template <> struct TernGemvSteps<TernWeightsQ8, 1, 2> { static constexpr int IN_
 // TERN_Y_PLAIN writes it, then the last block forms h = (h + rms(y)·w)·post and a = rms(h)·w2
 // as tern_add_norm does (same block size and order: the same bits as the two launches).
 #define TERN_Y_ADD_NORM 4
+// TERN_Y_GELU_BY (the tensor-core form only): gelu_tanh(x·w_o) · up[r·up_ld + o], up a strided
+// view of another tensor (EmbeddingGemma 2's per-layer input gate: the product's gelu times the
+// layer's slice of the per-layer inputs), as the gated activation kernel forms it
+// (activation.cu: act(g) · u), so the same bits as the product and that kernel.
+#define TERN_Y_GELU_BY 5
 
 // One step of a warp: the lane's S weights of each of the NW rows it holds times the same S
 // values of each row r < rows of x, added to acc in the order of the weights.
@@ -597,7 +606,8 @@ __device__ __forceinline__ void tern_gemv_mma_steps(const W& w, const size_t (&w
 // step's loads after the previous step's mma, one or two steps in flight (SASS, sm_90).
 template <int OMODE, typename W, bool AHEAD = false>
 __device__ __forceinline__ void tern_gemv_mma_block(const W& w, int out, int o0, const float* __restrict__ x,
-                                                    int rows, int in, float* __restrict__ y) {
+                                                    int rows, int in, float* __restrict__ y,
+                                                    const float* __restrict__ up = nullptr, long long up_ld = 0) {
     constexpr bool GATED = OMODE == TERN_Y_SILU || OMODE == TERN_Y_GELU;
     constexpr int NT = GATED ? 2 : 1;  // A tiles: the features, and gated, their up rows
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
@@ -649,6 +659,7 @@ __device__ __forceinline__ void tern_gemv_mma_block(const W& w, int out, int o0,
             if (o >= out || r >= rows) continue;
             float s = c[0][2 * h + q];
             if constexpr (GATED) s = (OMODE == TERN_Y_SILU ? tern_silu(s) : tern_gelu_tanh(s)) * c[NT - 1][2 * h + q];
+            if constexpr (OMODE == TERN_Y_GELU_BY) s = tern_gelu_tanh(s) * up[(size_t)r * up_ld + o];
             y[(size_t)r * out + o] = s;
         }
 }
@@ -659,7 +670,7 @@ __device__ __forceinline__ void tern_gemv_mma(const tern_gemv_parts& p, const fl
     int part = 0;
     while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
     tern_gemv_mma_block<OMODE, W, AHEAD>(W(p.w[part], p.scales[part]), p.out[part], ((int)blockIdx.x - p.block0[part]) * 16, x,
-                                         rows, in, (float*)p.y[part]);
+                                         rows, in, (float*)p.y[part], (const float*)p.up, p.up_ld);
 }
 
 // Fast mode's tiles of a prompt's expert rows (tern_gemv_tiles) on the tensor cores: tile
@@ -691,6 +702,10 @@ TERN_GEMV_MMA_KERNEL(tern_gemv_mma_ahead_gelu_bf16, TernWeightsBf16, TERN_Y_GELU
 TERN_GEMV_MMA_KERNEL(tern_gemv_mma_ahead_q8, TernWeightsQ8, TERN_Y_PLAIN, true)
 TERN_GEMV_MMA_KERNEL(tern_gemv_mma_ahead_silu_q8, TernWeightsQ8, TERN_Y_SILU, true)
 TERN_GEMV_MMA_KERNEL(tern_gemv_mma_ahead_gelu_q8, TernWeightsQ8, TERN_Y_GELU, true)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_gelu_by_bf16, TernWeightsBf16, TERN_Y_GELU_BY, false)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_gelu_by_q8, TernWeightsQ8, TERN_Y_GELU_BY, false)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_ahead_gelu_by_bf16, TernWeightsBf16, TERN_Y_GELU_BY, true)
+TERN_GEMV_MMA_KERNEL(tern_gemv_mma_ahead_gelu_by_q8, TernWeightsQ8, TERN_Y_GELU_BY, true)
 
 // Routed experts (a mixture-of-experts layer's few rows, routed on the device): slot s =
 // blockIdx.y is row s / k's choice s % k, expert ids[s], whose matrix comes from the tables of

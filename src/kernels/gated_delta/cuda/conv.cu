@@ -11,7 +11,8 @@
 // per channel. Only the first chunk's thread touches the state: it reads it first and writes
 // the segment's last K - 1 raw inputs back at its end. The state keeps the RAW inputs, not the
 // activated outputs: the next position convolves inputs. The accumulation starts from the
-// newest tap and walks the history oldest first, the CPU twin's order.
+// newest tap and walks the history oldest first, the CPU twin's order and rounding
+// (tern_conv_newest, tern_conv_add_tap: conv_sum.cuh).
 
 template <int K>
 __device__ void tern_gdn_conv_body(const float* __restrict__ x, const float* __restrict__ weight,
@@ -38,9 +39,9 @@ __device__ void tern_gdn_conv_body(const float* __restrict__ x, const float* __r
     for (int t = 0; t < T; t++) hist[t] = first ? st[t] : x[(p0 - T + t) * channels + c];
     for (size_t p = p0; p < p1; p++) {
         const float xc = x[p * channels + c];
-        float acc = xc * w[T];
+        float acc = tern_conv_newest(xc, w[T]);
 #pragma unroll
-        for (int t = 0; t < T; t++) acc += hist[t] * w[t];
+        for (int t = 0; t < T; t++) acc = tern_conv_add_tap(acc, hist[t], w[t]);
         out[p * channels + c] = tern_gdn_silu(acc);
 #pragma unroll
         for (int t = 0; t + 1 < T; t++) hist[t] = hist[t + 1];

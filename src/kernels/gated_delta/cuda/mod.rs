@@ -30,7 +30,8 @@ macro_rules! gdn_source {
 }
 
 pub const GATES: KernelSource = gdn_source!("tern_gdn_gates", "gates.cu");
-pub const CONV: KernelSource = gdn_source!("tern_gdn_conv", "conv.cu");
+pub const CONV: KernelSource =
+    KernelSource { name: "tern_gdn_conv", code: concat!(include_str!("common.cuh"), "\n", include_str!("conv_sum.cuh"), "\n", include_str!("conv.cu")) };
 pub const NORM: KernelSource = gdn_source!("tern_gdn_norm", "norm.cu");
 pub const RECURRENCE: KernelSource = gdn_source!("tern_gdn_recurrence", "recurrence.cu");
 pub const CHUNKED: KernelSource = gdn_source!("tern_gdn_chunked", "chunked.cu");
