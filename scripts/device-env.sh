@@ -77,3 +77,12 @@ tern_source_variant() {
   fi
   rm -f "$dir/$module.cu.orig"
 }
+
+# Nsight Compute's ncu (on PATH or under a CUDA toolkit) into $ncu, and the output folder ($OUT,
+# or /tmp/tern-profile) into $out, created; fails with a message when there is no ncu.
+tern_ncu() {
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1 || true)
+  [ -n "$ncu" ] || { echo "$1: ncu (Nsight Compute) not found" >&2; return 1; }
+  out=${OUT:-/tmp/tern-profile}
+  mkdir -p "$out"
+}

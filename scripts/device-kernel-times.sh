@@ -18,10 +18,7 @@ count=${3:?launches to time}
 shift 3
 [ $# -gt 0 ] || { echo "device-kernel-times.sh: no command to run" >&2; exit 2; }
 . "$(dirname "$0")/device-env.sh"
-ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1 || true)
-[ -n "$ncu" ] || { echo "device-kernel-times.sh: ncu (Nsight Compute) not found" >&2; exit 1; }
-out=${OUT:-/tmp/tern-profile}
-mkdir -p "$out"
+tern_ncu device-kernel-times.sh
 "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
   -s "$skip" -c "$count" --csv --page raw "$@" > "$out/$name.raw" 2> "$out/$name.run.log" || {
   echo "device-kernel-times.sh: ncu failed; the tail of its log:" >&2

@@ -18,10 +18,7 @@ skip=${3:?launches to skip}
 shift 3
 [ $# -gt 0 ] || { echo "device-profile.sh: no command to run" >&2; exit 2; }
 . "$(dirname "$0")/device-env.sh"
-ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1 || true)
-[ -n "$ncu" ] || { echo "device-profile.sh: ncu (Nsight Compute) not found" >&2; exit 1; }
-out=${OUT:-/tmp/tern-profile}
-mkdir -p "$out"
+tern_ncu device-profile.sh
 "$ncu" --clock-control none --cache-control all --import-source yes \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \

@@ -858,22 +858,28 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             prefill_also.push(serde_json::json!({"prompt_tokens": n, "prefill_s": s, "prefill_tokens_per_s": n as f64 / s, "op_profile": profile()}));
         }
 
-        // Decode: gen_tokens single-token steps from a fresh state, feeding back the argmax.
+        // gen_tokens single-token steps on `st`, feeding back the greedy token, each step's time
+        // pushed to `steps` when `timed`.
+        let mut decode_run = |st: &mut PlacedState, steps: &mut Vec<f64>, timed: bool| -> Result<()> {
+            let mut tok = first;
+            for _ in 0..args.gen_tokens {
+                let t = Instant::now();
+                let logits = model.forward_want(&[tok], st, want)?;
+                let dt = t.elapsed().as_secs_f64();
+                tok = greedy.sample_step(logits, &[], &[]);
+                if timed {
+                    steps.push(dt);
+                }
+            }
+            Ok(())
+        };
+        // Decode: from a fresh state, the median step over the timed runs (after one warm-up).
         let mut per_token = Vec::new();
         let mut run_means = Vec::new();
         for i in 0..=args.iters.max(1) {
             let mut st = model.new_state()?;
-            let mut tok = first;
             let t_run = Instant::now();
-            for _ in 0..args.gen_tokens {
-                let t = Instant::now();
-                let logits = model.forward_want(&[tok], &mut st, want)?;
-                let dt = t.elapsed().as_secs_f64();
-                tok = greedy.sample_step(logits, &[], &[]);
-                if i > 0 {
-                    per_token.push(dt);
-                }
-            }
+            decode_run(&mut st, &mut per_token, i > 0)?;
             if i > 0 {
                 run_means.push(t_run.elapsed().as_secs_f64() / args.gen_tokens as f64);
             } else {
@@ -884,8 +890,8 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
         let decode_mean_s = median(&mut run_means);
         let decode_profile = profile();
 
-        // Decode after a prompt of each depth: the median step of gen_tokens steps that follow
-        // a prefill of `depth` tokens (the prefill untimed), over the timed runs.
+        // Decode after a prompt of each depth: the same steps after a prefill of `depth`
+        // tokens (untimed).
         let mut at_depth = Vec::new();
         for &depth in &args.decode_depth {
             let ids: Vec<u32> = (0..depth).map(|_| next_id()).collect();
@@ -893,19 +899,9 @@ fn run_bench_generate(args: BenchGenerateArgs) -> Result<()> {
             for i in 0..=args.iters.max(1) {
                 let mut st = model.new_state()?;
                 model.forward(&ids, &mut st)?;
-                let mut tok = first;
-                for _ in 0..args.gen_tokens {
-                    let t = Instant::now();
-                    let logits = model.forward_want(&[tok], &mut st, want)?;
-                    let dt = t.elapsed().as_secs_f64();
-                    tok = greedy.sample_step(logits, &[], &[]);
-                    if i > 0 {
-                        steps.push(dt);
-                    }
-                }
+                decode_run(&mut st, &mut steps, i > 0)?;
             }
-            let step = median(&mut steps);
-            at_depth.push((depth, step));
+            at_depth.push((depth, median(&mut steps)));
         }
 
         // Decode rounds of B sequences at once (the server's continuous-batching step).

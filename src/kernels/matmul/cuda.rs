@@ -825,7 +825,7 @@ impl Blas {
         check_len("linears_conv conv history", history.len(), channels * (kernel - 1))?;
         let g = &self.gpu;
         let conv = ConvTail { w: g.ptr(weight), at: g.ptr(&*history), part: 1, k: kernel as i32 };
-        self.gemv_conv(x, GemvOutput::Plain, rows, parts, None, Some(conv))?;
+        self.gemv_with(x, GemvOutput::Plain, rows, parts, None, Some(conv))?;
         Ok(true)
     }
 
@@ -921,7 +921,7 @@ impl Blas {
         if rows > 0 {
             let g = &self.gpu;
             let tail = NormTail { norm_w: g.ptr(norm), norm_out: g.ptr(a), counter: g.ptr(&self.residual_counter), eps, stream: 0, next_w: 0, post: 1.0 };
-            self.gemv_with(v, GemvOutput::Residual, rows, &mut [(w, x)], Some(tail))?;
+            self.gemv_with(v, GemvOutput::Residual, rows, &mut [(w, x)], Some(tail), None)?;
         }
         Ok(true)
     }
@@ -958,7 +958,7 @@ impl Blas {
             let g = &self.gpu;
             let counter = g.ptr(&self.residual_counter);
             let tail = NormTail { norm_w: g.ptr(norm), norm_out: g.ptr(a), counter, eps, stream: g.ptr(h), next_w: g.ptr(next), post };
-            self.gemv_with(v, GemvOutput::AddNorm, rows, &mut [(w, y)], Some(tail))?;
+            self.gemv_with(v, GemvOutput::AddNorm, rows, &mut [(w, y)], Some(tail), None)?;
         }
         Ok(true)
     }
@@ -966,25 +966,14 @@ impl Blas {
     /// One GEMV launch over `parts` (at most [`GEMV_PARTS`], one stored type, shapes checked
     /// by the caller), for at most [`GEMV_MAX_ROWS`] rows; `in` % 8 == 0.
     fn gemv(&self, x: &CudaSlice<f32>, output: GemvOutput, rows: usize, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)]) -> Result<()> {
-        self.gemv_with(x, output, rows, parts, None)
+        self.gemv_with(x, output, rows, parts, None, None)
     }
 
     /// [`Blas::gemv`], with the norm's operands for [`GemvOutput::Residual`] and
-    /// [`GemvOutput::AddNorm`] (one part).
+    /// [`GemvOutput::AddNorm`] (one part), and with `conv` the causal conv1d + SiLU of one
+    /// part's outputs as they are written (one row, plain outputs, the CUDA-core form: the
+    /// caller checks).
     fn gemv_with(
-        &self,
-        x: &CudaSlice<f32>,
-        output: GemvOutput,
-        rows: usize,
-        parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)],
-        tail: Option<NormTail>,
-    ) -> Result<()> {
-        self.gemv_conv(x, output, rows, parts, tail, None)
-    }
-
-    /// [`Blas::gemv_with`], and with `conv` the causal conv1d + SiLU of one part's outputs as
-    /// they are written (one row, plain outputs, the CUDA-core form: the caller checks).
-    fn gemv_conv(
         &self,
         x: &CudaSlice<f32>,
         output: GemvOutput,
