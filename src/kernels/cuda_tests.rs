@@ -1189,8 +1189,9 @@ fn cuda_gelu_by_gemv_equals_product_then_activation() {
     let act = ActivationCuda::new(gpu.clone()).unwrap();
     let f32_mode = Blas::new(gpu.clone(), false).unwrap();
     for ahead in [true, false] {
-        let blas = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_ahead(ahead);
-        for &(out, inp) in &[(256usize, 768usize), (512, 768), (48, 2048)] {
+        let blas = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_ahead(ahead).with_gemv_mma_q8(true);
+        // 40: a block's 16 features past the matrix's end.
+        for &(out, inp) in &[(256usize, 768usize), (512, 768), (48, 2048), (40, 256)] {
             let forms = StoredForms::new(rng.vec(out * inp, -0.1, 0.1), inp);
             // The per-layer inputs: 3 layers of `out` values a row, this layer the second.
             let (layers, index) = (3usize, 1usize);

@@ -834,9 +834,11 @@ impl Blas {
     /// the same bits as [`Blas::linear`] (which takes the same kernel's product for these rows)
     /// and then the gated activation kernel. `Ok(false)`, with nothing queued, where the product
     /// does not take the tensor-core GEMV (one row, more than [`GEMV_MAX_ROWS`], f32 mode or
-    /// weights it does not take); the caller then runs the two.
+    /// weights it does not take) or `up`'s rows would overlap; the caller then runs the two.
     pub fn linear_gelu_by(&self, x: &CudaSlice<f32>, rows: usize, w: &GpuMatrix, up: View<CudaSlice<f32>>, y: &mut CudaSlice<f32>) -> Result<bool> {
-        if !self.gemv_mma_fits(rows, GemvOutput::Plain, [w].into_iter()) {
+        // Only where Blas::linear takes this kernel's product (TERN_GEMV_MAX_ROWS included), and
+        // for views the composed path accepts (its checks then report the others).
+        if !(self.gemv_fits(rows, w) && self.gemv_mma_fits(rows, GemvOutput::Plain, [w].into_iter())) || w.out == 0 || up.stride < w.out {
             return Ok(false);
         }
         check_len("linear_gelu_by input", x.len(), rows * w.inp)?;
