@@ -274,9 +274,9 @@ pub fn expert_tiles(start: &[usize]) -> Result<Vec<[i32; 3]>> {
 /// for every stored type (gemv.cu).
 const GEMV_STEP_WEIGHTS: usize = 32 * 8;
 
-/// Widest conv a one-row GEMV applies to its outputs ([`Blas::linears_conv`]): the conv
-/// kernel's (gated_delta/cuda/conv.cu instantiates widths 1 to 8).
-const MAX_CONV_KERNEL: usize = 8;
+/// Conv widths a one-row GEMV applies to its outputs ([`Blas::linears_conv`]; Qwen3.5's is 4),
+/// one kernel each (gemv.cu's TERN_GEMV_CONV_KERNELS); other widths run the conv kernel.
+const CONV_KERNEL_WIDTHS: [usize; 3] = [2, 3, 4];
 
 /// Rows up to which a product fuses the norm after it (see [`Blas::norm_tail_fits`]).
 pub const NORM_TAIL_MAX_ROWS: usize = 1;
@@ -326,9 +326,9 @@ pub struct Blas {
     q8_paired: bool,
     /// `tern_gemv_q8_1x2`: a one-row Q8_0 product, two features a warp.
     q8_paired_kernel: CudaFunction,
-    /// `tern_gemv_conv_{f32,bf16,q8}_1`: one-row plain products with a conv part
-    /// ([`Blas::linears_conv`]), by weight type.
-    conv_kernels: [CudaFunction; 3],
+    /// `tern_gemv_conv_{f32,bf16,q8}_1_k{K}`: one-row plain products with a conv part
+    /// ([`Blas::linears_conv`]), by conv width ([`CONV_KERNEL_WIDTHS`]) and weight type.
+    conv_kernels: Vec<[CudaFunction; 3]>,
     /// Whether fast mode's products of several rows with bf16 weights take the tensor-core
     /// GEMV ([`Blas::gemv_mma_fits`]); TERN_GEMV_MMA=0 turns it off, to measure the two forms
     /// on the same run.
@@ -402,7 +402,10 @@ impl Blas {
             gemv_split: std::env::var("TERN_GEMV_SPLIT").map_or(true, |v| v != "0"),
             q8_paired: std::env::var("TERN_GEMV_Q8_PAIRED").map_or(true, |v| v != "0"),
             q8_paired_kernel: f("tern_gemv_q8_1x2")?,
-            conv_kernels: [f("tern_gemv_conv_f32_1")?, f("tern_gemv_conv_bf16_1")?, f("tern_gemv_conv_q8_1")?],
+            conv_kernels: CONV_KERNEL_WIDTHS
+                .iter()
+                .map(|k| Ok([f(&format!("tern_gemv_conv_f32_1_k{k}"))?, f(&format!("tern_gemv_conv_bf16_1_k{k}"))?, f(&format!("tern_gemv_conv_q8_1_k{k}"))?]))
+                .collect::<Result<_>>()?,
             gemv_mma: std::env::var("TERN_GEMV_MMA").map_or(true, |v| v != "0"),
             gemv_mma_q8: std::env::var("TERN_GEMV_MMA_Q8").map_or(true, |v| v != "0"),
             mma_kernels: [
@@ -813,9 +816,9 @@ impl Blas {
             && !parts.is_empty()
             && parts.len() <= GEMV_PARTS
             && parts.iter().all(|(w, _)| self.gemv_fits(rows, w) && std::mem::discriminant(&w.w) == std::mem::discriminant(&parts[0].0.w) && w.inp == parts[0].0.inp);
-        if !one_launch || !(1..=MAX_CONV_KERNEL).contains(&kernel) {
+        let Some(width_at) = CONV_KERNEL_WIDTHS.iter().position(|&k| k == kernel).filter(|_| one_launch) else {
             return Ok(false);
-        }
+        };
         let channels = parts[0].0.out;
         check_len("linears_conv input", x.len(), parts[0].0.inp)?;
         for (w, y) in parts.iter() {
@@ -825,7 +828,7 @@ impl Blas {
         check_len("linears_conv conv history", history.len(), channels * (kernel - 1))?;
         let g = &self.gpu;
         let conv = ConvTail { w: g.ptr(weight), at: g.ptr(&*history), part: 1, k: kernel as i32 };
-        self.gemv_with(x, GemvOutput::Plain, rows, parts, None, Some(conv))?;
+        self.gemv_with(x, GemvOutput::Plain, rows, parts, None, Some((conv, width_at)))?;
         Ok(true)
     }
 
@@ -982,7 +985,7 @@ impl Blas {
         rows: usize,
         parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)],
         tail: Option<NormTail>,
-        conv: Option<ConvTail>,
+        conv: Option<(ConvTail, usize)>,
     ) -> Result<()> {
         let tailed = matches!(output, GemvOutput::Residual | GemvOutput::AddNorm);
         if tailed != (tail.is_some() && parts.len() == 1) {
@@ -996,7 +999,7 @@ impl Blas {
         }
         let features: usize = parts.iter().map(|(w, _)| output.features(w)).sum();
         let ks = if self.gemv_split { gemv_split(features, first.inp, self.multiprocessors) } else { 1 };
-        let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, tail: tail.unwrap_or_default(), conv: conv.unwrap_or_default(), ..Default::default() };
+        let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, tail: tail.unwrap_or_default(), conv: conv.map(|(c, _)| c).unwrap_or_default(), ..Default::default() };
         // Features a block covers: its warps' feature groups (ks warps each) times the
         // features a warp holds.
         // A one-row Q8_0 product of many features (a vocabulary head) takes the paired kernel,
@@ -1017,8 +1020,8 @@ impl Blas {
         let xp = g.ptr(x);
         let kernel = if paired {
             &self.q8_paired_kernel
-        } else if conv.is_some() {
-            &self.conv_kernels[first.kind()]
+        } else if let Some((_, width_at)) = conv {
+            &self.conv_kernels[width_at][first.kind()]
         } else {
             self.gemv.get(output, first, rows, narrow)
         };

@@ -57,8 +57,8 @@ struct tern_gemv_parts {
     float post;
     // One row only (a decode step of one sequence): the outputs of part conv_part - 1 (0: no
     // part) go through a gated-delta layer's causal conv1d + SiLU as they are written
-    // (tern_gemv_conv_step): its weights [out][conv_k] and the sequence's raw-input history
-    // [out][conv_k - 1], which the step advances.
+    // (TernConvTaps, in the kernels built for a conv of width conv_k): its weights
+    // [out][conv_k] and the sequence's raw-input history [out][conv_k - 1], which it advances.
     unsigned long long conv_w;
     unsigned long long conv_at;
     int conv_part;
@@ -71,21 +71,43 @@ struct tern_gemv_parts {
 // the field offsets this order gives.
 static_assert(sizeof(tern_gemv_parts) == 240, "tern_gemv_parts: 240 bytes, as GemvParts");
 
-// The causal depthwise conv1d + SiLU of channel c for a sequence's one new input xc, and the
-// channel's history advanced: tern_gdn_conv_body's arithmetic for a one-position segment
+// A conv channel's operands for the one-row GEMV that convolves the channels it writes (K the
+// conv's width, a compile-time constant as in the conv kernel's instances): the K taps and the
+// K - 1 history values, requested before the product (`load`) so that its end waits for no
+// load; `step` then forms the causal depthwise conv1d + SiLU of the channel's new input xc and
+// writes the history advanced. tern_gdn_conv_body's arithmetic for a one-position segment
 // (gated_delta/cuda/conv.cu; the same rounding helpers, tern_conv_newest and
 // tern_conv_add_tap, and the same silu), so the same bits as the product written out and that
-// kernel after it.
-__device__ __forceinline__ float tern_gemv_conv_step(const tern_gemv_parts& p, int c, float xc) {
-    const int k = p.conv_k, t_len = k - 1;
-    const float* w = (const float*)p.conv_w + (size_t)c * k;
-    float* hist = (float*)p.conv_at + (size_t)c * t_len;
-    float acc = tern_conv_newest(xc, w[t_len]);
-    for (int t = 0; t < t_len; t++) acc = tern_conv_add_tap(acc, hist[t], w[t]);
-    for (int t = 0; t + 1 < t_len; t++) hist[t] = hist[t + 1];
-    if (t_len > 0) hist[t_len - 1] = xc;
-    return tern_silu(acc);
-}
+// kernel after it. Only the channel's own warp reads or writes its history.
+// The conv operands of a launch (from tern_gemv_parts, passed by value so that they stay kernel
+// parameters rather than loads through a pointer to them); `on` for the conv part's warps.
+struct TernConvArgs {
+    const float* w;
+    float* history;
+    bool on;
+};
+
+template <int K>
+struct TernConvTaps {
+    float w[K], h[K > 1 ? K - 1 : 1];
+    __device__ __forceinline__ void load(const TernConvArgs& a, int c) {
+        const float* wp = a.w + (size_t)c * K;
+        const float* hp = a.history + (size_t)c * (K - 1);
+#pragma unroll
+        for (int t = 0; t < K; t++) w[t] = wp[t];
+#pragma unroll
+        for (int t = 0; t + 1 < K; t++) h[t] = hp[t];
+    }
+    __device__ __forceinline__ float step(const TernConvArgs& a, int c, float xc) const {
+        float* hp = a.history + (size_t)c * (K - 1);
+        float acc = tern_conv_newest(xc, w[K - 1]);
+#pragma unroll
+        for (int t = 0; t + 1 < K; t++) acc = tern_conv_add_tap(acc, h[t], w[t]);
+#pragma unroll
+        for (int t = 0; t + 1 < K; t++) hp[t] = t + 2 < K ? h[t + 1] : xc;
+        return tern_silu(acc);
+    }
+};
 
 __device__ __forceinline__ float tern_f16_to_f32(unsigned short h) {
     float f;
@@ -279,10 +301,10 @@ __device__ __forceinline__ void tern_gemv_rows_in_flight(const W& w, const float
 //
 // With ks > 1 (split), the warp is slice `slice` of ks and every warp of the block calls this
 // (the slices meet at a barrier), those past `out` included.
-template <int R, int OPW, int OMODE, typename W>
+template <int R, int OPW, int OMODE, typename W, int CONV_K = 0>
 __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restrict__ x, int rows, int in, int o0, int out,
                                                float* __restrict__ y, int ks = 1, int slice = 0,
-                                               const tern_gemv_parts* conv = nullptr) {
+                                               TernConvArgs conv = {nullptr, nullptr, false}) {
     constexpr bool GATED = OMODE == TERN_Y_SILU || OMODE == TERN_Y_GELU;
     constexpr int NW = GATED ? 2 * OPW : OPW;  // weight rows held
     constexpr int S = W::STEP;                 // weights a lane takes per step
@@ -293,6 +315,12 @@ __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restri
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[j][r] = 0.0f;
     const int c0 = o0 < out ? lane * S + 32 * S * slice : in;  // a warp past `out` loads nothing
+    // CONV_K (one row, one feature a warp, plain): the convolving lane's operands, in flight
+    // during the product.
+    TernConvTaps<(CONV_K > 0 ? CONV_K : 1)> taps;
+    if constexpr (CONV_K > 0) {
+        if (conv.on && lane == 0 && slice == 0 && o0 < out) taps.load(conv, o0);
+    }
     if constexpr (TernGemvSteps<W, R, OPW>::IN_FLIGHT > 1) {
         tern_gemv_rows_in_flight<R, NW, TernGemvSteps<W, R, OPW>::IN_FLIGHT>(w, x, rows, in, c0, o0, OPW, out, 32 * S * ks, acc);
     } else {
@@ -341,8 +369,9 @@ __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restri
         for (int r = 0; r < R; ++r) {
             float s = acc[j][r];
             if constexpr (GATED) s = (OMODE == TERN_Y_SILU ? tern_silu(s) : tern_gelu_tanh(s)) * acc[j + OPW][r];
-            if constexpr (R == 1 && OMODE == TERN_Y_PLAIN) {
-                if (conv != nullptr && lane == 0 && o0 + j < out) s = tern_gemv_conv_step(*conv, o0 + j, s);
+            if constexpr (CONV_K > 0) {
+                static_assert(R == 1 && OPW == 1 && OMODE == TERN_Y_PLAIN, "the conv takes one row, one feature a warp");
+                if (conv.on && lane == 0 && o0 + j < out) s = taps.step(conv, o0 + j, s);
             }
             if (lane == 0 && r < rows && o0 + j < out) {
                 float* at = y + (size_t)r * out + o0 + j;
@@ -510,10 +539,10 @@ __device__ __forceinline__ void tern_gemv_norm_tail(const tern_gemv_parts& p, in
 // y_part[r][o] for r < rows <= R, o < out[part] (see tern_gemv_rows); a block covers
 // TERN_GEMV_WARPS / ks · OPW output features of its part, warp w slice w % ks of its feature
 // group w / ks.
-// CONV: the kernel applies p's conv step (tern_gemv_conv_step) to its conv part; only the
+// CONV_K: the kernel convolves its conv part's outputs (TernConvTaps<CONV_K>); only the
 // one-row plain kernels built for it do (tern_gemv_conv_*), so that the others keep their
-// registers (the vocabulary head's 1-row GEMV: 31 against 40).
-template <int R, int OPW, int OMODE, typename W, bool CONV = false>
+// registers (the vocabulary head's 1-row GEMV: 31).
+template <int R, int OPW, int OMODE, typename W, int CONV_K = 0>
 __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
     int part = 0;
     while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
@@ -523,8 +552,9 @@ __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float*
     // still meets its block's barriers.
     constexpr bool tail = OMODE == TERN_Y_RESIDUAL || OMODE == TERN_Y_ADD_NORM;
     if (ks == 1 && !tail && o0 >= p.out[part]) return;
-    tern_gemv_rows<R, OPW, OMODE>(W(p.w[part], p.scales[part]), x, rows, in, o0, p.out[part], (float*)p.y[part], ks,
-                                  warp % ks, CONV && part + 1 == p.conv_part ? &p : nullptr);
+    tern_gemv_rows<R, OPW, OMODE, W, CONV_K>(W(p.w[part], p.scales[part]), x, rows, in, o0, p.out[part], (float*)p.y[part], ks,
+                                             warp % ks,
+                                             TernConvArgs{(const float*)p.conv_w, (float*)p.conv_at, CONV_K > 0 && part + 1 == p.conv_part});
     if constexpr (tail) tern_gemv_norm_tail<R, OMODE>(p, rows);
 }
 
@@ -850,16 +880,21 @@ TERN_GEMV_KERNELS(8n, 8, 1, 1)
 // A one-row Q8_0 product of many features (the head), two features a warp (see
 // Q8_PAIRED_MIN_FEATURES in matmul/cuda.rs).
 TERN_GEMV_KERNEL(tern_gemv_q8_1x2, 1, 2, TernWeightsQ8, TERN_Y_PLAIN)
-// One-row plain products whose conv part goes through the conv step (Blas::linears_conv).
-#define TERN_GEMV_CONV_KERNEL(name, W)                                                                           \
+// One-row plain products whose conv part goes through a conv of width K (Blas::linears_conv;
+// Qwen3.5's is 4), by weight type.
+#define TERN_GEMV_CONV_KERNEL(name, W, K)                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)       \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
         tern_await_prior_kernel();                                                                                \
-        tern_gemv<1, 1, TERN_Y_PLAIN, W, true>(p, x, rows, in);                                                   \
+        tern_gemv<1, 1, TERN_Y_PLAIN, W, K>(p, x, rows, in);                                                      \
     }
-TERN_GEMV_CONV_KERNEL(tern_gemv_conv_f32_1, TernWeightsF32)
-TERN_GEMV_CONV_KERNEL(tern_gemv_conv_bf16_1, TernWeightsBf16)
-TERN_GEMV_CONV_KERNEL(tern_gemv_conv_q8_1, TernWeightsQ8)
+#define TERN_GEMV_CONV_KERNELS(K)                                                                                 \
+    TERN_GEMV_CONV_KERNEL(tern_gemv_conv_f32_1_k##K, TernWeightsF32, K)                                           \
+    TERN_GEMV_CONV_KERNEL(tern_gemv_conv_bf16_1_k##K, TernWeightsBf16, K)                                         \
+    TERN_GEMV_CONV_KERNEL(tern_gemv_conv_q8_1_k##K, TernWeightsQ8, K)
+TERN_GEMV_CONV_KERNELS(2)
+TERN_GEMV_CONV_KERNELS(3)
+TERN_GEMV_CONV_KERNELS(4)
 
 #define TERN_GEMV_ROUTED_KERNEL(name, W, OMODE)                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)         \

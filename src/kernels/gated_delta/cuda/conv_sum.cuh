@@ -1,5 +1,5 @@
 // Shared by the gated-delta conv kernel (conv.cu) and the GEMV that convolves the channels it
-// writes (matmul/gemv.cu, tern_gemv_conv_step), each module including it once.
+// writes (matmul/gemv.cu, TernConvTaps), each module including it once.
 //
 // A causal depthwise conv's sum at one position as the CPU twin forms it (gated_delta/conv.rs):
 // the newest tap's product, then each history tap's product added, oldest first, every product
