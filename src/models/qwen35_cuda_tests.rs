@@ -87,7 +87,9 @@ fn cuda_llm_ops_match_cpu() {
         let mut cpu_caches: Vec<_> = (0..3).map(|_| cpu.kv_cache(kw).unwrap()).collect();
         let mut gpu_caches: Vec<_> = (0..3).map(|_| ops.kv_cache(kw).unwrap()).collect();
         let mut past = vec![0usize; 3];
-        for lens in [[3usize, 270, 1], [1, 5, 300]] {
+        // The third call is a decode step (every sequence one row), whose own keys and values the
+        // attention kernel reads from the projection and appends itself.
+        for lens in [[3usize, 270, 1], [1, 5, 300], [1, 1, 1]] {
             let segs = pack(lens);
             let n: usize = lens.iter().sum();
             let y = rng.vec(n * stride, -1.5, 1.5);
@@ -118,6 +120,12 @@ fn cuda_llm_ops_match_cpu() {
                 assert_eq!(&keys16[..lens[1] * kw], &cpu_caches[1].keys[..], "bf16 prefill: the cache holds the f32 keys");
             }
             past.iter_mut().zip(lens).for_each(|(p, l)| *p += l);
+        }
+        // Every row each sequence appended (the decode step's too) is in its cache as the CPU's.
+        for (s, (gc, cc)) in gpu_caches.iter().zip(&cpu_caches).enumerate() {
+            let n = past[s] * kw;
+            assert_eq!(&gpu.download(&gc.keys).unwrap()[..n], &cc.keys[..n], "kv {qh}/{kvh}×{hd}: sequence {s}'s keys");
+            assert_eq!(&gpu.download(&gc.values).unwrap()[..n], &cc.values[..n], "kv {qh}/{kvh}×{hd}: sequence {s}'s values");
         }
         // A cache that does not end where the batch starts is refused.
         let segs = pack([1]);

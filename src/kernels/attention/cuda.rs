@@ -687,10 +687,19 @@ impl KvAttentionCuda {
         // Every sequence's rows in one launch of each kernel, each row finding its cache in
         // the tables.
         let tables = self.row_tables(segments, caches, rows)?;
-        self.append_rows(&k, &v, rows, kw, positions, &tables)?;
+        // A decode step (each sequence one new row): the attention kernel reads each row's own
+        // key and value from the views and appends them itself; otherwise (a continued prompt,
+        // whose rows also see each other's keys) they are appended first.
+        let fresh = segments.iter().all(|s| s.len == 1);
+        if !fresh {
+            self.append_rows(&k, &v, rows, kw, positions, &tables)?;
+        }
+        let fresh = fresh as i32;
         let (q_off, g_off) = (long_arg(q.offset), long_arg(gate.offset));
         let (q_ld, g_ld) = (long_arg(q.stride), long_arg(gate.stride));
-        let (qp, gp) = (g.ptr(q.buf), g.ptr(gate.buf));
+        let (k_off, v_off) = (long_arg(k.offset), long_arg(v.offset));
+        let (k_ld, v_ld) = (long_arg(k.stride), long_arg(v.stride));
+        let (qp, gp, kp, vp) = (g.ptr(q.buf), g.ptr(gate.buf), g.ptr(k.buf), g.ptr(v.buf));
         let splits = kv_splits(rows, q_heads, hd);
         // Split partials (unused with one split) and the heads' arrival counters.
         let partial = g.alloc::<f32>(if splits > 1 { rows * q_heads * splits * (hd + 2) } else { 1 })?;
@@ -698,7 +707,9 @@ impl KvAttentionCuda {
         // hd <= MAX_HEAD_DIM = 32 · the last lane count (checked above).
         let attend = KV_LANE_VALUES.iter().position(|&per| 32 * per >= hd).map(|at| &self.attend[at]).expect("hd <= MAX_HEAD_DIM");
         let mut l = g.launch_builder(attend);
-        l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld).buf(&*tables.k_at).buf(&*tables.v_at).buf(positions);
+        l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld);
+        l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&fresh);
+        l.buf(&*tables.k_at).buf(&*tables.v_at).buf(positions);
         l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).buf(&partial).buf(&counters).buf(out);
         let grid_rows = u32::try_from(rows).ok().filter(|&r| r <= 65_535).ok_or_else(|| {
             Error::Shape(format!("kv_attention: {rows} new rows, at most 65535 per launch"))
@@ -706,7 +717,9 @@ impl KvAttentionCuda {
         let cfg = LaunchConfig { grid_dim: (q_heads as u32, grid_rows, splits as u32), block_dim: (KV_BLOCK, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_kv_attention; row i (position p_i, the batch's)
         // reads rows ≤ p_i of its own cache, which the append above filled or earlier steps
-        // did, and writes its own output row inside `out` (checked); with several splits,
+        // did (fresh: rows < p_i, and row p_i from the k, v views, which hold the rows:
+        // checked, and which one block writes into the cache's reserved row p_i), and writes
+        // its own output row inside `out` (checked); with several splits,
         // block (h, i, s) writes partial record (i, h, s) of rows × q_heads × splits records
         // of hd + 2 floats, and counter (i, h) of rows × q_heads.
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_kv_attention"))?;

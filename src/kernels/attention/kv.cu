@@ -42,6 +42,12 @@ extern "C" __global__ void tern_kv_append(const float* __restrict__ k, long long
 // blocks to arrive (an arrival counter, zero between launches) merges the splits in order and
 // writes the gated output. One split writes the output directly.
 //
+// FRESH (a decode step: each row its sequence's one new token): the row's own key and value,
+// at position positions[i], are read from the projection's k and v views instead of the cache,
+// and written to the cache by the first query head of each kv head in the first split, so the
+// step needs no append launch before it (no block of this launch reads that cache row). The
+// same values, so the same bits.
+//
 // PER: values of a head row a lane holds (hd <= 32·PER). A warp takes its keys KB at a time:
 // the KB keys' k and v rows are requested together, then the keys go through the online
 // softmax one by one in the order of the one-key loop (keys warp, warp + TERN_KV_WARPS, ...),
@@ -52,7 +58,9 @@ extern "C" __global__ void tern_kv_append(const float* __restrict__ k, long long
 template <int PER, int KB>
 __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__ q, long long q_off, long long q_ld,
                                                        const float* __restrict__ gate, long long g_off, long long g_ld,
-                                                       const unsigned long long* __restrict__ k_at,
+                                                       const float* __restrict__ k_new, long long k_off, long long k_ld,
+                                                       const float* __restrict__ v_new, long long v_off, long long v_ld,
+                                                       int fresh, const unsigned long long* __restrict__ k_at,
                                                        const unsigned long long* __restrict__ v_at,
                                                        const unsigned* __restrict__ positions, int q_heads, int kv_heads,
                                                        int hd, float scale, float* __restrict__ partial,
@@ -60,15 +68,25 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
     constexpr int HD = 32 * PER;
     const int h = blockIdx.x, i = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int kvh = h / (q_heads / kv_heads);
+    const int group = q_heads / kv_heads, kvh = h / group;
     const size_t kw = (size_t)kv_heads * hd;
-    const float* __restrict__ k_cache = (const float*)k_at[i];
-    const float* __restrict__ v_cache = (const float*)v_at[i];
+    float* k_cache = (float*)k_at[i];
+    float* v_cache = (float*)v_at[i];
     // Addresses read from memory: without the assumption the compiler issues generic loads,
     // which resolve the address space per access.
     __builtin_assume(__isGlobal(k_cache) && __isGlobal(v_cache));
     // The row's key count, requested with its q before the barrier.
     const int keys = (int)positions[i] + 1;
+    // FRESH: the row's own key and value rows in the projection.
+    const float* kr_new = k_new + k_off + (size_t)i * k_ld + (size_t)kvh * hd;
+    const float* vr_new = v_new + v_off + (size_t)i * v_ld + (size_t)kvh * hd;
+    if (fresh && split == 0 && h % group == 0) {
+        const size_t at = (size_t)(keys - 1) * kw + (size_t)kvh * hd;
+        for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+            k_cache[at + c] = kr_new[c];
+            v_cache[at + c] = vr_new[c];
+        }
+    }
     __shared__ float qs[HD];
     __shared__ float warp_max[TERN_KV_WARPS], warp_sum[TERN_KV_WARPS];
     __shared__ float warp_acc[TERN_KV_WARPS][HD];
@@ -88,8 +106,9 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
 #pragma unroll
         for (int u = 0; u < KB; ++u) {
             const int j = jb + u * TERN_KV_WARPS;
-            const float* kr = k_cache + (size_t)j * kw + (size_t)kvh * hd;
-            const float* vr = v_cache + (size_t)j * kw + (size_t)kvh * hd;
+            const bool own = fresh && j == keys - 1;
+            const float* kr = own ? kr_new : k_cache + (size_t)j * kw + (size_t)kvh * hd;
+            const float* vr = own ? vr_new : v_cache + (size_t)j * kw + (size_t)kvh * hd;
 #pragma unroll
             for (int t = 0; t < PER; ++t) {
                 const int c = lane + 32 * t;
@@ -197,12 +216,15 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
 #define TERN_KV_ATTENTION(PER, KB)                                                                                     \
     extern "C" __global__ void tern_kv_attention_p##PER(                                                               \
         const float* __restrict__ q, long long q_off, long long q_ld, const float* __restrict__ gate, long long g_off,  \
-        long long g_ld, const unsigned long long* __restrict__ k_at, const unsigned long long* __restrict__ v_at,      \
+        long long g_ld, const float* __restrict__ k_new, long long k_off, long long k_ld,                              \
+        const float* __restrict__ v_new, long long v_off, long long v_ld, int fresh,                                   \
+        const unsigned long long* __restrict__ k_at, const unsigned long long* __restrict__ v_at,                      \
         const unsigned* __restrict__ positions, int q_heads, int kv_heads, int hd, float scale,                        \
         float* __restrict__ partial, unsigned* __restrict__ counters, float* __restrict__ out) {                       \
         tern_await_prior_kernel();                                                                                     \
-        tern_kv_attention_body<PER, KB>(q, q_off, q_ld, gate, g_off, g_ld, k_at, v_at, positions, q_heads, kv_heads,  \
-                                        hd, scale, partial, counters, out);                                            \
+        tern_kv_attention_body<PER, KB>(q, q_off, q_ld, gate, g_off, g_ld, k_new, k_off, k_ld, v_new, v_off, v_ld,    \
+                                        fresh, k_at, v_at, positions, q_heads, kv_heads, hd, scale, partial, counters, \
+                                        out);                                                                          \
     }
 TERN_KV_ATTENTION(2, 4)
 TERN_KV_ATTENTION(4, 4)
