@@ -636,7 +636,8 @@ impl KvAttentionCuda {
     }
 
     /// For each sequence: appends its rows of k and v to its cache, then its queries attend
-    /// causally over the cache, times sigmoid(gate), into `out` [rows][q_heads·hd]. CPU twin:
+    /// causally over the cache, times sigmoid(gate), into `out` [rows][q_heads·hd] (a decode
+    /// step, one row a sequence, in one launch: the attention appends them itself). CPU twin:
     /// the CPU backend's kv_attention ([`super::causal_attention`] per sequence).
     #[allow(clippy::too_many_arguments)]
     pub fn kv_attention(

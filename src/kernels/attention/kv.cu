@@ -3,7 +3,8 @@
 // One block of TERN_KV_WARPS warps per (query row, query head): the warps take the visible
 // keys round-robin, each keeps an online softmax (running max, sum, and hd/32 accumulators per
 // lane), and the block merges the warps' partial results at the end. Keys and values are read
-// straight from the cache; the query heads that share a kv head find them in L2.
+// straight from the cache (in a decode step, a row's own new key and value from the
+// projection: FRESH below); the query heads that share a kv head find them in L2.
 
 #define TERN_KV_WARPS 4
 

@@ -57,8 +57,9 @@ struct tern_gemv_parts {
     float post;
     // One row only (a decode step of one sequence): the outputs of part conv_part - 1 (0: no
     // part) go through a gated-delta layer's causal conv1d + SiLU as they are written
-    // (TernConvTaps, in the kernels built for a conv of width conv_k): its weights
-    // [out][conv_k] and the sequence's raw-input history [out][conv_k - 1], which it advances.
+    // (TernConvTaps, in the kernels built for a conv of width conv_k, which the host picks by
+    // it): its weights [out][conv_k] and the sequence's raw-input history [out][conv_k - 1],
+    // which it advances.
     unsigned long long conv_w;
     unsigned long long conv_at;
     int conv_part;
