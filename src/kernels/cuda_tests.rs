@@ -1172,6 +1172,14 @@ fn cuda_linears_conv_equals_products_then_conv() {
         let mut parts: Vec<_> = [&f32s[0], &mixed, &f32s[2], &f32s[3]].into_iter().zip(ys.iter_mut()).collect();
         assert!(!blas.linears_conv(&x1, 1, &mut parts, (&weight, kernel), &mut h).unwrap(), "mixed weight types");
         assert_eq!(gpu.download(&h).unwrap(), hist0, "a refused call leaves the history as it was");
+        // A conv width without kernels of its own (5): left to the caller too.
+        let w5 = gpu.upload(&rng.vec(channels * 5, -0.5, 0.5)).unwrap();
+        let h5_0 = rng.vec(channels * 4, -1.0, 1.0);
+        let mut h5 = gpu.upload(&h5_0).unwrap();
+        let mut ys: Vec<_> = widths.iter().map(|&o| nan(&gpu, o)).collect();
+        let mut parts: Vec<_> = f32s.iter().zip(ys.iter_mut()).collect();
+        assert!(!blas.linears_conv(&x1, 1, &mut parts, (&w5, 5), &mut h5).unwrap(), "width 5");
+        assert_eq!(gpu.download(&h5).unwrap(), h5_0, "width 5 leaves the history as it was");
     }
 }
 
