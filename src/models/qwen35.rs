@@ -761,6 +761,10 @@ impl<O: Ops> Qwen35<O> {
             let next = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
             self.ffn_residual(&layer.ffn, &mut a, n, &mut x, next)?;
         }
+        // A decode step's rows are already each sequence's last (one row a sequence): no copy.
+        if ops.segments(b).iter().all(|s| s.len == 1) {
+            return ops.linear(&a, batch.len(), &self.head, None);
+        }
         let last = ops.last_rows(&a, h, b)?;
         ops.linear(&last, batch.len(), &self.head, None)
     }
