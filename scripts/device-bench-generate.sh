@@ -87,6 +87,7 @@ if [ -n "$llama" ]; then
   for model in "${models[@]}"; do
     [ -e "$model" ] && [ "${model%.gguf}" != "$model" ] || continue
     "$llama" -m "$model" -p 16,128,512,4096 -n 128 -r 3 -o json | tee -a "${OUT:-$bench}/llama-bench.json"
-    "$llama" -m "$model" -p 0 -n 128 -d ${TERN_BENCH_DEPTH:-4096} -r 3 -o json | tee -a "${OUT:-$bench}/llama-bench.json"
+    "$llama" -m "$model" -p 0 -n 128 -d ${TERN_BENCH_DEPTH:-4096} -r 3 -o json | tee -a "${OUT:-$bench}/llama-bench.json" ||
+      echo "llama-bench tg @ d${TERN_BENCH_DEPTH:-4096} failed on $model" >&2
   done
 fi
