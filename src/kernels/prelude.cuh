@@ -26,6 +26,21 @@ __device__ __forceinline__ float tern_warp_max(float x) {
 // every RMS norm's factor (norm.cu, the GEMV's norm tail, the head preparation), one formula.
 __device__ __forceinline__ float tern_inv_rms_of(double ss, int d, float eps) { return (float)(1.0 / sqrt(ss / (double)d + (double)eps)); }
 
+// Σ v² in double over a thread's S held values of a row of d (value j at column t + j·nt), in
+// the order a strided loop over the row adds them (the norms' sums, pre = 1): the register
+// forms of norm.cu and the GEMV's norm tail.
+template <int S>
+__device__ __forceinline__ double tern_held_sum_squares(const float (&v)[S], int t, int nt, int d) {
+    double ss = 0.0;
+#pragma unroll
+    for (int j = 0; j < S; ++j)
+        if (t + j * nt < d) {
+            const double x = (double)(v[j] * 1.0f);
+            ss += x * x;
+        }
+    return ss;
+}
+
 // Sum over the block (blockDim.x a multiple of 32, at most 1024) in double, returned to every
 // thread. `scratch` holds 32 doubles; the call ends with a barrier so it can be reused.
 __device__ double tern_block_sum_d(double x, double* scratch) {

@@ -56,14 +56,12 @@ struct tern_gemv_parts {
     unsigned long long next_w;
     float post;
     // One row only (a decode step of one sequence): the outputs of part conv_part - 1 (0: no
-    // part) go through a gated-delta layer's causal conv1d + SiLU as they are written
-    // (TernConvTaps, in the kernels built for a conv of width conv_k, which the host picks by
-    // it): its weights [out][conv_k] and the sequence's raw-input history [out][conv_k - 1],
-    // which it advances.
+    // part) go through a gated-delta layer's causal conv1d + SiLU of width K as they are
+    // written (TernConvTaps, in the kernels built for that width, tern_gemv_conv_*_kK): its
+    // weights [out][K] and the sequence's raw-input history [out][K - 1], which it advances.
     unsigned long long conv_w;
     unsigned long long conv_at;
     int conv_part;
-    int conv_k;
     // TERN_Y_GELU_BY only: the view the product's gelu multiplies, row r at up + r·up_ld.
     unsigned long long up;
     long long up_ld;
@@ -71,6 +69,14 @@ struct tern_gemv_parts {
 // The host's GemvParts mirrors this layout; its test (matmul/cuda.rs) checks the same size and
 // the field offsets this order gives.
 static_assert(sizeof(tern_gemv_parts) == 240, "tern_gemv_parts: 240 bytes, as GemvParts");
+
+// The conv operands of a launch (from tern_gemv_parts, passed by value so that they stay kernel
+// parameters rather than loads through a pointer to them); `on` for the conv part's warps.
+struct TernConvArgs {
+    const float* w;
+    float* history;
+    bool on;
+};
 
 // A conv channel's operands for the one-row GEMV that convolves the channels it writes (K the
 // conv's width, a compile-time constant as in the conv kernel's instances): the K taps and the
@@ -80,14 +86,6 @@ static_assert(sizeof(tern_gemv_parts) == 240, "tern_gemv_parts: 240 bytes, as Ge
 // (gated_delta/cuda/conv.cu; the same rounding helpers, tern_conv_newest and
 // tern_conv_add_tap, and the same silu), so the same bits as the product written out and that
 // kernel after it. Only the channel's own warp reads or writes its history.
-// The conv operands of a launch (from tern_gemv_parts, passed by value so that they stay kernel
-// parameters rather than loads through a pointer to them); `on` for the conv part's warps.
-struct TernConvArgs {
-    const float* w;
-    float* history;
-    bool on;
-};
-
 template <int K>
 struct TernConvTaps {
     float w[K], h[K > 1 ? K - 1 : 1];
@@ -413,17 +411,6 @@ __device__ __forceinline__ double tern_gemv_sum_squares(const float* v, int d, d
 // and w again for the output). Same values, products and sums in the same order: the same
 // bits. (Qwen3.5's rows of 1024 and 2048, EmbeddingGemma's of 768.)
 #define TERN_NORM_TAIL_SLOTS 8
-__device__ __forceinline__ double tern_gemv_held_sum_squares(const float (&v)[TERN_NORM_TAIL_SLOTS], int d) {
-    double ss = 0.0;
-#pragma unroll
-    for (int j = 0; j < TERN_NORM_TAIL_SLOTS; ++j)
-        if ((int)threadIdx.x + j * (int)blockDim.x < d) {
-            const double e = (double)(v[j] * 1.0f);
-            ss += e * e;
-        }
-    return ss;
-}
-
 template <int OMODE>
 __device__ __forceinline__ void tern_gemv_norm_tail_held(const tern_gemv_parts& p, double* scratch) {
     constexpr int S = TERN_NORM_TAIL_SLOTS;
@@ -449,7 +436,7 @@ __device__ __forceinline__ void tern_gemv_norm_tail_held(const tern_gemv_parts& 
         wv[j] = in ? w[i] : 0.0f;
     }
     if (OMODE == TERN_Y_ADD_NORM) {
-        const float inv = tern_inv_rms_of(tern_block_sum_d(tern_gemv_held_sum_squares(yv, d), scratch), d, p.eps);
+        const float inv = tern_inv_rms_of(tern_block_sum_d(tern_held_sum_squares(yv, t, nt, d), scratch), d, p.eps);
 #pragma unroll
         for (int j = 0; j < S; ++j) {
             const int i = t + j * nt;
@@ -461,7 +448,7 @@ __device__ __forceinline__ void tern_gemv_norm_tail_held(const tern_gemv_parts& 
             wv[j] = w2v[j];  // the output's weight: the next norm's
         }
     }
-    const float inv = tern_inv_rms_of(tern_block_sum_d(tern_gemv_held_sum_squares(hv, d), scratch), d, p.eps);
+    const float inv = tern_inv_rms_of(tern_block_sum_d(tern_held_sum_squares(hv, t, nt, d), scratch), d, p.eps);
     float* a = (float*)p.norm_out;
 #pragma unroll
     for (int j = 0; j < S; ++j) {

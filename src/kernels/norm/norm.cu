@@ -81,18 +81,6 @@ extern "C" __global__ void tern_residual_norm(float* __restrict__ x, const float
 // sums in the same order as tern_add_norm: the same bits. A short query's sandwich-norm steps
 // are launches of 8 blocks whose time is those waits (ncu, eg2, H200: 5.5 µs each, 72 a query).
 #define TERN_NORM_SLOTS 4
-// Σ v² in double over a thread's held values (column t + j·nt of a row of d), in the order
-// tern_inv_rms adds them (pre = 1).
-__device__ __forceinline__ double tern_held_sum_squares(const float (&v)[TERN_NORM_SLOTS], int t, int nt, int d) {
-    double ss = 0.0;
-#pragma unroll
-    for (int j = 0; j < TERN_NORM_SLOTS; ++j)
-        if (t + j * nt < d) {
-            const double x = (double)(v[j] * 1.0f);
-            ss += x * x;
-        }
-    return ss;
-}
 extern "C" __global__ void tern_add_norm_regs(float* __restrict__ h, const float* __restrict__ y, const float* __restrict__ w,
                                               float post, float eps, int d, const float* __restrict__ w2,
                                               float* __restrict__ a, tern_bf16* __restrict__ a16) {

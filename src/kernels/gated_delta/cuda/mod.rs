@@ -24,14 +24,13 @@ use crate::kernels::gated_delta::{check_segments, DeltaRuleHeads, KeyHeadMap, L2
 use crate::kernels::{check_len, Segment};
 
 macro_rules! gdn_source {
-    ($name:literal, $file:literal) => {
-        KernelSource { name: $name, code: concat!(include_str!("common.cuh"), "\n", include_str!($file)) }
+    ($name:literal, $($file:literal),+) => {
+        KernelSource { name: $name, code: concat!(include_str!("common.cuh") $(, "\n", include_str!($file))+) }
     };
 }
 
 pub const GATES: KernelSource = gdn_source!("tern_gdn_gates", "gates.cu");
-pub const CONV: KernelSource =
-    KernelSource { name: "tern_gdn_conv", code: concat!(include_str!("common.cuh"), "\n", include_str!("conv_sum.cuh"), "\n", include_str!("conv.cu")) };
+pub const CONV: KernelSource = gdn_source!("tern_gdn_conv", "conv_sum.cuh", "conv.cu");
 pub const NORM: KernelSource = gdn_source!("tern_gdn_norm", "norm.cu");
 pub const RECURRENCE: KernelSource = gdn_source!("tern_gdn_recurrence", "recurrence.cu");
 pub const CHUNKED: KernelSource = gdn_source!("tern_gdn_chunked", "chunked.cu");

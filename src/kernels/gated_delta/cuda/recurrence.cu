@@ -279,8 +279,8 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
 // multiprocessor runs 32 warps of them. fla's recurrence, 8 rows per 64-register warp, runs at
 // that occupancy and moves its state at 0.975 of copy (ncu, H200, 256 sequences; this file's
 // 8x2 default: 25% occupancy, 0.93). At d_k = 128 that bound costs 16 bytes of spill (8 rows and
-// the fused form; scripts/device-bench.sh times it); at 256 it would spill hundreds. Not yet timed, so every d_k keeps the
-// registers its forms need.
+// the fused form; scripts/device-bench.sh times it); at 256 it would spill hundreds. Not yet
+// timed, so every d_k keeps the registers its forms need.
 #define TERN_GDN_RECURRENCE_KERNEL(D, R, P, BOUNDS)                                                      \
     extern "C" __global__ void BOUNDS tern_gdn_recurrence_dk##D##_r##R##_g##P(const tern_gdn_recurrence_args a) { \
         tern_await_prior_kernel();                                                                       \
