@@ -289,8 +289,7 @@ pub trait Ops: Send + Sync + Sized {
     /// [`Ops::gelu_tanh_mul`]. A GPU may apply the gelu and the product with u as the product
     /// writes its outputs, with the same results.
     fn linear_gelu_mul(&self, x: &Self::Buf, rows: usize, w: &Self::Mat, width: usize, u: View<Self::Buf>) -> Result<Self::Buf> {
-        let g = self.linear(x, rows, w, None)?;
-        self.gelu_tanh_mul(View::new(&g, 0, width), u, rows, width)
+        linear_gelu_mul_composed(self, x, rows, w, width, u)
     }
     /// In place on the heads of `x`'s rows (row stride `stride`), at each row's position in
     /// `batch`: per section `(offset, prep)`, `prep.heads` heads from column `offset` (the q,
@@ -318,12 +317,11 @@ pub trait Ops: Send + Sync + Sized {
         rows: usize,
         wo: &Self::Mat,
         h: &mut Self::Buf,
-        SandwichNorm { weight, post, d, eps }: SandwichNorm<Self>,
+        norm: SandwichNorm<Self>,
         next: &Self::Vector,
         out: &mut Self::Buf,
     ) -> Result<()> {
-        let att = self.attention(q, k, v, batch, shape)?;
-        self.linear_add_norm_next(&att, rows, wo, h, weight, post, d, eps, next, out)
+        attention_add_norm_next_composed(self, (q, k, v), batch, shape, rows, wo, h, norm, next, out)
     }
     /// Mean of each sequence's rows, [sequences][d].
     fn mean_pool(&self, h: &Self::Buf, d: usize, batch: &Self::Batch) -> Result<Self::Buf>;
@@ -854,6 +852,32 @@ pub fn linears_conv_composed<O: Ops>(
     let first = ys.first().ok_or_else(|| Error::Shape("linears_conv: no product".into()))?;
     ys[0] = ops.conv1d_silu(first, channels, conv, kernel, batch, states)?;
     Ok(ys)
+}
+
+/// [`Ops::linear_gelu_mul`] as the ops it is made of (the trait's form, and a backend's where it
+/// has nothing better for the shapes at hand).
+pub fn linear_gelu_mul_composed<O: Ops>(ops: &O, x: &O::Buf, rows: usize, w: &O::Mat, width: usize, u: View<O::Buf>) -> Result<O::Buf> {
+    let g = ops.linear(x, rows, w, None)?;
+    ops.gelu_tanh_mul(View::new(&g, 0, width), u, rows, width)
+}
+
+/// [`Ops::attention_add_norm_next`] as the ops it is made of (the trait's form, and a
+/// backend's where it has nothing better for the shapes at hand).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_add_norm_next_composed<O: Ops>(
+    ops: &O,
+    (q, k, v): (View<O::Buf>, View<O::Buf>, View<O::Buf>),
+    batch: &O::Batch,
+    shape: &AttentionShape,
+    rows: usize,
+    wo: &O::Mat,
+    h: &mut O::Buf,
+    SandwichNorm { weight, post, d, eps }: SandwichNorm<O>,
+    next: &O::Vector,
+    out: &mut O::Buf,
+) -> Result<()> {
+    let att = ops.attention(q, k, v, batch, shape)?;
+    ops.linear_add_norm_next(&att, rows, wo, h, weight, post, d, eps, next, out)
 }
 
 /// [`Ops::ffn_add_norm`] as the ops it is made of (the trait's form, and a backend's where it

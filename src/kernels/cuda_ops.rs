@@ -19,7 +19,7 @@ use crate::formats::Matrix;
 use crate::kernels::activation::cuda::ActivationCuda;
 use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch, GpuKv, KvAttentionCuda};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{check_past, ffn_add_norm_composed, gated_delta_in_steps, linears_conv_composed, split_rows, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, SandwichNorm, View};
+use crate::kernels::backend::{attention_add_norm_next_composed, check_past, ffn_add_norm_composed, gated_delta_in_steps, linear_gelu_mul_composed, linears_conv_composed, split_rows, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, SandwichNorm, View};
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::cuda::{ChunkAccumulate, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows, FUSED_MAX_DV};
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
@@ -846,12 +846,11 @@ impl Ops for CudaOps {
         if w.out == width {
             let _timer = self.op_timer("linear_gelu_mul (gemv)");
             let mut y = self.gpu.alloc::<f32>(rows * width)?;
-            if self.blas.linear_gelu_by(x, rows, w, View::new(u.buf, u.offset, u.stride), &mut y)? {
+            if self.blas.linear_gelu_by(x, rows, w, u, &mut y)? {
                 return Ok(y);
             }
         }
-        let g = self.linear(x, rows, w, None)?;
-        self.gelu_tanh_mul(View::new(&g, 0, width), u, rows, width)
+        linear_gelu_mul_composed(self, x, rows, w, width, u)
     }
 
     fn glu(&self, x: &CudaSlice<f32>, rows: usize, gate_up: &GpuMatrix, width: usize, act: GatedActivation) -> Result<CudaSlice<f32>> {
@@ -994,7 +993,7 @@ impl Ops for CudaOps {
         rows: usize,
         wo: &GpuMatrix,
         h: &mut CudaSlice<f32>,
-        SandwichNorm { weight, post, d, eps }: SandwichNorm<Self>,
+        norm: SandwichNorm<Self>,
         next: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
@@ -1002,9 +1001,9 @@ impl Ops for CudaOps {
         // is a tensor-core GEMM, which would round its input rows to bf16 anyway.
         let handoff = self.bf16_rows && rows == batch.att.rows && self.blas.takes_bf16_rows(rows, wo);
         if !handoff {
-            let att = self.attention(q, k, v, batch, shape)?;
-            return self.linear_add_norm_next(&att, rows, wo, h, weight, post, d, eps, next, out);
+            return attention_add_norm_next_composed(self, (q, k, v), batch, shape, rows, wo, h, norm, next, out);
         }
+        let SandwichNorm { weight, post, d, eps } = norm;
         let _timer = self.op_timer("attention (bf16 rows) + gemm");
         let mut att16 = self.gpu.alloc::<u16>(rows * shape.q_heads * shape.hd)?;
         self.attention.attention_bf16(q, k, v, &batch.att, shape, NormOut { f32: None, bf16: Some(&mut att16) })?;

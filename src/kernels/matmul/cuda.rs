@@ -24,7 +24,7 @@ use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use crate::cuda::{cublas_available, driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
 use cudarc::driver::DeviceRepr;
 use crate::error::{Error, Result};
-use crate::kernels::backend::View;
+use crate::kernels::backend::{check_view, View};
 use crate::kernels::check_len;
 use super::q8_0::{BLOCK, BLOCK_BYTES};
 use crate::kernels::matmul::Weights;
@@ -167,7 +167,7 @@ struct GemvParts {
     /// The kernel's norm_w .. post fields (same offsets: the nested struct is 8-aligned as its
     /// first field, which follows `ks` at the same padded offset).
     tail: NormTail,
-    /// The kernel's conv_w .. conv_k fields.
+    /// The kernel's conv_w .. conv_part fields.
     conv: ConvTail,
     /// The kernel's up and up_ld (TERN_Y_GELU_BY): the view the product's gelu multiplies.
     up: u64,
@@ -175,7 +175,7 @@ struct GemvParts {
 }
 
 /// The causal conv1d + SiLU a one-row GEMV applies to one part's outputs as it writes them (the
-/// conv_w .. conv_k fields of `tern_gemv_parts`; zero: none).
+/// conv_w .. conv_part fields of `tern_gemv_parts`; zero: none). Its width is the kernel's.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 struct ConvTail {
@@ -185,7 +185,6 @@ struct ConvTail {
     at: u64,
     /// 1 + the part convolved; 0: none.
     part: i32,
-    k: i32,
 }
 // SAFETY: plain integers in the kernel's C layout.
 unsafe impl DeviceRepr for GemvParts {}
@@ -781,9 +780,7 @@ impl Blas {
     /// one GEMV launch when they fit it (few rows, at most [`GEMV_PARTS`] matrices of one
     /// stored type), else one [`Blas::linear`] each. CPU twin: [`super::linear_w`] per matrix.
     pub fn linears(&self, x: &CudaSlice<f32>, rows: usize, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)]) -> Result<()> {
-        let one_launch = parts.len() <= GEMV_PARTS
-            && parts.iter().all(|(w, _)| self.gemv_fits(rows, w) && std::mem::discriminant(&w.w) == std::mem::discriminant(&parts[0].0.w) && w.inp == parts[0].0.inp);
-        if one_launch && !parts.is_empty() {
+        if self.one_gemv(rows, parts) {
             check_len("linears input", x.len(), rows * parts[0].0.inp)?;
             for (w, y) in parts.iter() {
                 check_len("linears output", y.len(), rows * w.out)?;
@@ -794,6 +791,14 @@ impl Blas {
             self.linear(x, rows, w, y)?;
         }
         Ok(())
+    }
+
+    /// Whether products of `rows` rows through `parts` run as one GEMV launch: at most
+    /// [`GEMV_PARTS`] of them, each taking the GEMV, all of one stored type and input width.
+    fn one_gemv(&self, rows: usize, parts: &[(&GpuMatrix, &mut CudaSlice<f32>)]) -> bool {
+        let Some((first, _)) = parts.first() else { return false };
+        parts.len() <= GEMV_PARTS
+            && parts.iter().all(|(w, _)| self.gemv_fits(rows, w) && std::mem::discriminant(&w.w) == std::mem::discriminant(&first.w) && w.inp == first.inp)
     }
 
     /// A gated-delta layer's input projections of one row (a decode step of one sequence) in
@@ -812,10 +817,7 @@ impl Blas {
         (weight, kernel): (&CudaSlice<f32>, usize),
         history: &mut CudaSlice<f32>,
     ) -> Result<bool> {
-        let one_launch = rows == 1
-            && !parts.is_empty()
-            && parts.len() <= GEMV_PARTS
-            && parts.iter().all(|(w, _)| self.gemv_fits(rows, w) && std::mem::discriminant(&w.w) == std::mem::discriminant(&parts[0].0.w) && w.inp == parts[0].0.inp);
+        let one_launch = rows == 1 && self.one_gemv(rows, parts);
         let Some(width_at) = CONV_KERNEL_WIDTHS.iter().position(|&k| k == kernel).filter(|_| one_launch) else {
             return Ok(false);
         };
@@ -827,7 +829,7 @@ impl Blas {
         check_len("linears_conv conv weights", weight.len(), channels * kernel)?;
         check_len("linears_conv conv history", history.len(), channels * (kernel - 1))?;
         let g = &self.gpu;
-        let conv = ConvTail { w: g.ptr(weight), at: g.ptr(&*history), part: 1, k: kernel as i32 };
+        let conv = ConvTail { w: g.ptr(weight), at: g.ptr(&*history), part: 1 };
         self.gemv_with(x, GemvOutput::Plain, rows, parts, None, Some((conv, width_at)))?;
         Ok(true)
     }
@@ -846,27 +848,12 @@ impl Blas {
         }
         check_len("linear_gelu_by input", x.len(), rows * w.inp)?;
         check_len("linear_gelu_by output", y.len(), rows * w.out)?;
-        if up.offset + (rows - 1) * up.stride + w.out > up.buf.len() {
-            return Err(Error::Shape(format!(
-                "linear_gelu_by: {rows} rows of {} from offset {} every {} overrun {} values",
-                w.out,
-                up.offset,
-                up.stride,
-                up.buf.len()
-            )));
-        }
-        let m = self.mma_kind(w.kind()).ok_or_else(|| Error::Shape("linear_gelu_by: weights the tensor-core GEMV does not take".into()))?;
-        let g = &self.gpu;
-        let mut p = GemvParts { n: 1, ks: 1, up: g.ptr(up.buf) + 4 * up.offset as u64, up_ld: up.stride as i64, ..Default::default() };
-        let blocks = self.gemv_parts(&mut p, GemvOutput::Plain, &[(w, y)], 16)?;
-        let kernel = &self.mma_gelu_by[self.gemv_mma_ahead as usize][m];
-        let (xp, r, inp) = (g.ptr(x), int_arg("gemv rows", rows)?, int_arg("gemv in", w.inp)?);
-        let mut l = g.launch_builder(kernel);
-        l.arg(&p).arg(&xp).arg(&r).arg(&inp);
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: as gemv_mma (one part), and row r < rows of `up` spans w.out values from
-        // up.offset + r·up.stride inside its buffer (checked above).
-        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_mma_gelu_by"))?;
+        check_view("linear_gelu_by up", up.buf.len(), up.offset, up.stride, rows, w.out)?;
+        let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", w.inp)?);
+        // Row r < rows of `up` spans w.out values from up.offset + r·up.stride inside its
+        // buffer (checked above).
+        let up = (self.gpu.ptr(up.buf) + 4 * up.offset as u64, up.stride as i64);
+        self.gemv_mma(x, GemvOutput::Plain, r, inp, &mut [(w, y)], Some(up))?;
         Ok(true)
     }
 
@@ -995,7 +982,7 @@ impl Blas {
         let first = parts.first().map(|(w, _)| *w).ok_or_else(|| Error::Shape("gemv: no product".into()))?;
         let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", first.inp)?);
         if tail.is_none() && conv.is_none() && self.gemv_mma_fits(rows, output, parts.iter().map(|(w, _)| *w)) {
-            return self.gemv_mma(x, output, r, inp, parts);
+            return self.gemv_mma(x, output, r, inp, parts, None);
         }
         let features: usize = parts.iter().map(|(w, _)| output.features(w)).sum();
         let ks = if self.gemv_split { gemv_split(features, first.inp, self.multiprocessors) } else { 1 };
@@ -1095,17 +1082,29 @@ impl Blas {
         self
     }
 
-    /// [`Blas::gemv`] on the tensor cores (`tern_gemv_mma_*`): 16 features a block.
-    fn gemv_mma(&self, x: &CudaSlice<f32>, output: GemvOutput, rows: i32, inp: i32, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)]) -> Result<()> {
+    /// [`Blas::gemv`] on the tensor cores (`tern_gemv_mma_*`): 16 features a block. With
+    /// `gelu_by` (the address and row stride of a view the caller checked), the plain outputs'
+    /// gelu times that view's values instead ([`Blas::linear_gelu_by`]).
+    fn gemv_mma(
+        &self,
+        x: &CudaSlice<f32>,
+        output: GemvOutput,
+        rows: i32,
+        inp: i32,
+        parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)],
+        gelu_by: Option<(u64, i64)>,
+    ) -> Result<()> {
         let g = &self.gpu;
-        let mut p = GemvParts { n: parts.len() as i32, ks: 1, ..Default::default() };
+        let (up, up_ld) = gelu_by.unwrap_or_default();
+        let mut p = GemvParts { n: parts.len() as i32, ks: 1, up, up_ld, ..Default::default() };
         let blocks = self.gemv_parts(&mut p, output, parts, 16)?;
         // Every part has the first's weight type (the caller's check).
         let m = self.mma_kind(parts[0].0.kind()).ok_or_else(|| Error::Shape("gemv: weights the tensor-core GEMV does not take".into()))?;
         let kernels = if self.gemv_mma_ahead { &self.mma_ahead_kernels } else { &self.mma_kernels };
-        let kernel = match output {
-            GemvOutput::Silu => &kernels[m][1],
-            GemvOutput::GeluTanh => &kernels[m][2],
+        let kernel = match (output, gelu_by) {
+            (_, Some(_)) => &self.mma_gelu_by[self.gemv_mma_ahead as usize][m],
+            (GemvOutput::Silu, None) => &kernels[m][1],
+            (GemvOutput::GeluTanh, None) => &kernels[m][2],
             _ => &kernels[m][0],
         };
         let xp = g.ptr(x);
@@ -1114,7 +1113,8 @@ impl Blas {
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_gemv_mma_* (both forms); each part's out × in weights of the
         // kernel's type (in % 32 == 0: whole chunks of 8-weight loads) and rows × features
-        // outputs (lengths checked by the callers); x holds rows <= 8 rows of in values.
+        // outputs (lengths checked by the callers); x holds rows <= 8 rows of in values; a
+        // gelu_by view holds rows rows of out values (checked by linear_gelu_by).
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_mma"))?;
         Ok(())
     }
@@ -1412,7 +1412,7 @@ mod tests {
 
     /// GemvParts mirrors tern_gemv_parts (4 parts): 12 addresses, 4 + 5 + 2 ints, then the norm
     /// operands from byte 144 (norm_w, norm_out, counter, eps, stream at 176, next_w, post),
-    /// then the conv's from byte 200 (conv_w, conv_at, conv_part, conv_k), then up and up_ld,
+    /// then the conv's from byte 200 (conv_w, conv_at, conv_part), then up and up_ld at 224,
     /// 240 bytes in all, as the C compiler lays the kernel's struct out.
     #[test]
     fn gemv_parts_keep_the_kernels_layout() {
