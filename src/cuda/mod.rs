@@ -180,14 +180,20 @@ pub struct Gpu {
 /// Device copies of small address tables (each sequence's state, each row's KV cache), kept by
 /// their contents so that a step recorded as a CUDA graph finds on the device the table its
 /// plain first run uploaded (a recording may not copy from the host). Tables handed out while
-/// a step is recorded are also kept in `recorded` until the recorder takes them
-/// ([`Gpu::take_recorded_tables`]) to keep them alive as long as its graph: a graph holds the
-/// table's address, and clearing the cache must not free it under a graph that replays later.
+/// a step is recorded, and any other long-lived buffer a recorded kernel reads or writes (see
+/// [`Gpu::hold_while_recorded`]), are also kept in `recorded` until the recorder takes them
+/// ([`Gpu::take_recorded_buffers`]) to keep them alive as long as its graph: a graph holds the
+/// buffer's address, and clearing a cache or growing a scratch buffer must not free it under a
+/// graph that replays later (the graph would then write memory the pool has handed to another
+/// buffer).
 #[derive(Default)]
 struct AddressTables {
     by_contents: HashMap<Vec<u64>, Arc<CudaSlice<u64>>>,
-    recorded: Vec<Arc<CudaSlice<u64>>>,
+    recorded: Vec<RecordedBuffer>,
 }
+
+/// A buffer a recorded graph reads or writes, of any element type, kept alive with the graph.
+pub type RecordedBuffer = Arc<dyn std::any::Any + Send + Sync>;
 
 /// Tables kept before the cache is cleared (at a step's start, [`Gpu::trim_address_tables`]): a
 /// decode step of a hybrid model needs a few dozen, and the tables of retired sequences are never
@@ -269,6 +275,16 @@ impl Gpu {
         Ok(table)
     }
 
+    /// Keeps `buffer` alive as long as the graph being recorded now, when a step is being
+    /// recorded: for a buffer that outlives a step but may be replaced between steps (a scratch
+    /// buffer that grows), whose address a recorded kernel holds.
+    pub fn hold_while_recorded<T: Send + Sync + 'static>(&self, buffer: &Arc<T>) -> Result<()> {
+        if self.recording()? {
+            self.tables.lock().unwrap_or_else(|p| p.into_inner()).recorded.push(buffer.clone());
+        }
+        Ok(())
+    }
+
     /// Clears the table cache when it has grown past [`ADDRESS_TABLES_KEPT`]: called between
     /// steps, so that a step's plain run and its recording see the same tables. Graphs keep
     /// the tables they read (see [`AddressTables`]).
@@ -279,9 +295,9 @@ impl Gpu {
         }
     }
 
-    /// The tables handed out since the last call while a step was being recorded: the
-    /// recorder keeps them as long as its graph.
-    pub fn take_recorded_tables(&self) -> Vec<Arc<CudaSlice<u64>>> {
+    /// The tables handed out and the buffers held ([`Gpu::hold_while_recorded`]) since the last
+    /// call while a step was being recorded: the recorder keeps them as long as its graph.
+    pub fn take_recorded_buffers(&self) -> Vec<RecordedBuffer> {
         std::mem::take(&mut self.tables.lock().unwrap_or_else(|p| p.into_inner()).recorded)
     }
 

@@ -64,8 +64,9 @@ struct Recorded {
     graph: cudarc::driver::CudaGraph,
     out: CudaSlice<f32>,
     marks: Vec<OpMark>,
-    /// The address tables the graph reads (see [`Gpu::address_table`]).
-    _tables: Vec<Arc<CudaSlice<u64>>>,
+    /// The address tables and scratch buffers the graph reads and writes (see
+    /// [`Gpu::address_table`], [`Gpu::hold_while_recorded`]).
+    _buffers: Vec<crate::cuda::RecordedBuffer>,
 }
 
 /// One op inside a recorded step, between two timing events that are nodes of the graph.
@@ -766,7 +767,7 @@ impl Ops for CudaOps {
             graphs.clear();
         }
         let stream = self.gpu.stream();
-        self.gpu.take_recorded_tables();
+        self.gpu.take_recorded_buffers();
         let recorded = stream
             .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver_err("starting a graph capture"))
@@ -777,9 +778,9 @@ impl Ops for CudaOps {
                 queued.and(graph)
             });
         let marks = self.profile.as_ref().map(|p| std::mem::take(&mut *p.recording.lock().unwrap_or_else(|p| p.into_inner()))).unwrap_or_default();
-        let tables = self.gpu.take_recorded_tables();
+        let held = self.gpu.take_recorded_buffers();
         let entry = match recorded {
-            Ok(Some(graph)) => Ok(Recorded { batch, graph, out, marks, _tables: tables }),
+            Ok(Some(graph)) => Ok(Recorded { batch, graph, out, marks, _buffers: held }),
             Ok(None) => Err("the capture recorded no graph".to_string()),
             Err(e) => Err(e.to_string()),
         };

@@ -324,7 +324,9 @@ pub struct GatedDeltaCuda {
     tc_state: Vec<((usize, usize, bool), CudaFunction)>,
     fast_variant: FastVariant,
     /// Per-(chunk, head) intermediates of the chunked prefill (either mode), grown on demand.
-    chunk_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// Shared with the graphs of the steps that used it: a recorded prefill holds its address,
+    /// so growing it (for a longer prompt) must not free it under such a graph.
+    chunk_scratch: Mutex<Option<Arc<CudaSlice<f32>>>>,
 }
 
 /// Accumulator precision of the f32-storage chunked prefill.
@@ -972,10 +974,9 @@ impl GatedDeltaCuda {
         let per = n_chunks * n_v_heads;
         let (w_len, u_len, qk_len, dec_len) = (per * CHUNK * d_k, per * CHUNK * d_v, per * CHUNK * CHUNK, per * 2 * CHUNK);
         let need = w_len + u_len + qk_len + dec_len;
-        let mut scratch = self.scratch(need)?;
-        let scratch = scratch.as_mut().expect("allocated by scratch()");
+        let scratch = self.scratch(need)?;
         let stream = gpu.stream();
-        let (base, _g0) = scratch.device_ptr_mut(stream);
+        let base = gpu.ptr(&*scratch);
         let (w_s, u_s, qk_s, dec_s) = (base, base + 4 * w_len as u64, base + 4 * (w_len + u_len) as u64, base + 4 * (w_len + u_len + qk_len) as u64);
         let ptr = |r: &Rows| r.buf.device_ptr(stream).0 + 4 * r.offset as u64;
         let (nk, nv, dk, dv) = (i32_of("key heads", n_k_heads)?, i32_of("value heads", n_v_heads)?, i32_of("d_k", d_k)?, i32_of("d_v", d_v)?);
@@ -1063,13 +1064,16 @@ impl GatedDeltaCuda {
     }
 
     /// The chunk scratch, at least `need` f32 elements long.
-    fn scratch(&self, need: usize) -> Result<std::sync::MutexGuard<'_, Option<CudaSlice<f32>>>> {
+    fn scratch(&self, need: usize) -> Result<Arc<CudaSlice<f32>>> {
         let mut scratch = self.chunk_scratch.lock().unwrap_or_else(|p| p.into_inner());
         if scratch.as_ref().is_none_or(|s| s.len() < need) {
-            *scratch = None; // free the old buffer before taking the larger one
-            *scratch = Some(self.gpu.zeros::<f32>(need)?);
+            // Free the old buffer before taking the larger one, unless a graph still holds it.
+            *scratch = None;
+            *scratch = Some(Arc::new(self.gpu.zeros::<f32>(need)?));
         }
-        Ok(scratch)
+        let buf = scratch.as_ref().expect("allocated above").clone();
+        self.gpu.hold_while_recorded(&buf)?;
+        Ok(buf)
     }
 
     /// Fast mode of [`Self::delta_rule_chunked`] (DESIGN.md §3): the same chunked algebra with
@@ -1107,10 +1111,9 @@ impl GatedDeltaCuda {
         // bf16 regions, each a whole number of 16-byte pieces: W, U, read-out weights, q, k;
         // then the f32 decays.
         let bytes = [per * CHUNK * d_k * 2, per * CHUNK * d_v * 2, per * CHUNK * CHUNK * 2, per_k * CHUNK * d_k * 2, per_k * CHUNK * d_k * 2, per * 2 * CHUNK * 4];
-        let mut scratch = self.scratch(bytes.iter().sum::<usize>() / 4)?;
-        let scratch = scratch.as_mut().expect("allocated by scratch()");
+        let scratch = self.scratch(bytes.iter().sum::<usize>() / 4)?;
         let stream = self.gpu.stream();
-        let (base, _g0) = scratch.device_ptr_mut(stream);
+        let base = self.gpu.ptr(&*scratch);
         let mut at = [0u64; 6];
         for i in 1..6 {
             at[i] = at[i - 1] + bytes[i - 1] as u64;
