@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test suite: unit tests, golden tests on the bundled tiny checkpoints, bad-input tests, the
-# real-weights test on EmbeddingGemma 300M, the HTTP server test with the openai client and the
-# CUDA compile check. The real model is taken from $TERN_EGEMMA300M_DIR, else
-# ~/.cache/tern/models/embeddinggemma-300m, fetched there first when the fetch tool is present.
+# real-weights test on EmbeddingGemma 300M, the HTTP server test with the openai client, the
+# CUDA compile check, and the CUDA device tests on hostcuda (scripts/test-hostcuda.sh). The real
+# model is taken from $TERN_EGEMMA300M_DIR, else ~/.cache/tern/models/embeddinggemma-300m,
+# fetched there first when the fetch tool is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 default_dir="$HOME/.cache/tern/models/embeddinggemma-300m"
@@ -38,3 +39,9 @@ export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export TERN_CUDA_INCLUDE="$nvrtc_dir/nvidia/cu13/include"
 
 cargo test --release "$@"
+
+# The device tests (ignored above) on hostcuda, the CUDA entry points executed on the CPU; a run
+# with a test filter is one of the tests above only.
+if [ $# -eq 0 ]; then
+  bash scripts/test-hostcuda.sh
+fi
