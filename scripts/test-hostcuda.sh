@@ -11,6 +11,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${TERN_HOSTCUDA_DIR:-$PWD/target/hostcuda}"
+# hostcuda and the kernels it compiles are C++: g++ (Debian's, installed when missing).
+if ! command -v "${CXX:-g++}" >/dev/null; then
+  echo "installing g++ for hostcuda" >&2
+  apt-get install -y -q g++ >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q g++ >/dev/null; }
+fi
 bash tools/hostcuda/build.sh "$out" --selftest
 export LD_LIBRARY_PATH="$out${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export TERN_NVRTC_LIB="$out/libnvrtc.so"

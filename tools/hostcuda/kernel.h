@@ -11,13 +11,17 @@
 // a __syncwarp) therefore fails here as it may on the GPU; a rendezvous that can never complete
 // (a thread waits for a lane that has exited, or a barrier some threads skip) is reported as a
 // deadlock instead of hanging. Shared memory is filled with 0xff bytes (NaN as floats) at each
-// block's start, so a read of shared memory no thread wrote is visible.
+// block's start, so a read of shared memory no thread wrote is visible. Threads run in thread
+// order between meeting points, or highest first with TERN_HOSTCUDA_ORDER=reverse: a barrier
+// missing between a write and another thread's read shows in one order or the other.
 //
 // Not modelled: time, the order of blocks, the memory model between blocks (blocks run in
 // order, so a race between them can go unseen), and the last bits of the device's own
 // rounding: expf and friends are glibc's, and the tensor-core product sums exactly before its
 // one rounding (the hardware truncates partial sums). The source is compiled with
-// -ffp-contract=off: a multiply-add is fused only where the kernel asks for fmaf.
+// -ffp-contract=off: a multiply-add is fused only where the kernel asks for fmaf. NVRTC fuses
+// where it likes, so two kernels that agree bit for bit here may still differ on a GPU: for a
+// bit-for-bit test between kernels, only the GPU's run settles it.
 #pragma once
 
 #include <math.h>
@@ -784,6 +788,13 @@ inline int run_grid(const Kernel& k, const unsigned grid[3], const unsigned bloc
     if (dynamic_smem > kMaxShared) return refuse("dynamic shared memory over 227 KiB");
     Memory* m;
     if (const char* e = memory(m)) return refuse(e);
+    // Threads run up to their next meeting point in thread order, so a thread that reads what a
+    // lower-numbered one wrote without a barrier between them gets it anyway; with
+    // TERN_HOSTCUDA_ORDER=reverse they run highest first, and such a missing barrier shows.
+    static const bool reverse = [] {
+        const char* o = getenv("TERN_HOSTCUDA_ORDER");
+        return o && strcmp(o, "reverse") == 0;
+    }();
     l.run = k.run;
     l.params = params;
     l.name = k.name;
@@ -820,8 +831,8 @@ inline int run_grid(const Kernel& k, const unsigned grid[3], const unsigned bloc
                 for (;;) {
                     const unsigned long long before = l.epoch;
                     bool running = false;
-                    for (int i = 0; i < l.nthreads; ++i) {
-                        Thread& t = l.threads[i];
+                    for (int j = 0; j < l.nthreads; ++j) {
+                        Thread& t = l.threads[reverse ? l.nthreads - 1 - j : j];
                         if (t.wait == Wait::Done) continue;
                         running = true;
                         l.current = &t;

@@ -19,12 +19,20 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CXX = os.environ.get("TERN_HOSTCUDA_CXX", "g++")
+CXX = os.environ.get("TERN_HOSTCUDA_CXX") or os.environ.get("CXX") or "g++"
 
 
 def fail(msg):
     sys.stderr.write(f"hostcuda: {msg}\n")
     sys.exit(1)
+
+
+def literal_end(text, i):
+    """Index of the quote closing the string or char literal that opens at i."""
+    j = i + 1
+    while text[j] != text[i]:
+        j += 2 if text[j] == "\\" else 1
+    return j
 
 
 def matching(text, open_at, open_ch="(", close_ch=")"):
@@ -33,10 +41,7 @@ def matching(text, open_at, open_ch="(", close_ch=")"):
     while i < len(text):
         c = text[i]
         if c in "\"'":
-            j = i + 1
-            while text[j] != c:
-                j += 2 if text[j] == "\\" else 1
-            i = j
+            i = literal_end(text, i)
         elif c == open_ch:
             depth += 1
         elif c == close_ch:
@@ -53,9 +58,7 @@ def split_top(text, sep):
     while i < len(text):
         c = text[i]
         if c in "\"'":
-            j = i + 1
-            while text[j] != c:
-                j += 2 if text[j] == "\\" else 1
+            j = literal_end(text, i)
             cur.append(text[i : j + 1])
             i = j + 1
             continue
