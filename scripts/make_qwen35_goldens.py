@@ -137,6 +137,11 @@ MODELS = {
                          cfg=dict(COMMON, intermediate_size=96, tie_word_embeddings=False)),
     "dense-tied": dict(cls=Qwen3_5ForCausalLM, cfg_cls=Qwen3_5TextConfig, seed=3502,
                        cfg=dict(COMMON, intermediate_size=96, tie_word_embeddings=True)),
+    # d_k = d_v = 32: the smallest state the CUDA scan takes (the others' 16 go through the
+    # chunked form), so a whole-model decode on the GPU runs the fused recurrence.
+    "dense-scan": dict(cls=Qwen3_5ForCausalLM, cfg_cls=Qwen3_5TextConfig, seed=3504,
+                       cfg=dict(COMMON, intermediate_size=96, tie_word_embeddings=False,
+                                linear_key_head_dim=32, linear_value_head_dim=32)),
     # Expert widths are multiples of 32 so every expert matrix row fills whole Q8_0 blocks.
     "moe": dict(cls=Qwen3_5MoeForCausalLM, cfg_cls=Qwen3_5MoeTextConfig, seed=3503,
                 cfg=dict(COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -713,6 +718,8 @@ def load_hf_state(model_dir):
 
 
 def main():
+    import gguf  # for its version in the index; the GGUF checks import it where they run
+
     torch.manual_seed(0)
     torch.set_num_threads(1)  # fixed summation order: re-runs write identical logits
     torch.use_deterministic_algorithms(True)

@@ -97,6 +97,15 @@ fn dense_untied_from_gguf_f32_and_bf16() {
     check_model("dense-untied", Some("bf16"));
 }
 
+/// d_k = d_v = 32, the smallest state the CUDA scan takes: the same goldens on the CPU, and on
+/// the GPU the checkpoint whose decode runs the fused recurrence (qwen35_cuda_tests).
+#[test]
+fn dense_scan_from_safetensors_and_gguf() {
+    check_model("dense-scan", None);
+    check_model("dense-scan", Some("bf16"));
+    check_model("dense-scan", Some("q8_0"));
+}
+
 #[test]
 fn dense_tied_from_gguf_f32_and_bf16() {
     check_model("dense-tied", Some("f32"));

@@ -253,6 +253,8 @@ fn cuda_qwen35_matches_cpu() {
     let mut rng = rng("cuda_qwen35_matches_cpu");
     let models = [
         "dense-untied",
+        // d_k 32: decode steps through the fused recurrence (the others' 16 take the chunked form).
+        "dense-scan/gguf/dense-scan-bf16.gguf",
         "dense-tied/gguf/dense-tied-f32.gguf",
         "dense-untied/gguf/dense-untied-q8_0.gguf",
         "moe",
