@@ -7,7 +7,10 @@
 # Builds hostcuda into target/hostcuda (or $TERN_HOSTCUDA_DIR) with g++ and runs its own self-test
 # (the driver and cuBLAS on a hand-written module), then runs the ignored
 # device tests under it. The largest cases of a few tests are left to the GPU (each test says
-# which on stderr); scripts/device-test.sh runs all of them on a GPU.
+# which on stderr); scripts/device-test.sh runs all of them on a GPU. TERN_HOSTCUDA_ORDER=reverse
+# runs a block's threads highest first (a missing barrier shows in one order or the other);
+# TERN_HOSTCUDA_DEBUG=1 prints every launch; TERN_HOSTCUDA_KEEP=1 and
+# TERN_HOSTCUDA_CFLAGS="-O0 -g" keep a kernel's translated source and module for gdb.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${TERN_HOSTCUDA_DIR:-$PWD/target/hostcuda}"
