@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA device tests without a GPU: every CUDA op against its CPU twin, whole embeddings and
-# Qwen3.5 models against the CPU path, graph replays and batch invariance, run on hostcuda
+# Qwen3.5 models against the CPU path, graph replays and batch invariance, and EmbeddingGemma
+# 300M's real weights through the CUDA path against the CPU path, run on hostcuda
 # (tools/hostcuda: the driver, NVRTC and cuBLAS entry points tern calls, executed on the CPU with
 # the kernels' own sources; kernel.h says what it models and what it does not).
 #   scripts/test-hostcuda.sh [TEST FILTER...]
@@ -26,7 +27,25 @@ export TERN_NVRTC_LIB="$out/libnvrtc.so"
 # cache's key does not cover hostcuda's own sources, so each run starts it afresh.
 export TERN_CUDA_CACHE="$out/kernel-cache"
 rm -rf "$TERN_CUDA_CACHE"
-if [ $# -eq 0 ]; then
-  set -- kernels::gated_delta::cuda kernels::cuda_tests models::qwen35_cuda_tests
+if [ $# -gt 0 ]; then
+  exec cargo test --release --lib -- --ignored --test-threads=1 "$@"
 fi
-cargo test --release --lib -- --ignored --test-threads=1 "$@"
+cargo test --release --lib -- --ignored --test-threads=1 kernels::gated_delta::cuda kernels::cuda_tests models::qwen35_cuda_tests
+
+# EmbeddingGemma 300M's real weights end to end on the device path against the CPU path (the
+# model scripts/test.sh fetches for the real-weights test): f32 mode within the f32 bound, bf16
+# mode within the fast-mode bound.
+model="${TERN_EGEMMA300M_DIR:-$HOME/.cache/tern/models/embeddinggemma-300m}"
+if [ ! -f "$model/model.safetensors" ]; then
+  echo "EmbeddingGemma 300M is not at $model (set TERN_EGEMMA300M_DIR or run scripts/test.sh, which fetches it)" >&2
+  exit 1
+fi
+cargo build --release --quiet --bin tern
+tmp=$(mktemp -d)
+texts=("Which seabird migrates the farthest?" "Arctic terns fly from pole to pole." "a")
+target/release/tern embed --model "$model" --device cpu --prompt-name query "${texts[@]}" > "$tmp/cpu.jsonl"
+target/release/tern embed --model "$model" --device cuda --prompt-name query "${texts[@]}" > "$tmp/f32.jsonl"
+target/release/tern embed --model "$model" --device cuda --dtype bf16 --prompt-name query "${texts[@]}" > "$tmp/bf16.jsonl"
+python3 scripts/compare-embeddings.py "$tmp/cpu.jsonl" "$tmp/f32.jsonl" 0.99999 "EmbeddingGemma 300M, CUDA f32 vs CPU"
+python3 scripts/compare-embeddings.py "$tmp/f32.jsonl" "$tmp/bf16.jsonl" 0.9999 "EmbeddingGemma 300M, CUDA bf16 vs f32"
+rm -rf "$tmp"
