@@ -390,8 +390,10 @@ pub const FAST_VARIANTS: [FastVariant; 8] = [
     fast(8, 3, false, true),
     fast(8, 3, true, true),
 ];
-/// The default fast variant.
-pub const FAST_VARIANT: FastVariant = fast(8, 3, false, false);
+/// The default fast variant: the compact prepare layout (three blocks a multiprocessor) with the
+/// state pass's late copies, the fastest at 2k, 8k and 32k tokens on the H200 (2026-12-05,
+/// BENCHMARKS.md: 2.495 ms against 2.796 ms for (8, 3, false, false) at 32k).
+pub const FAST_VARIANT: FastVariant = fast(8, 3, true, true);
 
 /// Bytes of `tern_gdn_tc_prepare_body`'s shared memory (`tern_gdn_tc_prep_smem` in
 /// chunked_tc.cu): G (f64), beta and e^G, then A, T, the block-row partials (f32), k, q, v and
