@@ -42,7 +42,7 @@ const FAST_COSINE: f64 = 0.99;
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_norms_match_cpu() {
     let gpu = gpu();
-    let k = NormCuda::new(gpu.clone()).unwrap().with_regs(false);
+    let k = NormCuda::new(gpu.clone()).unwrap().with_regs(false).with_warp_rows(false);
     let k_regs = NormCuda::new(gpu.clone()).unwrap().with_regs(true);
     // Long steps of rows of 128·n values (n <= 8) on one warp per row (TERN_NORM_WARP_ROWS).
     let k_rows = NormCuda::new(gpu.clone()).unwrap().with_regs(false).with_warp_rows(true);

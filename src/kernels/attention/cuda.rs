@@ -501,32 +501,39 @@ pub struct KvAttentionCuda {
     /// tern_kv_attention_p{PER} for each of [`KV_LANE_VALUES`].
     attend: Vec<CudaFunction>,
     gate: CudaFunction,
+    /// Key ranges per (row, head): [`KV_SPLITS`], or 16 with TERN_KV_SPLITS=16.
+    splits: usize,
 }
 
 /// Values of a head row each lane of tern_kv_attention holds, one kernel each: heads of up to
 /// 64, 128, 256 and 512 values (the launch takes the smallest that holds the head).
 const KV_LANE_VALUES: [usize; 4] = [2, 4, 8, 16];
 /// The most splits tern_kv_attention merges (TERN_KV_MAX_SPLITS in kv.cu).
-const KV_MAX_SPLITS: usize = 8;
+const KV_MAX_SPLITS: usize = 16;
 
 /// Threads per block of tern_kv_attention (TERN_KV_WARPS warps).
 const KV_BLOCK: u32 = 128;
 /// Key ranges each (row, head) of tern_kv_attention is split into. A constant, so that a row's
 /// ranges — and so its bits — depend on its own keys only, never on the other sequences of its
 /// batch or on their caches (a sequence decodes the same alone and in a server's batch); and
-/// the launch shape of a recorded step does not depend on the positions.
+/// the launch shape of a recorded step does not depend on the positions. TERN_KV_SPLITS=16
+/// (opt-in until timed) doubles them: a decode step of one sequence of Qwen3.5-0.8B (8 query
+/// heads) is then 128 blocks, about one per multiprocessor of the H200, and after a 4096-token
+/// prompt each warp walks 64 keys rather than 128 (there decode ran at 756 tok/s against 1034
+/// from an empty context on the H200: the attention of six layers takes ~0.36 ms a token).
 const KV_SPLITS: usize = 8;
 const _: () = assert!(KV_SPLITS <= KV_MAX_SPLITS);
-/// The most floats of split partials one launch keeps (128 MiB: a decode step of 512
-/// sequences of up to 31 query heads of 256): a step of more rows (a long prompt continued
+/// The most floats of split partials one launch keeps (144 MiB: a decode step of 512
+/// sequences of up to 17 query heads of 256): a step of more rows (a long prompt continued
 /// after earlier turns, which runs alone) takes one split.
-const KV_PARTIAL_FLOATS: usize = 32 << 20;
+const KV_PARTIAL_FLOATS: usize = 36 << 20;
 
-/// Splits of tern_kv_attention for `rows` query rows: [`KV_SPLITS`], or one where their
+/// Splits of tern_kv_attention for `rows` query rows: `splits` ([`KV_SPLITS`] or
+/// TERN_KV_SPLITS), or one where their
 /// partials would pass [`KV_PARTIAL_FLOATS`].
-fn kv_splits(rows: usize, q_heads: usize, hd: usize) -> usize {
-    if rows * q_heads * KV_SPLITS * (hd + 2) <= KV_PARTIAL_FLOATS {
-        KV_SPLITS
+fn kv_splits(rows: usize, q_heads: usize, hd: usize, splits: usize) -> usize {
+    if rows * q_heads * splits * (hd + 2) <= KV_PARTIAL_FLOATS {
+        splits
     } else {
         1
     }
@@ -538,6 +545,10 @@ impl KvAttentionCuda {
             append: gpu.function(&SOURCE_KV, "tern_kv_append")?,
             attend: KV_LANE_VALUES.iter().map(|per| gpu.function(&SOURCE_KV, &format!("tern_kv_attention_p{per}"))).collect::<Result<_>>()?,
             gate: gpu.function(&SOURCE_KV, "tern_sigmoid_gate")?,
+            splits: match std::env::var("TERN_KV_SPLITS").ok().as_deref() {
+                Some("16") => 16,
+                _ => KV_SPLITS,
+            },
             gpu,
         })
     }
@@ -701,7 +712,7 @@ impl KvAttentionCuda {
         let (k_off, v_off) = (long_arg(k.offset), long_arg(v.offset));
         let (k_ld, v_ld) = (long_arg(k.stride), long_arg(v.stride));
         let (qp, gp, kp, vp) = (g.ptr(q.buf), g.ptr(gate.buf), g.ptr(k.buf), g.ptr(v.buf));
-        let splits = kv_splits(rows, q_heads, hd);
+        let splits = kv_splits(rows, q_heads, hd, self.splits);
         // Split partials (unused with one split) and the heads' arrival counters.
         let partial = g.alloc::<f32>(if splits > 1 { rows * q_heads * splits * (hd + 2) } else { 1 })?;
         let counters = g.zeros::<u32>(rows * q_heads)?;
@@ -747,14 +758,16 @@ mod tests {
 
     #[test]
     fn kv_splits_depend_on_the_launch_size_only() {
-        // Decode steps of 1 to 512 sequences (Qwen3.5-0.8B: 8 query heads of 256): 8 splits,
-        // whatever their caches hold.
-        for rows in [1, 8, 128, 512] {
-            assert_eq!(kv_splits(rows, 8, 256), KV_SPLITS);
+        // Decode steps of 1 to 512 sequences (Qwen3.5-0.8B: 8 query heads of 256; 35B-A3B: 16):
+        // the configured splits, whatever their caches hold.
+        for splits in [KV_SPLITS, KV_MAX_SPLITS] {
+            for rows in [1, 8, 128, 512] {
+                assert_eq!(kv_splits(rows, 8, 256, splits), splits);
+            }
+            assert_eq!(kv_splits(512, 16, 256, splits), splits);
+            // A continued prompt of thousands of rows runs unsplit.
+            assert_eq!(kv_splits(4096, 8, 256, splits), 1);
         }
-        assert_eq!(kv_splits(512, 16, 256), KV_SPLITS);
-        // A continued prompt of thousands of rows runs unsplit.
-        assert_eq!(kv_splits(4096, 8, 256), 1);
     }
 
     /// The launcher asks for tern_attention_tc_hd{HD}_bk{TC_KEY_TILE} and sizes its shared

@@ -55,7 +55,7 @@ extern "C" __global__ void tern_kv_append(const float* __restrict__ k, long long
 // so a warp waits for memory once per KB keys rather than once per key (a context of
 // thousands of tokens is ~100 keys a warp) and the results are the same bits. The merge
 // reads each split's max and sum once.
-#define TERN_KV_MAX_SPLITS 8
+#define TERN_KV_MAX_SPLITS 16
 template <int PER, int KB>
 __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__ q, long long q_off, long long q_ld,
                                                        const float* __restrict__ gate, long long g_off, long long g_ld,

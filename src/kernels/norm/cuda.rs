@@ -52,8 +52,9 @@ pub struct NormCuda {
     add_regs: CudaFunction,
     regs: bool,
     /// `tern_add_norm_rows_c{n}`: one warp per row of 128·n values (n = 1..=8), for steps of
-    /// more than [`REGS_MAX_ROWS`] rows when `warp_rows` is on (TERN_NORM_WARP_ROWS=1, opt-in
-    /// until timed).
+    /// more than [`REGS_MAX_ROWS`] rows unless `warp_rows` is off (TERN_NORM_WARP_ROWS=0). On the
+    /// H200 it took EmbeddingGemma 2's 64 documents of 512 tokens from 57.2 to 53.0 ms in bf16
+    /// mode (BENCHMARKS.md, 2026-12-05).
     add_rows: Vec<CudaFunction>,
     warp_rows: bool,
     residual: CudaFunction,
@@ -88,7 +89,7 @@ impl NormCuda {
             add_regs: gpu.function(&SOURCE, "tern_add_norm_regs")?,
             regs: regs_from_env(),
             add_rows: (1..=WARP_ROWS_MAX_CHUNKS).map(|n| gpu.function(&SOURCE, &format!("tern_add_norm_rows_c{n}"))).collect::<Result<_>>()?,
-            warp_rows: std::env::var("TERN_NORM_WARP_ROWS").is_ok_and(|v| v == "1"),
+            warp_rows: std::env::var("TERN_NORM_WARP_ROWS").map_or(true, |v| v != "0"),
             residual: gpu.function(&SOURCE, "tern_residual_norm")?,
             gpu,
         })

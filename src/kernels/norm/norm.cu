@@ -118,8 +118,8 @@ extern "C" __global__ void tern_add_norm_regs(float* __restrict__ h, const float
         }
 }
 
-// tern_add_norm for steps of many rows (a batch of documents), opt-in (TERN_NORM_WARP_ROWS=1,
-// until timed): one warp per row, 8 rows a block, no block barrier. The block form gives each
+// tern_add_norm for steps of many rows (a batch of documents; the default, TERN_NORM_WARP_ROWS=0
+// turns it off): one warp per row, 8 rows a block, no block barrier. The block form gives each
 // row a block whose two sums each meet at two barriers, for a row of only 512 to 1024 values;
 // ncu put that kernel at 2.8 ms of an eg2 8192-token document (72 launches, base clocks), about
 // twice its bytes' time. Here lane L holds the row's 16-byte chunks L, L + 32, ... (NC chunks,
