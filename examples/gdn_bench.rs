@@ -33,6 +33,28 @@ impl Lcg {
     }
 }
 
+/// `f` recorded once into a CUDA graph and replayed: median milliseconds of `reps` replays, as
+/// [`time_ms`] times them. A model's decode steps run as replayed graphs, and fla's kernels are
+/// timed that way beside them (scripts/bench_gdn_fla.py), so a launch costs what it costs there.
+/// None where the stream cannot record (the reason on stderr).
+fn time_graph_ms(gpu: &Gpu, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<Option<f64>> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let stream = gpu.stream();
+    let cuda = |e: cudarc::driver::DriverError| tern::Error::Cuda(format!("{e:?}"));
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(cuda)?;
+    // Whatever happens inside, the capture must end, or the stream stays in it.
+    let queued = f();
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(cuda);
+    let graph = match (queued, graph) {
+        (Ok(()), Ok(Some(g))) => g,
+        (queued, graph) => {
+            eprintln!("no graph recorded: {:?} / {:?}", queued.err(), graph.err());
+            return Ok(None);
+        }
+    };
+    time_ms(gpu, 2, reps, |_| graph.launch().map_err(cuda)).map(Some)
+}
+
 /// Median milliseconds of `reps` timed runs of `f` (after `warm` untimed ones), by events.
 fn time_ms(gpu: &Gpu, warm: usize, reps: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
     let (start, end) = (gpu.event()?, gpu.event()?);
@@ -176,6 +198,19 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
                 Ok(())
             })? / inner as f64;
             report(b, "fused", ms);
+        }
+        // The default form replayed from a graph of `inner` steps, as fla's kernels are timed.
+        {
+            let mut n = 0usize;
+            if let Some(ms) = time_graph_ms(gpu, 15, || {
+                for _ in 0..inner {
+                    k.delta_rule(heads, &x, &segs[n % rot], GpuStates::Pool(&mut pool), &mut out)?;
+                    n += 1;
+                }
+                Ok(())
+            })? {
+                report(b, "graph", ms / inner as f64);
+            }
         }
         // The default (rows per warp chosen by batch), then every variant in every block size.
         let runs = std::iter::once((None, RECURRENCE_BLOCK_WARPS)).chain(RECURRENCE_VARIANTS.into_iter().flat_map(|r| RECURRENCE_BLOCK_WARP_CHOICES.map(|w| (Some(r), w))));
