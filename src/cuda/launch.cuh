@@ -4,8 +4,7 @@
 // and later, TERN_DEPENDENT_LAUNCH=1; Gpu::launch_builder): the next kernel on the stream is
 // scheduled while this one still runs, so that a chain of small kernels need not pay a full
 // launch gap between each pair. The rule that makes this safe, kept by every kernel: its first statement
-// (after, in the GEMVs, an L2 prefetch of their weights: a hint that reads nothing an earlier
-// kernel writes) is tern_await_prior_kernel(), which blocks until the kernel before it on the stream has
+// is tern_await_prior_kernel(), which blocks until the kernel before it on the stream has
 // finished and its writes are visible (griddepcontrol.wait), and only then lets the kernel
 // after it be scheduled (griddepcontrol.launch_dependents). As every kernel waits before it
 // can end, a kernel's end implies the end of all kernels before it, and at most two grids are

@@ -250,12 +250,6 @@ impl Gpu {
         }))
     }
 
-    /// Whether kernels are launched as programmatic dependent launches (TERN_DEPENDENT_LAUNCH=1
-    /// on sm_90 and later).
-    pub fn dependent_launch(&self) -> bool {
-        self.dependent_launch
-    }
-
     /// A device table holding `addresses`, uploaded the first time these contents are asked
     /// for and reused afterwards, recorded steps included (see [`AddressTables`]).
     pub fn address_table(&self, addresses: &[u64]) -> Result<Arc<CudaSlice<u64>>> {
@@ -656,13 +650,7 @@ mod tests {
             while let Some(at) = rest.find("__global__") {
                 let body = &rest[at..];
                 let open = body.find('{').unwrap_or_else(|| panic!("{}: a kernel without a body", src.name));
-                let mut first = body[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
-                // The one statement allowed before the wait: the GEMV's L2 prefetch of its
-                // weights, which reads nothing an earlier kernel writes (launch.cuh).
-                if first.starts_with("tern_gemv_prefetch_block<") {
-                    let end = first.find(';').unwrap_or_else(|| panic!("{}: an unterminated prefetch", src.name));
-                    first = first[end + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
-                }
+                let first = body[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
                 let head = &body[..open];
                 assert!(first.starts_with("tern_await_prior_kernel();"), "{}: kernel `{}` does not start with tern_await_prior_kernel()", src.name, head.trim());
                 kernels += 1;

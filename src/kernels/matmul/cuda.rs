@@ -185,9 +185,6 @@ struct ConvTail {
     at: u64,
     /// 1 + the part convolved; 0: none.
     part: i32,
-    /// The kernel's `prefetch` (it fills the padding after conv_part, so it lives here): 1 when
-    /// the blocks request their weight rows into L2 before awaiting the prior kernel.
-    prefetch: i32,
 }
 // SAFETY: plain integers in the kernel's C layout.
 unsafe impl DeviceRepr for GemvParts {}
@@ -326,10 +323,6 @@ pub struct Blas {
     /// Whether one-row Q8_0 products of many features take [`Blas::q8_paired_kernel`];
     /// TERN_GEMV_Q8_PAIRED=0 turns it off, to measure the two forms on the same run.
     q8_paired: bool,
-    /// Whether the CUDA-core GEMVs request their weights into L2 before awaiting the prior
-    /// kernel: TERN_GEMV_PREFETCH=1, and only under dependent launch (TERN_DEPENDENT_LAUNCH=1),
-    /// where the next kernel starts while the one before it runs. Opt-in until measured.
-    gemv_prefetch: bool,
     /// `tern_gemv_q8_1x2`: a one-row Q8_0 product, two features a warp.
     q8_paired_kernel: CudaFunction,
     /// `tern_gemv_conv_{f32,bf16,q8}_1_k{K}`: one-row plain products with a conv part
@@ -407,7 +400,6 @@ impl Blas {
             gemv_max_rows: std::env::var("TERN_GEMV_MAX_ROWS").ok().and_then(|v| v.parse().ok()).map_or(GEMV_MAX_ROWS, |n: usize| n.min(GEMV_MAX_ROWS)),
             gemv_split: std::env::var("TERN_GEMV_SPLIT").map_or(true, |v| v != "0"),
             q8_paired: std::env::var("TERN_GEMV_Q8_PAIRED").map_or(true, |v| v != "0"),
-            gemv_prefetch: gpu.dependent_launch() && std::env::var("TERN_GEMV_PREFETCH").is_ok_and(|v| v == "1"),
             q8_paired_kernel: f("tern_gemv_q8_1x2")?,
             conv_kernels: CONV_KERNEL_WIDTHS
                 .iter()
@@ -837,7 +829,7 @@ impl Blas {
         check_len("linears_conv conv weights", weight.len(), channels * kernel)?;
         check_len("linears_conv conv history", history.len(), channels * (kernel - 1))?;
         let g = &self.gpu;
-        let conv = ConvTail { w: g.ptr(weight), at: g.ptr(&*history), part: 1, prefetch: 0 };
+        let conv = ConvTail { w: g.ptr(weight), at: g.ptr(&*history), part: 1 };
         self.gemv_with(x, GemvOutput::Plain, rows, parts, None, Some((conv, width_at)))?;
         Ok(true)
     }
@@ -995,7 +987,6 @@ impl Blas {
         let features: usize = parts.iter().map(|(w, _)| output.features(w)).sum();
         let ks = if self.gemv_split { gemv_split(features, first.inp, self.multiprocessors) } else { 1 };
         let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, tail: tail.unwrap_or_default(), conv: conv.map(|(c, _)| c).unwrap_or_default(), ..Default::default() };
-        p.conv.prefetch = self.gemv_prefetch as i32;
         // Features a block covers: its warps' feature groups (ks warps each) times the
         // features a warp holds.
         // A one-row Q8_0 product of many features (a vocabulary head) takes the paired kernel,
@@ -1432,7 +1423,6 @@ mod tests {
         assert_eq!(std::mem::offset_of!(NormTail, post), 48);
         assert_eq!(std::mem::offset_of!(GemvParts, conv), 200);
         assert_eq!(std::mem::offset_of!(ConvTail, part), 16);
-        assert_eq!(std::mem::offset_of!(ConvTail, prefetch), 20);
         assert_eq!(std::mem::offset_of!(GemvParts, up), 224);
         assert_eq!(std::mem::size_of::<GemvParts>(), 240);
         let code = include_str!("gemv.cu");

@@ -62,9 +62,6 @@ struct tern_gemv_parts {
     unsigned long long conv_w;
     unsigned long long conv_at;
     int conv_part;
-    // 1: the block requests its weight rows into L2 before awaiting the prior kernel
-    // (tern_gemv_prefetch_block; opt-in, TERN_GEMV_PREFETCH=1 with dependent launch).
-    int prefetch;
     // TERN_Y_GELU_BY only: the view the product's gelu multiplies, row r at up + r·up_ld.
     unsigned long long up;
     long long up_ld;
@@ -139,25 +136,11 @@ __device__ __forceinline__ float tern_i8_to_f32(unsigned word, int i) {
 // warp, fewer than the loop's unroll, and the head product took 168 µs against 115.) The
 // host's split rule (gemv_split in matmul/cuda.rs) counts in these steps: GEMV_STEP_WEIGHTS
 // there is 32 * STEP.
-// Requests [p, p + bytes) into L2: one bulk prefetch (sm_90) per 64 KiB, a hint that reads
-// nothing into the SM, so it may run before tern_await_prior_kernel(). Ranges that are not
-// whole 16-byte pieces are left alone (the instruction's rule); elsewhere it does nothing.
-__device__ __forceinline__ void tern_prefetch_l2(const void* p, size_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if ((((size_t)p) | bytes) & 15) return;
-    for (size_t at = 0; at < bytes; at += 65536) {
-        const unsigned n = (unsigned)(bytes - at < 65536 ? bytes - at : 65536);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"((const char*)p + at), "r"(n) : "memory");
-    }
-#endif
-}
-
 struct TernWeightsF32 {
     static constexpr int STEP = 8;
     struct Raw { float4 a, b; };
     const float* w;
     __device__ TernWeightsF32(unsigned long long wp, unsigned long long) : w((const float*)wp) {}
-    __device__ __forceinline__ void prefetch_rows(size_t row, int n, int in) const { tern_prefetch_l2(w + row * in, (size_t)n * in * 4); }
     __device__ __forceinline__ Raw load_raw(size_t at) const {
         return {*reinterpret_cast<const float4*>(w + at), *reinterpret_cast<const float4*>(w + at + 4)};
     }
@@ -173,7 +156,6 @@ struct TernWeightsBf16 {
     typedef uint4 Raw;
     const tern_bf16* w;
     __device__ TernWeightsBf16(unsigned long long wp, unsigned long long) : w((const tern_bf16*)wp) {}
-    __device__ __forceinline__ void prefetch_rows(size_t row, int n, int in) const { tern_prefetch_l2(w + row * in, (size_t)n * in * 2); }
     __device__ __forceinline__ Raw load_raw(size_t at) const { return *reinterpret_cast<const uint4*>(w + at); }
     __device__ __forceinline__ static void expand(const Raw& u, float* v) {
         const unsigned q[4] = {u.x, u.y, u.z, u.w};
@@ -193,10 +175,6 @@ struct TernWeightsQ8 {
     const unsigned short* d;
     __device__ TernWeightsQ8(unsigned long long wp, unsigned long long sp)
         : q((const signed char*)wp), d((const unsigned short*)sp) {}
-    __device__ __forceinline__ void prefetch_rows(size_t row, int n, int in) const {
-        tern_prefetch_l2(q + row * in, (size_t)n * in);
-        tern_prefetch_l2(d + row * (in / 32), (size_t)n * (in / 32) * 2);
-    }
     struct Raw { uint2 q; unsigned short d; };
     __device__ __forceinline__ Raw load_raw(size_t at) const { return {*reinterpret_cast<const uint2*>(q + at), d[at / 32]}; }
     __device__ __forceinline__ static void expand(const Raw& r, float* v) {
@@ -552,25 +530,6 @@ __device__ __forceinline__ void tern_gemv_norm_tail(const tern_gemv_parts& p, in
 // CONV_K: the kernel convolves its conv part's outputs (TernConvTaps<CONV_K>); only the
 // one-row plain kernels built for it do (tern_gemv_conv_*), so that the others keep their
 // registers (the vocabulary head's 1-row GEMV: 31).
-// Before the prior kernel ends (p.prefetch): thread 0 requests the block's weight rows into
-// L2, so that under dependent launch a decode step's next product streams its weights while
-// the kernel before it (a norm, the recurrence, attention) still runs. The block's features
-// are tern_gemv's (below); gated outputs read rows o and o + out. A hint only: no result
-// depends on it.
-template <int OPW, int OMODE, typename W>
-__device__ __forceinline__ void tern_gemv_prefetch_block(const tern_gemv_parts& p, int in) {
-    if (!p.prefetch || threadIdx.x != 0) return;
-    int part = 0;
-    while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
-    const int per = (TERN_GEMV_WARPS / p.ks) * OPW, out = p.out[part];
-    const int f0 = ((int)blockIdx.x - p.block0[part]) * per;
-    if (f0 >= out) return;
-    const int n = out - f0 < per ? out - f0 : per;
-    const W w(p.w[part], p.scales[part]);
-    w.prefetch_rows((size_t)f0, n, in);
-    if constexpr (OMODE == TERN_Y_SILU || OMODE == TERN_Y_GELU) w.prefetch_rows((size_t)f0 + out, n, in);
-}
-
 template <int R, int OPW, int OMODE, typename W, int CONV_K = 0>
 __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
     int part = 0;
@@ -877,7 +836,6 @@ __device__ __forceinline__ void tern_gemv_routed_residual(const tern_gemv_parts&
 #define TERN_GEMV_KERNEL(name, R, OPW, W, OMODE)                                                                \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, R, OPW>::MIN_BLOCKS)       \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
-        tern_gemv_prefetch_block<OPW, OMODE, W>(p, in);                                                           \
         tern_await_prior_kernel();                                                                                \
         tern_gemv<R, OPW, OMODE, W>(p, x, rows, in);                                                              \
     }
@@ -915,7 +873,6 @@ TERN_GEMV_KERNEL(tern_gemv_q8_1x2, 1, 2, TernWeightsQ8, TERN_Y_PLAIN)
 #define TERN_GEMV_CONV_KERNEL(name, W, K)                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)       \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
-        tern_gemv_prefetch_block<1, TERN_Y_PLAIN, W>(p, in);                                                      \
         tern_await_prior_kernel();                                                                                \
         tern_gemv<1, 1, TERN_Y_PLAIN, W, K>(p, x, rows, in);                                                      \
     }
