@@ -501,7 +501,7 @@ pub struct KvAttentionCuda {
     /// tern_kv_attention_p{PER} for each of [`KV_LANE_VALUES`].
     attend: Vec<CudaFunction>,
     gate: CudaFunction,
-    /// Key ranges per (row, head): [`KV_SPLITS`], or 16 with TERN_KV_SPLITS=16.
+    /// Key ranges per (row, head): [`KV_SPLITS`], or [`KV_MAX_SPLITS`] (16) with TERN_KV_SPLITS=16.
     splits: usize,
 }
 
@@ -528,9 +528,8 @@ const _: () = assert!(KV_SPLITS <= KV_MAX_SPLITS);
 /// after earlier turns, which runs alone) takes one split.
 const KV_PARTIAL_FLOATS: usize = 36 << 20;
 
-/// Splits of tern_kv_attention for `rows` query rows: `splits` ([`KV_SPLITS`] or
-/// TERN_KV_SPLITS), or one where their
-/// partials would pass [`KV_PARTIAL_FLOATS`].
+/// Splits of tern_kv_attention for `rows` query rows: `splits` (the launcher's), or one where
+/// their partials would pass [`KV_PARTIAL_FLOATS`].
 fn kv_splits(rows: usize, q_heads: usize, hd: usize, splits: usize) -> usize {
     if rows * q_heads * splits * (hd + 2) <= KV_PARTIAL_FLOATS {
         splits
@@ -545,10 +544,7 @@ impl KvAttentionCuda {
             append: gpu.function(&SOURCE_KV, "tern_kv_append")?,
             attend: KV_LANE_VALUES.iter().map(|per| gpu.function(&SOURCE_KV, &format!("tern_kv_attention_p{per}"))).collect::<Result<_>>()?,
             gate: gpu.function(&SOURCE_KV, "tern_sigmoid_gate")?,
-            splits: match std::env::var("TERN_KV_SPLITS").ok().as_deref() {
-                Some("16") => 16,
-                _ => KV_SPLITS,
-            },
+            splits: if std::env::var("TERN_KV_SPLITS").is_ok_and(|v| v == "16") { KV_MAX_SPLITS } else { KV_SPLITS },
             gpu,
         })
     }
