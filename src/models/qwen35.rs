@@ -460,6 +460,22 @@ impl Qwen35<CpuOps> {
     pub fn from_gguf(f: &GgufFile) -> Result<Qwen35<CpuOps>> {
         Self::from_gguf_on(f, CpuOps)
     }
+
+    /// The model with every input embedding moved by one unit in the last place, up or down
+    /// as `coin` says (the head, tied or not, is left as it was). Its logits differ from the
+    /// model's by what the forward pass makes of one rounding of its input: the yardstick of a
+    /// step's conditioning, against which another f32 implementation's difference is judged.
+    #[cfg(test)]
+    pub(crate) fn with_nudged_embeddings(mut self, mut coin: impl FnMut() -> bool) -> Result<Self> {
+        let shape = self.embed.shape().to_vec();
+        let width = shape.last().copied().unwrap_or(0);
+        let mut table = Weights::from(&self.embed).to_f32(width)?;
+        for e in table.iter_mut() {
+            *e = if coin() { e.next_up() } else { e.next_down() };
+        }
+        self.embed = Matrix::F32(Tensor::owned(format!("{} (nudged)", self.embed.name()), shape, table));
+        Ok(self)
+    }
 }
 
 impl<O: Ops> Qwen35<O> {

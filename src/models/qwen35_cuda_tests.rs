@@ -25,6 +25,14 @@ const FAST_MOE_BOUND: f64 = 2e-2;
 
 /// f32 logits against the CPU, relative to the row's logit scale (the golden tests' measure).
 const LOGIT_BOUND: f64 = 1e-4;
+/// Where one rounding of the input embeddings moves a step's CPU logits by `spread`, the step
+/// is that ill-conditioned, and the GPU's logits (other summation orders, every op) may differ
+/// from the CPU's by this many times `spread` before the bound above is exceeded. Measured: a
+/// random tiny model's decode step can turn one rounding into 1.4e-4 of the logit scale (a
+/// gated-delta head whose output is a small remainder of large terms, normalised to unit size,
+/// layer after layer); the GPU then differs by 0.97-1.0 times that spread, where well
+/// conditioned steps stay at ~1e-6.
+const SPREAD_FACTOR: f64 = 4.0;
 
 fn fixture(rel: &str) -> PathBuf {
     let here = PathBuf::from("tests/fixtures/qwen35").join(rel);
@@ -263,20 +271,41 @@ fn cuda_qwen35_matches_cpu() {
     for rel in models {
         let path = fixture(rel);
         let cpu = Qwen35::load(&path).unwrap();
+        // Its own stream of coin flips, so that the prompts stay those of the seed.
+        let mut coins = crate::kernels::gated_delta::test_util::Lcg(0x6e75_6467_65);
+        let nudged = Qwen35::load(&path).unwrap().with_nudged_embeddings(|| coins.next_u32() & 1 == 1).unwrap();
         let f32m = Qwen35::load_on(&path, CudaOps::new(g.clone(), Precision::F32).unwrap()).unwrap();
         let bf16m = Qwen35::load_on(&path, CudaOps::new(g.clone(), Precision::Bf16).unwrap()).unwrap();
         let vocab = cpu.cfg.vocab_size as u32;
         let (mut worst, mut worst_fast, mut fast_agree, mut steps) = (0.0f64, 0.0f64, 0usize, 0usize);
+        let (mut worst_spread, mut widened) = (0.0f64, 0usize);
         for len in [1usize, 64, 65, 300] {
             let prompt: Vec<u32> = (0..len).map(|_| rng.next_u32() % vocab).collect();
             let (mut cs, mut gs, mut fs) = (cpu.new_state().unwrap(), f32m.new_state().unwrap(), bf16m.new_state().unwrap());
+            let mut ns = nudged.new_state().unwrap();
             let mut feed = prompt;
             for t in 0..=16 {
                 let (want, got) = step(&cpu, &f32m, &feed, &mut cs, &mut gs);
                 let fast = bf16m.forward(&feed, &mut fs).unwrap();
+                let spread = rel_to_scale(&nudged.forward(&feed, &mut ns).unwrap(), &want);
+                let bound = LOGIT_BOUND.max(SPREAD_FACTOR * spread);
                 let e = rel_to_scale(&got, &want);
-                assert!(e <= LOGIT_BOUND, "{rel}: prompt {len}, step {t}: GPU f32 logits {e:e} of the scale from the CPU's");
-                assert_eq!(argmax(&got), argmax(&want), "{rel}: prompt {len}, step {t}: greedy tokens differ");
+                assert!(
+                    e <= bound,
+                    "{rel}: prompt {len}, step {t}: GPU f32 logits {e:e} of the scale from the CPU's (bound {bound:e}; \
+                     one rounding of the input embeddings moves the CPU's by {spread:e})"
+                );
+                // The same greedy token, unless the CPU's best two lie within this step's
+                // difference of each other (a tie that any rounding may break either way).
+                let (ga, wa) = (argmax(&got), argmax(&want));
+                let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+                assert!(
+                    ga == wa || ((want[wa] - want[ga]) as f64) <= e * scale,
+                    "{rel}: prompt {len}, step {t}: greedy tokens differ ({ga} vs the CPU's {wa}, {:e} apart)",
+                    (want[wa] - want[ga]) as f64 / scale
+                );
+                worst_spread = worst_spread.max(spread);
+                widened += (bound > LOGIT_BOUND) as usize;
                 worst = worst.max(e);
                 worst_fast = worst_fast.max(rel_to_scale(&fast, &want));
                 fast_agree += (argmax(&fast) == argmax(&want)) as usize;
@@ -331,7 +360,8 @@ fn cuda_qwen35_matches_cpu() {
         assert!(failed.is_empty(), "{rel}: decode recordings failed: {failed:?}");
         assert!(recorded > 0, "{rel}: no decode step was recorded");
         eprintln!(
-            "{rel}: GPU f32 vs CPU ≤ {worst:.2e} of the logit scale; batched vs alone ≤ {worst_batch:.2e}; \
+            "{rel}: GPU f32 vs CPU ≤ {worst:.2e} of the logit scale (one rounding of the input moves the CPU's ≤ {worst_spread:.2e}; \
+             bound widened for {widened} steps); batched vs alone ≤ {worst_batch:.2e}; \
              bf16: argmax agrees {fast_agree}/{steps}, logits ≤ {worst_fast:.2e} of the scale; {} device weight bytes (f32)",
             f32m.ops().weight_bytes()
         );
