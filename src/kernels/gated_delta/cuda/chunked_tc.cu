@@ -152,38 +152,83 @@ __device__ void tern_gdn_tc_load_rows(tern_gdn_bf16* dst, const float* src, long
     }
 }
 
+// A quad's four 4-byte words of one accumulator row, word n of quad lane q being columns
+// 8n + 2q, 8n + 2q + 1 of n8 tile n, transposed: afterwards lane q holds words (q, 0..3), the 16
+// contiguous bytes of tile q, so that the quad stores 64 contiguous bytes (whole sectors) in
+// four 16-byte stores instead of sixteen 4-byte ones. In round s lane q receives word q of quad
+// lane (q + s) & 3; the register picks are selects, as a run-time index would put the words in
+// local memory. Moves bits only.
+__device__ __forceinline__ uint4 tern_gdn_tc_quad_transpose(const unsigned (&w)[4]) {
+    const int lane = threadIdx.x & 31, q = lane & 3;
+    unsigned out[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+        const int send = (q - s) & 3, from = (q + s) & 3;
+        unsigned v = w[0];
+#pragma unroll
+        for (int n = 1; n < 4; n++)
+            if (send == n) v = w[n];
+        const unsigned got = s == 0 ? v : __shfl_sync(0xffffffffu, v, (lane & ~3) | from);
+#pragma unroll
+        for (int n = 0; n < 4; n++)
+            if (from == n) out[n] = got;
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
 // out[r][n] = sum_c X[r][c] Y[c][n] for the chunk's 64 rows and N columns (X [64][64] with the
 // padded row, Y [64][N] row-major with row N + 8), to global bf16 rows of N. Eight warps: warp
-// w owns rows 16 (w % 4).. and half of the columns.
-template <int N>
+// w owns rows 16 (w % 4).. and half of the columns, taken GROUP n8 tiles at a time (X's
+// fragments loaded again for each group): all of them (NT) in one pass, or 4 (32 columns) with
+// WIDE_STORES, which then fit the compact layout's 80 registers at N = 128 (in one pass the
+// fragment addresses spill) and leave as 16-byte stores (tern_gdn_tc_quad_transpose). Each
+// accumulator sums over the same k in the same order either way: the same bits.
+template <int N, bool WIDE_STORES>
 __device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y, tern_gdn_bf16* out) {
     constexpr int NT = N / 16;  // n8 tiles per warp
+    constexpr int GROUP = WIDE_STORES ? 4 : NT;
+    static_assert(NT % GROUP == 0 && GROUP % 2 == 0, "whole groups of n8 tile pairs");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-    const int m0 = 16 * (warp & 3), nb = (warp >> 2) * (N / 2);
-    float acc[NT][4];
+    const int m0 = 16 * (warp & 3);
+    // Not unrolled: the scheduler would hoist the next group's loads into this one's registers.
+#pragma unroll 1
+    for (int grp = 0; grp < NT / GROUP; grp++) {
+        const int nb = (warp >> 2) * (N / 2) + 8 * GROUP * grp;
+        float acc[GROUP][4];
 #pragma unroll
-    for (int n = 0; n < NT; n++)
+        for (int n = 0; n < GROUP; n++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) acc[n][e] = 0.0f;
+            for (int e = 0; e < 4; e++) acc[n][e] = 0.0f;
 #pragma unroll
-    for (int kt = 0; kt < 4; kt++) {
-        unsigned a[4];
-        tern_gdn_tc_frag_a(a, X, tern_gdn_tc_ldc, m0, 16 * kt);
+        for (int kt = 0; kt < 4; kt++) {
+            unsigned a[4];
+            tern_gdn_tc_frag_a(a, X, tern_gdn_tc_ldc, m0, 16 * kt);
 #pragma unroll
-        for (int np = 0; np < NT / 2; np++) {
-            unsigned b[4];
-            tern_gdn_tc_frag_b_kn(b, Y, N + 8, nb + 16 * np, 16 * kt);
-            tern_gdn_tc_mma(acc[2 * np], a, b[0], b[1]);
-            tern_gdn_tc_mma(acc[2 * np + 1], a, b[2], b[3]);
+            for (int np = 0; np < GROUP / 2; np++) {
+                unsigned b[4];
+                tern_gdn_tc_frag_b_kn(b, Y, N + 8, nb + 16 * np, 16 * kt);
+                tern_gdn_tc_mma(acc[2 * np], a, b[0], b[1]);
+                tern_gdn_tc_mma(acc[2 * np + 1], a, b[2], b[3]);
+            }
+        }
+        if constexpr (WIDE_STORES) {
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                unsigned w[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) w[u] = tern_gdn_tc_pack(acc[u][2 * hf], acc[u][2 * hf + 1]);
+                *reinterpret_cast<uint4*>(out + (m0 + g + 8 * hf) * N + nb + 8 * q) = tern_gdn_tc_quad_transpose(w);
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < GROUP; n++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int r = m0 + g + 8 * hf, c = nb + 8 * n + 2 * q;
+                    *reinterpret_cast<unsigned*>(out + r * N + c) = tern_gdn_tc_pack(acc[n][2 * hf], acc[n][2 * hf + 1]);
+                }
         }
     }
-#pragma unroll
-    for (int n = 0; n < NT; n++)
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            const int r = m0 + g + 8 * hf, c = nb + 8 * n + 2 * q;
-            *reinterpret_cast<unsigned*>(out + r * N + c) = tern_gdn_tc_pack(acc[n][2 * hf], acc[n][2 * hf + 1]);
-        }
 }
 
 // Where tern_gdn_tc_prepare_body keeps its arrays in shared memory. Wide: every array apart
@@ -249,11 +294,78 @@ static_assert(tern_gdn_tc_prep_smem<128, 128, false>::BYTES == 108224, "wide lay
 static_assert(tern_gdn_tc_prep_smem<128, 128, true>::BYTES == 74176, "compact layout at 128 x 128: as mod.rs sizes it");
 static_assert(tern_gdn_tc_prep_smem<64, 64, true>::BYTES == 57792, "compact layout at 64 x 64: as mod.rs sizes it");
 
+// Block row i (1..3) of T = (I + A)^-1 from the rows above it, as the one-element loops of
+// tern_gdn_tc_prepare_body compute it (each element's sums in the same order: the same bits),
+// with thread (j, p, c) of the first i x 32 owning rows p and p + 8, columns 4c .. 4c + 3 of
+// block (i, j): partials P_j = sum_{k=j}^{i-1} A_ik T_kj, then T_ij = -T_ii P_j. Ends with the
+// block's barrier, as each of the two steps does.
+template <int LDA>
+__device__ __forceinline__ void tern_gdn_tc_block_row_tiled(const float* As, float* Ts, float* Ps, int i) {
+    const int tid = threadIdx.x, j = tid >> 5, p = (tid >> 2) & 7, c0 = 4 * (tid & 3);
+    const bool mine = tid < 32 * i;
+    if (mine) {
+        float part[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) part[h][u] = 0.0f;
+        for (int kb = j; kb < i; kb++)
+#pragma unroll
+            for (int m = 0; m < 16; m++) {
+                const float a0 = As[(16 * i + p) * LDA + 16 * kb + m], a1 = As[(16 * i + p + 8) * LDA + 16 * kb + m];
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const float t = Ts[(16 * kb + m) * LDA + 16 * j + c0 + u];
+                    part[0][u] += a0 * t;
+                    part[1][u] += a1 * t;
+                }
+            }
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) Ps[(j * 16 + p + 8 * h) * 17 + c0 + u] = part[h][u];
+    }
+    __syncthreads();
+    if (mine) {
+        // Row p sums T_ii[p][m] P[m] over m <= p, row p + 8 over m <= p + 8: terms past a row's
+        // diagonal are skipped, not added as zeros (which could turn a -0 sum into +0).
+        float t[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) t[h][u] = 0.0f;
+        for (int m = 0; m <= p + 8; m++) {
+            const float lo = m <= p ? Ts[(16 * i + p) * LDA + 16 * i + m] : 0.0f, hi = Ts[(16 * i + p + 8) * LDA + 16 * i + m];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const float pv = Ps[(j * 16 + m) * 17 + c0 + u];
+                if (m <= p) t[0][u] += lo * pv;
+                t[1][u] += hi * pv;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) Ts[(16 * i + p + 8 * h) * LDA + 16 * j + c0 + u] = -t[h][u];
+    }
+    __syncthreads();
+}
+
 // NR: rows of q, k and v a warp fetches at once (1 or 8; the results are the same bits). The
 // wide layout with NR = 8 holds a warp's 8 rows of k and of q in registers together (100
 // registers, two blocks a multiprocessor); the compact one fetches k's rows, then q's (three
 // blocks need <= 80 registers).
-template <int DK, int DV, int NR, bool COMPACT>
+//
+// TILED: the same bits with fewer shared-memory reads and global stores (measured under ncu on
+// the H200, the untiled pass is bound by its shared-memory pipe, and a fifth of its global
+// store sectors are partly filled):
+//  - the block rows of T: a thread owns 2 rows x 4 columns of a block (i x 32 threads for block
+//    row i) and reuses each element of A, T and the partials it reads from shared memory
+//    across them: per multiply-add of the warp, 6 wavefronts per 8 where the one-element form
+//    spends 16; every element's sum keeps its order, so its bits;
+//  - the decayed QK^T tile and W, U leave in whole 16-byte pieces (tern_gdn_tc_quad_transpose);
+//  - the scaled bf16 copies of T are written two columns a store.
+template <int DK, int DV, int NR, bool COMPACT, bool TILED>
 __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     constexpr int C = tern_gdn_tc_c, LDA = C + 1, LDT = tern_gdn_tc_ldc;
     constexpr bool KQ_TOGETHER = NR == 8 && !COMPACT;
@@ -354,10 +466,12 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
                 }
             }
 #pragma unroll
-            for (int n = 0; n < 4; n++)
+            for (int hf = 0; hf < 2; hf++) {
+                const int r = m0 + g + 8 * hf;
+                unsigned words[4];
 #pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    const int r = m0 + g + 8 * hf, c = n0 + 8 * n + 2 * q;
+                for (int n = 0; n < 4; n++) {
+                    const int c = n0 + 8 * n + 2 * q;
                     float dq[2];
 #pragma unroll
                     for (int e = 0; e < 2; e++) {
@@ -366,8 +480,12 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
                         As[r * LDA + cc] = cc < r ? Bt[r] * kk[n][2 * hf + e] * decay : 0.0f;
                         dq[e] = qk[n][2 * hf + e] * decay;
                     }
-                    *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + r * C + c) = tern_gdn_tc_pack(dq[0], dq[1]);
+                    words[n] = tern_gdn_tc_pack(dq[0], dq[1]);
+                    if constexpr (!TILED) *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + r * C + c) = words[n];
                 }
+                if constexpr (TILED)
+                    *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + r * C + n0 + 8 * q) = tern_gdn_tc_quad_transpose(words);
+            }
         }
     }
     __syncthreads();
@@ -394,6 +512,10 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     __syncthreads();
     // Block rows: T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj for j < i, rows i in order.
     for (int i = 1; i < 4; i++) {
+        if constexpr (TILED) {
+            tern_gdn_tc_block_row_tiled<LDA>(As, Ts, Ps, i);
+            continue;
+        }
         for (int e = tid; e < i * 256; e += blockDim.x) {
             const int j = e >> 8, rr = (e >> 4) & 15, cc = e & 15;
             float p = 0.0f;
@@ -411,16 +533,25 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
         }
         __syncthreads();
     }
-    for (int idx = tid; idx < C * C; idx += blockDim.x) {
-        const int r = idx >> 6, c = idx & 63;
-        const float t = c <= r ? Ts[r * LDA + c] : 0.0f;
-        Tw[r * LDT + c] = tern_gdn_tc_bf16(t * Bt[c] * Ex[c]);
-        Tu[r * LDT + c] = tern_gdn_tc_bf16(t * Bt[c]);
+    if constexpr (TILED) {
+        for (int idx = tid; idx < C * C / 2; idx += blockDim.x) {
+            const int r = idx >> 5, c = 2 * (idx & 31);
+            const float t0 = c <= r ? Ts[r * LDA + c] : 0.0f, t1 = c + 1 <= r ? Ts[r * LDA + c + 1] : 0.0f;
+            *reinterpret_cast<unsigned*>(Tw + r * LDT + c) = tern_gdn_tc_pack(t0 * Bt[c] * Ex[c], t1 * Bt[c + 1] * Ex[c + 1]);
+            *reinterpret_cast<unsigned*>(Tu + r * LDT + c) = tern_gdn_tc_pack(t0 * Bt[c], t1 * Bt[c + 1]);
+        }
+    } else {
+        for (int idx = tid; idx < C * C; idx += blockDim.x) {
+            const int r = idx >> 6, c = idx & 63;
+            const float t = c <= r ? Ts[r * LDA + c] : 0.0f;
+            Tw[r * LDT + c] = tern_gdn_tc_bf16(t * Bt[c] * Ex[c]);
+            Tu[r * LDT + c] = tern_gdn_tc_bf16(t * Bt[c]);
+        }
     }
     __syncthreads();
     // W = T diag(beta e^G) K and U = T diag(beta) V (rows past len come out 0: beta is 0 there).
-    tern_gdn_tc_apply<DK>(Tw, Kb, a.w_s + ch * C * DK);
-    tern_gdn_tc_apply<DV>(Tu, Vb, a.u_s + ch * C * DV);
+    tern_gdn_tc_apply<DK, TILED>(Tw, Kb, a.w_s + ch * C * DK);
+    tern_gdn_tc_apply<DV, TILED>(Tu, Vb, a.u_s + ch * C * DV);
 }
 
 struct tern_gdn_tc_state_args {
@@ -616,15 +747,21 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
 }
 
 // Prepare kernels by head sizes and fetch rows: _r{NR} in the wide layout (two blocks a
-// multiprocessor), _r{NR}c in the compact one (three: <= 80 registers, 72 KB at 128 x 128).
+// multiprocessor), _r{NR}c in the compact one (three: <= 80 registers, 72 KB at 128 x 128),
+// _r8ct the compact one TILED.
 #define TERN_GDN_TC_PREPARE(DK, DV, NR)                                                                              \
     extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r##NR(tern_gdn_tc_prep_args a) { \
         tern_await_prior_kernel();                                                                                     \
-        tern_gdn_tc_prepare_body<DK, DV, NR, false>(a);                                                                \
+        tern_gdn_tc_prepare_body<DK, DV, NR, false, false>(a);                                                         \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 3) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r##NR##c(tern_gdn_tc_prep_args a) { \
         tern_await_prior_kernel();                                                                                     \
-        tern_gdn_tc_prepare_body<DK, DV, NR, true>(a);                                                                 \
+        tern_gdn_tc_prepare_body<DK, DV, NR, true, false>(a);                                                          \
+    }
+#define TERN_GDN_TC_PREPARE_TILED(DK, DV)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, 3) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r8ct(tern_gdn_tc_prep_args a) { \
+        tern_await_prior_kernel();                                                                                     \
+        tern_gdn_tc_prepare_body<DK, DV, 8, true, true>(a);                                                            \
     }
 TERN_GDN_TC_PREPARE(64, 64, 1)
 TERN_GDN_TC_PREPARE(64, 64, 8)
@@ -634,6 +771,10 @@ TERN_GDN_TC_PREPARE(128, 64, 1)
 TERN_GDN_TC_PREPARE(128, 64, 8)
 TERN_GDN_TC_PREPARE(128, 128, 1)
 TERN_GDN_TC_PREPARE(128, 128, 8)
+TERN_GDN_TC_PREPARE_TILED(64, 64)
+TERN_GDN_TC_PREPARE_TILED(64, 128)
+TERN_GDN_TC_PREPARE_TILED(128, 64)
+TERN_GDN_TC_PREPARE_TILED(128, 128)
 // State kernels by d_k and stages; _s3l issues the copies late (LATE above).
 #define TERN_GDN_TC_STATE(DK, NS, LATE, SUFFIX)                                                                      \
     extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk##DK##_s##NS##SUFFIX(tern_gdn_tc_state_args a) { \

@@ -320,7 +320,7 @@ pub struct GatedDeltaCuda {
     /// incomplete), so that the two passes can be timed apart.
     chunk_prepare_only: bool,
     /// Fast mode: prepare kernels by (d_k, d_v, rows) and state kernels by (d_k, stages).
-    tc_prepare: Vec<((usize, usize, usize, bool), CudaFunction)>,
+    tc_prepare: Vec<((usize, usize, usize, bool, bool), CudaFunction)>,
     tc_state: Vec<((usize, usize, bool), CudaFunction)>,
     fast_variant: FastVariant,
     /// Per-(chunk, head) intermediates of the chunked prefill (either mode), grown on demand.
@@ -373,14 +373,17 @@ pub struct FastVariant {
     /// The state pass issues a chunk's copies of the chunk `stages - 1` ahead after its first
     /// products instead of before them (3 stages only).
     pub late_issue: bool,
+    /// The prepare pass's block rows of T in register tiles and its stores in whole 16-byte
+    /// pieces (`TILED` in chunked_tc.cu; compact layout, 8 rows only).
+    pub tiled: bool,
 }
 
 const fn fast(rows: usize, stages: usize, compact: bool, late_issue: bool) -> FastVariant {
-    FastVariant { rows, stages, compact, late_issue }
+    FastVariant { rows, stages, compact, late_issue, tiled: false }
 }
 
 /// The fast variants compiled.
-pub const FAST_VARIANTS: [FastVariant; 8] = [
+pub const FAST_VARIANTS: [FastVariant; 9] = [
     fast(1, 2, false, false),
     fast(8, 2, false, false),
     fast(1, 3, false, false),
@@ -389,6 +392,7 @@ pub const FAST_VARIANTS: [FastVariant; 8] = [
     fast(8, 3, true, false),
     fast(8, 3, false, true),
     fast(8, 3, true, true),
+    FastVariant { tiled: true, ..FAST_VARIANT },
 ];
 /// The default fast variant: the compact prepare layout (three blocks a multiprocessor) with the
 /// state pass's late copies, the fastest at 2k, 8k and 32k tokens on the H200 (2026-12-05,
@@ -610,7 +614,11 @@ impl GatedDeltaCuda {
                 for dv in FAST_CHUNK_HEAD_DIMS {
                     for compact in [false, true] {
                         let name = format!("tern_gdn_tc_prepare_dk{dk}_dv{dv}_r{rows}{}", if compact { "c" } else { "" });
-                        tc_prepare.push(((dk, dv, rows, compact), fc(&name, tc_prepare_smem(dk, dv, compact))?));
+                        tc_prepare.push(((dk, dv, rows, compact, false), fc(&name, tc_prepare_smem(dk, dv, compact))?));
+                    }
+                    if rows == 8 {
+                        let name = format!("tern_gdn_tc_prepare_dk{dk}_dv{dv}_r8ct");
+                        tc_prepare.push(((dk, dv, rows, true, true), fc(&name, tc_prepare_smem(dk, dv, true))?));
                     }
                 }
             }
@@ -1097,8 +1105,8 @@ impl GatedDeltaCuda {
         Self::unfused("delta_rule_chunked_fast", x)?;
         let (pool, state_table) = states.resolve(&self.gpu, "delta_rule_chunked_fast states", segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
-        let FastVariant { rows, stages, compact, late_issue } = self.fast_variant;
-        let prepare = self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact)).map(|(_, f)| f);
+        let FastVariant { rows, stages, compact, late_issue, tiled } = self.fast_variant;
+        let prepare = self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f);
         let state = self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue)).map(|(_, f)| f);
         let (Some(prepare), Some(state)) = (prepare, state) else {
             return Err(Error::Shape(format!(
