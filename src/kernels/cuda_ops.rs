@@ -17,7 +17,7 @@ use crate::cuda::{driver_err, CudaEvent, CudaSlice, Gpu, KernelSource};
 use crate::error::{Error, Result};
 use crate::formats::Matrix;
 use crate::kernels::activation::cuda::ActivationCuda;
-use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch, GpuKv, KvAttentionCuda};
+use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch, GpuKv, KvAttentionCuda, KvForm};
 use crate::kernels::attention::AttentionShape;
 use crate::kernels::backend::{attention_add_norm_next_composed, check_past, ffn_add_norm_composed, gated_delta_in_steps, linear_gelu_mul_composed, linears_conv_composed, split_rows, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, SandwichNorm, View};
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
@@ -249,6 +249,8 @@ pub struct CudaOps {
     /// documents of 512 tokens from 57.2 to 53.4 ms in bf16 mode (BENCHMARKS.md, 2026-12-05);
     /// TERN_BF16_ROWS=0 turns it off, to measure the two forms in one run.
     bf16_rows: bool,
+    /// How decode attention spreads a row's keys over blocks and warps ([`KvForm::from_env`]).
+    kv_form: KvForm,
     /// cuBLAS handles are not thread-safe and forward passes share the stream: one at a time.
     exclusive: Mutex<()>,
     /// Recorded steps by their keys (Err: recording failed, run plainly).
@@ -292,6 +294,14 @@ impl CudaOps {
     #[cfg(test)]
     pub(crate) fn with_bf16_rows(mut self, on: bool) -> Self {
         self.bf16_rows = on;
+        self
+    }
+
+    /// These ops with decode attention in `form`, whatever TERN_KV_SPLITS and TERN_KV_WARPS
+    /// say: the device test runs every form. Before the first LLM op (which builds its kernels).
+    #[cfg(test)]
+    pub(crate) fn with_kv_form(mut self, form: KvForm) -> Self {
+        self.kv_form = form;
         self
     }
 
@@ -358,6 +368,7 @@ impl CudaOps {
             },
             moe_tile_rows: std::env::var("TERN_MOE_TILE_ROWS").ok().and_then(|v| v.parse().ok()),
             bf16_rows: std::env::var("TERN_BF16_ROWS").map_or(true, |v| v != "0"),
+            kv_form: KvForm::from_env(),
             exclusive: Mutex::new(()),
             graphs: Mutex::new(HashMap::new()),
             profile: std::env::var_os("TERN_CUDA_PROFILE").map(|v| Profile {
@@ -518,7 +529,7 @@ impl CudaOps {
         }
         let k = LlmKernels {
             gdn: GatedDeltaCuda::new(self.gpu.clone())?,
-            kv: KvAttentionCuda::new(self.gpu.clone())?,
+            kv: KvAttentionCuda::new(self.gpu.clone(), self.kv_form)?,
             moe: MoeCuda::new(self.gpu.clone())?,
             select: SelectCuda::new(self.gpu.clone())?,
         };

@@ -9,6 +9,7 @@
 use std::path::PathBuf;
 
 use crate::cuda::test_util::{check, gpu, nan, rng};
+use crate::kernels::attention::cuda::KvForm;
 use crate::kernels::attention::AttentionShape;
 use crate::kernels::backend::{CpuOps, Ops, View};
 use crate::kernels::cuda_ops::{CudaOps, Precision};
@@ -88,61 +89,68 @@ fn cuda_llm_ops_match_cpu() {
     // q | gate | k | v rows as views of one fused projection. The 270-row prefill spans several
     // query and key tiles, so the causal mask meets tiles a warp sees whole and tiles it sees
     // in part.
-    for &(qh, kvh, hd) in &[(8usize, 2usize, 256usize), (4, 4, 64), (2, 1, 128), (6, 3, 32), (2, 1, 512)] {
-        let shape = AttentionShape { q_heads: qh, kv_heads: kvh, hd, scale: (hd as f32).powf(-0.5), max_distance: None };
-        let (qw, kw) = (qh * hd, kvh * hd);
-        let stride = 2 * qw + 2 * kw;
-        let mut cpu_caches: Vec<_> = (0..3).map(|_| cpu.kv_cache(kw).unwrap()).collect();
-        let mut gpu_caches: Vec<_> = (0..3).map(|_| ops.kv_cache(kw).unwrap()).collect();
-        let mut past = vec![0usize; 3];
-        // The third call is a decode step (every sequence one row), whose own keys and values the
-        // attention kernel reads from the projection and appends itself.
-        for lens in [[3usize, 270, 1], [1, 5, 300], [1, 1, 1]] {
-            let segs = pack(lens);
-            let n: usize = lens.iter().sum();
-            let y = rng.vec(n * stride, -1.5, 1.5);
-            let ids = vec![0u32; n];
-            let cb = cpu.batch_at(&segs, &ids, &past).unwrap();
-            let gb = ops.batch_at(&segs, &ids, &past).unwrap();
-            let at = |o| View::new(&y, o, stride);
-            let mut cc: Vec<_> = cpu_caches.iter_mut().collect();
-            let want = cpu.kv_attention(at(0), at(2 * qw), at(2 * qw + kw), at(qw), &cb, &mut cc, &shape).unwrap();
+    // Every form of the decode attention (key ranges and warps a block), the default first.
+    for form in KvForm::ALL {
+        let ops = CudaOps::new(gpu.clone(), Precision::F32).unwrap().with_kv_form(form);
+        for &(qh, kvh, hd) in &[(8usize, 2usize, 256usize), (4, 4, 64), (2, 1, 128), (6, 3, 32), (2, 1, 512)] {
+            let shape = AttentionShape { q_heads: qh, kv_heads: kvh, hd, scale: (hd as f32).powf(-0.5), max_distance: None };
+            let (qw, kw) = (qh * hd, kvh * hd);
+            let stride = 2 * qw + 2 * kw;
+            let mut cpu_caches: Vec<_> = (0..3).map(|_| cpu.kv_cache(kw).unwrap()).collect();
+            let mut gpu_caches: Vec<_> = (0..3).map(|_| ops.kv_cache(kw).unwrap()).collect();
+            let mut past = vec![0usize; 3];
+            // The third call is a decode step (every sequence one row), whose own keys and values the
+            // attention kernel reads from the projection and appends itself.
+            // The other forms differ only in the decode kernel (not the prefill's flash kernels):
+            // shorter prompts, which still give each warp of 16 one to four keys at once.
+            let calls = if form == KvForm::ALL[0] { [[3usize, 270, 1], [1, 5, 300], [1, 1, 1]] } else { [[3, 160, 1], [1, 5, 120], [1, 1, 1]] };
+            for lens in calls {
+                let segs = pack(lens);
+                let n: usize = lens.iter().sum();
+                let y = rng.vec(n * stride, -1.5, 1.5);
+                let ids = vec![0u32; n];
+                let cb = cpu.batch_at(&segs, &ids, &past).unwrap();
+                let gb = ops.batch_at(&segs, &ids, &past).unwrap();
+                let at = |o| View::new(&y, o, stride);
+                let mut cc: Vec<_> = cpu_caches.iter_mut().collect();
+                let want = cpu.kv_attention(at(0), at(2 * qw), at(2 * qw + kw), at(qw), &cb, &mut cc, &shape).unwrap();
+                let yg = up(&y);
+                let atg = |o| View::new(&yg, o, stride);
+                // As a model step does: each cache is reserved for the step before it runs.
+                for ((c, &p), &l) in gpu_caches.iter_mut().zip(&past).zip(&lens) {
+                    ops.kv_reserve(c, p, p + l).unwrap();
+                }
+                let mut gc: Vec<_> = gpu_caches.iter_mut().collect();
+                let got = ops.kv_attention(atg(0), atg(2 * qw), atg(2 * qw + kw), atg(qw), &gb, &mut gc, &shape).unwrap();
+                check(&format!("kv_attention {form:?} {qh}/{kvh}×{hd} lens {lens:?} past {past:?}"), &gpu.download(&got).unwrap(), &want, BOUND);
+                if past.iter().all(|&p| p == 0) && form == KvForm::ALL[0] {
+                    // From empty caches the prefill runs on the flash kernels; the bf16 form's
+                    // tensor-core products round q, k, v and P to bf16 (the encoder test's bound).
+                    let gb16 = ops16.batch_at(&segs, &ids, &past).unwrap();
+                    let mut caches16: Vec<_> = (0..3).map(|_| ops16.kv_cache(kw).unwrap()).collect();
+                    let mut gc16: Vec<_> = caches16.iter_mut().collect();
+                    let fast = ops16.kv_attention(atg(0), atg(2 * qw), atg(2 * qw + kw), atg(qw), &gb16, &mut gc16, &shape).unwrap();
+                    check(&format!("kv prefill bf16 {qh}/{kvh}×{hd} lens {lens:?}"), &gpu.download(&fast).unwrap(), &want, 1.5e-2);
+                    let keys16 = gpu.download(&caches16[1].keys).unwrap();
+                    assert_eq!(&keys16[..lens[1] * kw], &cpu_caches[1].keys[..], "bf16 prefill: the cache holds the f32 keys");
+                }
+                past.iter_mut().zip(lens).for_each(|(p, l)| *p += l);
+            }
+            // Every row each sequence appended (the decode step's too) is in its cache as the CPU's.
+            for (s, (gc, cc)) in gpu_caches.iter().zip(&cpu_caches).enumerate() {
+                let n = past[s] * kw;
+                assert_eq!(&gpu.download(&gc.keys).unwrap()[..n], &cc.keys[..n], "kv {qh}/{kvh}×{hd}: sequence {s}'s keys");
+                assert_eq!(&gpu.download(&gc.values).unwrap()[..n], &cc.values[..n], "kv {qh}/{kvh}×{hd}: sequence {s}'s values");
+            }
+            // A cache that does not end where the batch starts is refused.
+            let segs = pack([1]);
+            let y = vec![0.0f32; stride];
+            let gb = ops.batch_at(&segs, &[0], &[0]).unwrap();
             let yg = up(&y);
-            let atg = |o| View::new(&yg, o, stride);
-            // As a model step does: each cache is reserved for the step before it runs.
-            for ((c, &p), &l) in gpu_caches.iter_mut().zip(&past).zip(&lens) {
-                ops.kv_reserve(c, p, p + l).unwrap();
-            }
-            let mut gc: Vec<_> = gpu_caches.iter_mut().collect();
-            let got = ops.kv_attention(atg(0), atg(2 * qw), atg(2 * qw + kw), atg(qw), &gb, &mut gc, &shape).unwrap();
-            check(&format!("kv_attention {qh}/{kvh}×{hd} lens {lens:?} past {past:?}"), &gpu.download(&got).unwrap(), &want, BOUND);
-            if past.iter().all(|&p| p == 0) {
-                // From empty caches the prefill runs on the flash kernels; the bf16 form's
-                // tensor-core products round q, k, v and P to bf16 (the encoder test's bound).
-                let gb16 = ops16.batch_at(&segs, &ids, &past).unwrap();
-                let mut caches16: Vec<_> = (0..3).map(|_| ops16.kv_cache(kw).unwrap()).collect();
-                let mut gc16: Vec<_> = caches16.iter_mut().collect();
-                let fast = ops16.kv_attention(atg(0), atg(2 * qw), atg(2 * qw + kw), atg(qw), &gb16, &mut gc16, &shape).unwrap();
-                check(&format!("kv prefill bf16 {qh}/{kvh}×{hd} lens {lens:?}"), &gpu.download(&fast).unwrap(), &want, 1.5e-2);
-                let keys16 = gpu.download(&caches16[1].keys).unwrap();
-                assert_eq!(&keys16[..lens[1] * kw], &cpu_caches[1].keys[..], "bf16 prefill: the cache holds the f32 keys");
-            }
-            past.iter_mut().zip(lens).for_each(|(p, l)| *p += l);
+            let mut one = vec![&mut gpu_caches[0]];
+            let at = |o| View::new(&yg, o, stride);
+            assert!(ops.kv_attention(at(0), at(2 * qw), at(2 * qw + kw), at(qw), &gb, &mut one, &shape).is_err());
         }
-        // Every row each sequence appended (the decode step's too) is in its cache as the CPU's.
-        for (s, (gc, cc)) in gpu_caches.iter().zip(&cpu_caches).enumerate() {
-            let n = past[s] * kw;
-            assert_eq!(&gpu.download(&gc.keys).unwrap()[..n], &cc.keys[..n], "kv {qh}/{kvh}×{hd}: sequence {s}'s keys");
-            assert_eq!(&gpu.download(&gc.values).unwrap()[..n], &cc.values[..n], "kv {qh}/{kvh}×{hd}: sequence {s}'s values");
-        }
-        // A cache that does not end where the batch starts is refused.
-        let segs = pack([1]);
-        let y = vec![0.0f32; stride];
-        let gb = ops.batch_at(&segs, &[0], &[0]).unwrap();
-        let yg = up(&y);
-        let mut one = vec![&mut gpu_caches[0]];
-        let at = |o| View::new(&yg, o, stride);
-        assert!(ops.kv_attention(at(0), at(2 * qw), at(2 * qw + kw), at(qw), &gb, &mut one, &shape).is_err());
     }
 
     // The routed experts against the CPU's loop: up to GEMV_MAX_ROWS rows routed on the device

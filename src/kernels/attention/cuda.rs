@@ -498,11 +498,41 @@ struct RowTables {
 pub struct KvAttentionCuda {
     gpu: Arc<Gpu>,
     append: CudaFunction,
-    /// tern_kv_attention_p{PER} for each of [`KV_LANE_VALUES`].
+    /// tern_kv_attention_p{PER} for each of [`KV_LANE_VALUES`], with [`KV_WARPS`] warps a block.
     attend: Vec<CudaFunction>,
+    /// The same with 16 warps a block (tern_kv_attention_p{PER}_w16).
+    attend_w16: Vec<CudaFunction>,
     gate: CudaFunction,
-    /// Key ranges per (row, head): [`KV_SPLITS`], or [`KV_MAX_SPLITS`] (16) with TERN_KV_SPLITS=16.
-    splits: usize,
+    form: KvForm,
+}
+
+/// How decode attention (tern_kv_attention) spreads a row's keys: over `splits` key ranges
+/// (blocks) of `warps` warps each. The defaults are [`KV_SPLITS`] and [`KV_WARPS`];
+/// TERN_KV_SPLITS=16 and TERN_KV_WARPS=16 (opt-in until timed on a GPU) take 16 of either.
+/// Other forms, other partial sums: all agree with the CPU to f32 rounding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvForm {
+    pub splits: usize,
+    pub warps: usize,
+}
+
+impl KvForm {
+    /// Every form the kernels are built for.
+    pub const ALL: [KvForm; 4] = [
+        KvForm { splits: KV_SPLITS, warps: KV_WARPS },
+        KvForm { splits: KV_MAX_SPLITS, warps: KV_WARPS },
+        KvForm { splits: KV_SPLITS, warps: 16 },
+        KvForm { splits: KV_MAX_SPLITS, warps: 16 },
+    ];
+
+    /// The default form, or what TERN_KV_SPLITS=16 / TERN_KV_WARPS=16 ask.
+    pub fn from_env() -> KvForm {
+        let sixteen = |name| std::env::var(name).is_ok_and(|v| v == "16");
+        KvForm {
+            splits: if sixteen("TERN_KV_SPLITS") { KV_MAX_SPLITS } else { KV_SPLITS },
+            warps: if sixteen("TERN_KV_WARPS") { 16 } else { KV_WARPS },
+        }
+    }
 }
 
 /// Values of a head row each lane of tern_kv_attention holds, one kernel each: heads of up to
@@ -511,8 +541,8 @@ const KV_LANE_VALUES: [usize; 4] = [2, 4, 8, 16];
 /// The most splits tern_kv_attention merges (TERN_KV_MAX_SPLITS in kv.cu).
 const KV_MAX_SPLITS: usize = 16;
 
-/// Threads per block of tern_kv_attention (TERN_KV_WARPS warps).
-const KV_BLOCK: u32 = 128;
+/// Warps per block of tern_kv_attention (TERN_KV_WARPS in kv.cu).
+const KV_WARPS: usize = 4;
 /// Key ranges each (row, head) of tern_kv_attention is split into. A constant, so that a row's
 /// ranges — and so its bits — depend on its own keys only, never on the other sequences of its
 /// batch or on their caches (a sequence decodes the same alone and in a server's batch); and
@@ -539,12 +569,17 @@ fn kv_splits(rows: usize, q_heads: usize, hd: usize, splits: usize) -> usize {
 }
 
 impl KvAttentionCuda {
-    pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
+    /// The launchers, with decode attention in `form` (one of [`KvForm::ALL`]).
+    pub fn new(gpu: Arc<Gpu>, form: KvForm) -> Result<Self> {
+        if !KvForm::ALL.contains(&form) {
+            return Err(Error::Input(format!("decode attention form {form:?}: expected one of {:?}", KvForm::ALL)));
+        }
         Ok(KvAttentionCuda {
             append: gpu.function(&SOURCE_KV, "tern_kv_append")?,
             attend: KV_LANE_VALUES.iter().map(|per| gpu.function(&SOURCE_KV, &format!("tern_kv_attention_p{per}"))).collect::<Result<_>>()?,
+            attend_w16: KV_LANE_VALUES.iter().map(|per| gpu.function(&SOURCE_KV, &format!("tern_kv_attention_p{per}_w16"))).collect::<Result<_>>()?,
             gate: gpu.function(&SOURCE_KV, "tern_sigmoid_gate")?,
-            splits: if std::env::var("TERN_KV_SPLITS").is_ok_and(|v| v == "16") { KV_MAX_SPLITS } else { KV_SPLITS },
+            form,
             gpu,
         })
     }
@@ -708,12 +743,14 @@ impl KvAttentionCuda {
         let (k_off, v_off) = (long_arg(k.offset), long_arg(v.offset));
         let (k_ld, v_ld) = (long_arg(k.stride), long_arg(v.stride));
         let (qp, gp, kp, vp) = (g.ptr(q.buf), g.ptr(gate.buf), g.ptr(k.buf), g.ptr(v.buf));
-        let splits = kv_splits(rows, q_heads, hd, self.splits);
+        let KvForm { splits, warps } = self.form;
+        let splits = kv_splits(rows, q_heads, hd, splits);
         // Split partials (unused with one split) and the heads' arrival counters.
         let partial = g.alloc::<f32>(if splits > 1 { rows * q_heads * splits * (hd + 2) } else { 1 })?;
         let counters = g.zeros::<u32>(rows * q_heads)?;
         // hd <= MAX_HEAD_DIM = 32 · the last lane count (checked above).
-        let attend = KV_LANE_VALUES.iter().position(|&per| 32 * per >= hd).map(|at| &self.attend[at]).expect("hd <= MAX_HEAD_DIM");
+        let kernels = if warps == 16 { &self.attend_w16 } else { &self.attend };
+        let attend = KV_LANE_VALUES.iter().position(|&per| 32 * per >= hd).map(|at| &kernels[at]).expect("hd <= MAX_HEAD_DIM");
         let mut l = g.launch_builder(attend);
         l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld);
         l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&fresh);
@@ -722,7 +759,7 @@ impl KvAttentionCuda {
         let grid_rows = u32::try_from(rows).ok().filter(|&r| r <= 65_535).ok_or_else(|| {
             Error::Shape(format!("kv_attention: {rows} new rows, at most 65535 per launch"))
         })?;
-        let cfg = LaunchConfig { grid_dim: (q_heads as u32, grid_rows, splits as u32), block_dim: (KV_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: (q_heads as u32, grid_rows, splits as u32), block_dim: (32 * warps as u32, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_kv_attention; row i (position p_i, the batch's)
         // reads rows ≤ p_i of its own cache, which the append above filled or earlier steps
         // did (fresh: rows < p_i, and row p_i from the k, v views, which hold the rows:

@@ -55,8 +55,15 @@ extern "C" __global__ void tern_kv_append(const float* __restrict__ k, long long
 // so a warp waits for memory once per KB keys rather than once per key (a context of
 // thousands of tokens is ~100 keys a warp) and the results are the same bits. The merge
 // reads each split's max and sum once.
+//
+// WARPS: the block's warps, 4 or 16 (kernels _w16). Each walks keys warp, warp + WARPS, ...,
+// so a split's keys are walked by four times the warps, each a quarter as many keys (a decode
+// step of one sequence has few blocks: Qwen3.5-0.8B's 8 query heads make 64 with 8 splits, and
+// after 4096 tokens each of their 4 warps walks 128 keys in turn). The 16-warp form also takes
+// a batch's KB scores before any enters the softmax (SCORES_FIRST below). Other warps, other
+// partial sums: 4 and 16 warps agree to f32 rounding, not bit for bit.
 #define TERN_KV_MAX_SPLITS 16
-template <int PER, int KB>
+template <int PER, int KB, int WARPS>
 __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__ q, long long q_off, long long q_ld,
                                                        const float* __restrict__ gate, long long g_off, long long g_ld,
                                                        const float* __restrict__ k_new, long long k_off, long long k_ld,
@@ -89,8 +96,8 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
         }
     }
     __shared__ float qs[HD];
-    __shared__ float warp_max[TERN_KV_WARPS], warp_sum[TERN_KV_WARPS];
-    __shared__ float warp_acc[TERN_KV_WARPS][HD];
+    __shared__ float warp_max[WARPS], warp_sum[WARPS];
+    __shared__ float warp_acc[WARPS][HD];
     __shared__ bool last;
     const float* qr = q + q_off + (size_t)i * q_ld + (size_t)h * hd;
     for (int c = threadIdx.x; c < hd; c += blockDim.x) qs[c] = qr[c];
@@ -102,11 +109,11 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
     float m = -tern_inf(), l = 0.0f, acc[PER];
 #pragma unroll
     for (int t = 0; t < PER; ++t) acc[t] = 0.0f;
-    for (int jb = j0 + warp; jb < j1; jb += KB * TERN_KV_WARPS) {
+    for (int jb = j0 + warp; jb < j1; jb += KB * WARPS) {
         float kv[KB][PER], vv[KB][PER];
 #pragma unroll
         for (int u = 0; u < KB; ++u) {
-            const int j = jb + u * TERN_KV_WARPS;
+            const int j = jb + u * WARPS;
             const bool own = fresh && j == keys - 1;
             const float* kr = own ? kr_new : k_cache + (size_t)j * kw + (size_t)kvh * hd;
             const float* vr = own ? vr_new : v_cache + (size_t)j * kw + (size_t)kvh * hd;
@@ -118,14 +125,39 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
                 vv[u][t] = in ? vr[c] : 0.0f;
             }
         }
+        // SCORES_FIRST: the KB keys' dot products and warp sums level by level, so that their
+        // shuffles are independent chains in flight together, where the one-key loop waits out
+        // each key's five in turn before the next key's first. The same operations on each key
+        // (a key past j1 has zeros and its score is not used) and the same order of the
+        // softmax updates: the same bits as the one-key loop.
+        constexpr bool SCORES_FIRST = WARPS > 4;
+        float sc[KB];
+        if constexpr (SCORES_FIRST) {
+#pragma unroll
+            for (int u = 0; u < KB; ++u) {
+                sc[u] = 0.0f;
+#pragma unroll
+                for (int t = 0; t < PER; ++t)
+                    if (lane + 32 * t < hd) sc[u] += qs[lane + 32 * t] * kv[u][t];
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+                for (int u = 0; u < KB; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o);
+        }
 #pragma unroll
         for (int u = 0; u < KB; ++u) {
-            if (jb + u * TERN_KV_WARPS >= j1) break;
-            float s = 0.0f;
+            if (jb + u * WARPS >= j1) break;
+            float s;
+            if constexpr (SCORES_FIRST) {
+                s = sc[u] * scale;
+            } else {
+                s = 0.0f;
 #pragma unroll
-            for (int t = 0; t < PER; ++t)
-                if (lane + 32 * t < hd) s += qs[lane + 32 * t] * kv[u][t];
-            s = tern_warp_sum(s) * scale;
+                for (int t = 0; t < PER; ++t)
+                    if (lane + 32 * t < hd) s += qs[lane + 32 * t] * kv[u][t];
+                s = tern_warp_sum(s) * scale;
+            }
             const float m_new = fmaxf(m, s);
             // The first key: m is −inf, so the old terms get weight exp(−inf) = 0.
             const float corr = expf(m - m_new), p = expf(s - m_new);
@@ -149,18 +181,18 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
     // The block's max over its warps: −inf only for a split with no key (then it adds nothing:
     // its sum and output are written as 0). A warp that saw no key has max −inf and weight 0.
     float mx = -tern_inf();
-    for (int w = 0; w < TERN_KV_WARPS; ++w) mx = fmaxf(mx, warp_max[w]);
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, warp_max[w]);
     const bool empty = mx == -tern_inf();
     float total = 0.0f;
     if (!empty)
-        for (int w = 0; w < TERN_KV_WARPS; ++w) total += warp_sum[w] * expf(warp_max[w] - mx);
+        for (int w = 0; w < WARPS; ++w) total += warp_sum[w] * expf(warp_max[w] - mx);
     const size_t ld = (size_t)q_heads * hd;
     const float* gr = gate + g_off + (size_t)i * g_ld + (size_t)h * hd;
     float* o_row = out + (size_t)i * ld + (size_t)h * hd;
     if (splits == 1) {
         for (int c = threadIdx.x; c < hd; c += blockDim.x) {
             float o = 0.0f;
-            for (int w = 0; w < TERN_KV_WARPS; ++w) o += warp_acc[w][c] * expf(warp_max[w] - mx);
+            for (int w = 0; w < WARPS; ++w) o += warp_acc[w][c] * expf(warp_max[w] - mx);
             o_row[c] = o / total * (1.0f / (1.0f + expf(-gr[c])));
         }
         return;
@@ -170,7 +202,7 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
     for (int c = threadIdx.x; c < hd; c += blockDim.x) {
         float o = 0.0f;
         if (!empty)
-            for (int w = 0; w < TERN_KV_WARPS; ++w) o += warp_acc[w][c] * expf(warp_max[w] - mx);
+            for (int w = 0; w < WARPS; ++w) o += warp_acc[w][c] * expf(warp_max[w] - mx);
         mine[2 + c] = o;
     }
     if (threadIdx.x == 0) {
@@ -213,9 +245,10 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
 
 // One kernel per PER (heads of up to 64, 128, 256, 512 values; the launcher takes the
 // smallest that holds hd) with its KB: 4 keys a warp at once, 2 for the 512-wide head (then
-// 64 registers of rows either way).
-#define TERN_KV_ATTENTION(PER, KB)                                                                                     \
-    extern "C" __global__ void tern_kv_attention_p##PER(                                                               \
+// 64 registers of rows either way); each with TERN_KV_WARPS warps and, _w16, with 16 (512
+// threads: bounded so that a block's registers fit).
+#define TERN_KV_ATTENTION_ENTRY(NAME, PER, KB, WARPS, BOUNDS)                                                        \
+    extern "C" __global__ void BOUNDS NAME(                                                     \
         const float* __restrict__ q, long long q_off, long long q_ld, const float* __restrict__ gate, long long g_off,  \
         long long g_ld, const float* __restrict__ k_new, long long k_off, long long k_ld,                              \
         const float* __restrict__ v_new, long long v_off, long long v_ld, int fresh,                                   \
@@ -223,15 +256,19 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
         const unsigned* __restrict__ positions, int q_heads, int kv_heads, int hd, float scale,                        \
         float* __restrict__ partial, unsigned* __restrict__ counters, float* __restrict__ out) {                       \
         tern_await_prior_kernel();                                                                                     \
-        tern_kv_attention_body<PER, KB>(q, q_off, q_ld, gate, g_off, g_ld, k_new, k_off, k_ld, v_new, v_off, v_ld,    \
-                                        fresh, k_at, v_at, positions, q_heads, kv_heads, hd, scale, partial, counters, \
-                                        out);                                                                          \
+        tern_kv_attention_body<PER, KB, WARPS>(q, q_off, q_ld, gate, g_off, g_ld, k_new, k_off, k_ld, v_new, v_off,   \
+                                               v_ld, fresh, k_at, v_at, positions, q_heads, kv_heads, hd, scale,       \
+                                               partial, counters, out);                                                \
     }
+#define TERN_KV_ATTENTION(PER, KB)                                                                                     \
+    TERN_KV_ATTENTION_ENTRY(tern_kv_attention_p##PER, PER, KB, TERN_KV_WARPS, )                                        \
+    TERN_KV_ATTENTION_ENTRY(tern_kv_attention_p##PER##_w16, PER, KB, 16, __launch_bounds__(512))
 TERN_KV_ATTENTION(2, 4)
 TERN_KV_ATTENTION(4, 4)
 TERN_KV_ATTENTION(8, 4)
 TERN_KV_ATTENTION(16, 2)
 #undef TERN_KV_ATTENTION
+#undef TERN_KV_ATTENTION_ENTRY
 
 // out[r][c] *= sigmoid(gate[g_off + r·g_ld + c]) over rows × width (the prefill path, after the
 // flash kernels' causal attention).
