@@ -191,16 +191,23 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             let norm = gpu.upload(&rng.vec(heads.d_v, 0.5, 1.5))?;
             let fused = FusedGatesNorm { dt_bias: &dt_bias, a: &a, z: Rows { buf: &z, offset: 0, stride: nv * heads.d_v }, norm: &norm, eps: 1e-6 };
             let x = GpuDeltaRuleInputs { fused: Some(fused), ..inputs(heads, &l) };
-            let ms = time_ms(gpu, 2, 15, |i| {
-                for s in 0..inner {
-                    k.delta_rule(heads, &x, &segs[(i * inner + s) % rot], GpuStates::Pool(&mut pool), &mut out)?;
-                }
-                Ok(())
-            })? / inner as f64;
-            report(b, "fused", ms);
+            // Then the same with the rows' sums by scatter (`fused_s`: the same bits).
+            for scatter in [false, true] {
+                k.set_scatter_sums(scatter);
+                let ms = time_ms(gpu, 2, 15, |i| {
+                    for s in 0..inner {
+                        k.delta_rule(heads, &x, &segs[(i * inner + s) % rot], GpuStates::Pool(&mut pool), &mut out)?;
+                    }
+                    Ok(())
+                })? / inner as f64;
+                report(b, if scatter { "fused_s" } else { "fused" }, ms);
+            }
+            k.set_scatter_sums(false);
         }
-        // The default form replayed from a graph of `inner` steps, as fla's kernels are timed.
-        {
+        // The default form replayed from a graph of `inner` steps, as fla's kernels are timed;
+        // then with the scatter sums (`graph_s`).
+        for scatter in [false, true] {
+            k.set_scatter_sums(scatter);
             let mut n = 0usize;
             if let Some(ms) = time_graph_ms(gpu, 15, || {
                 for _ in 0..inner {
@@ -209,9 +216,10 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
                 }
                 Ok(())
             })? {
-                report(b, "graph", ms / inner as f64);
+                report(b, if scatter { "graph_s" } else { "graph" }, ms / inner as f64);
             }
         }
+        k.set_scatter_sums(false);
         // The default (rows per warp chosen by batch), then every variant in every block size.
         let runs = std::iter::once((None, RECURRENCE_BLOCK_WARPS)).chain(RECURRENCE_VARIANTS.into_iter().flat_map(|r| RECURRENCE_BLOCK_WARP_CHOICES.map(|w| (Some(r), w))));
         for (rows, warps) in runs {
@@ -225,6 +233,18 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             })? / inner as f64;
             report(b, &rows.map_or("default".into(), |r| format!("{}x{}w{}", r.0, r.1, warps)), ms);
         }
+        // The default with the scatter sums, stream-launched (`default_s`).
+        k.set_recurrence_variant(None)?;
+        k.set_recurrence_block_warps(RECURRENCE_BLOCK_WARPS)?;
+        k.set_scatter_sums(true);
+        let ms = time_ms(gpu, 2, 15, |i| {
+            for s in 0..inner {
+                k.delta_rule(heads, &x, &segs[(i * inner + s) % rot], GpuStates::Pool(&mut pool), &mut out)?;
+            }
+            Ok(())
+        })? / inner as f64;
+        report(b, "default_s", ms);
+        k.set_scatter_sums(false);
     }
 
     k.set_recurrence_variant(None)?;

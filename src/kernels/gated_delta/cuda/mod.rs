@@ -308,6 +308,12 @@ pub struct GatedDeltaCuda {
     /// (d_k, (rows, groups) per warp, kernel).
     recurrence: Vec<(usize, (usize, usize), CudaFunction)>,
     recurrence_fused: Vec<(usize, CudaFunction)>,
+    /// The 8-row forms and the fused one with the scatter sums (`SCATTER` in recurrence.cu),
+    /// by d_k: [(8, 1), (8, 2), fused].
+    recurrence_scatter: Vec<(usize, [CudaFunction; 3])>,
+    /// Whether the forms that have them take the scatter sums: the same bits with fewer
+    /// shuffles; TERN_GDN_SCATTER=1 (opt-in until timed on a GPU).
+    scatter: bool,
     /// None: [`RECURRENCE_VARIANT`], or [`RECURRENCE_VARIANT_MANY`] for a large decode step.
     recurrence_variant: Option<(usize, usize)>,
     recurrence_block_warps: u32,
@@ -588,12 +594,17 @@ impl GatedDeltaCuda {
     /// Compiles (or takes from the cache) and loads every kernel of the family.
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
         let conv = (1..=MAX_CONV_WIDTH).map(|kw| gpu.function(&CONV, &format!("tern_gdn_conv_k{kw}"))).collect::<Result<_>>()?;
-        let (mut recurrence, mut recurrence_fused) = (Vec::new(), Vec::new());
+        let (mut recurrence, mut recurrence_fused, mut recurrence_scatter) = (Vec::new(), Vec::new(), Vec::new());
         for d in [32usize, 64, 128, 256] {
             for (r, g) in RECURRENCE_VARIANTS {
                 recurrence.push((d, (r, g), gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_dk{d}_r{r}_g{g}"))?));
             }
             recurrence_fused.push((d, gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_fused_dk{d}"))?));
+            let f = |name: String| gpu.function(&RECURRENCE, &name);
+            recurrence_scatter.push((
+                d,
+                [f(format!("tern_gdn_recurrence_dk{d}_r8_g1_s"))?, f(format!("tern_gdn_recurrence_dk{d}_r8_g2_s"))?, f(format!("tern_gdn_recurrence_fused_dk{d}_s"))?],
+            ));
         }
         let with_smem = |src: &KernelSource, name: &str, smem: usize| -> Result<CudaFunction> {
             let f = gpu.function(src, name)?;
@@ -642,6 +653,8 @@ impl GatedDeltaCuda {
             conv,
             recurrence,
             recurrence_fused,
+            recurrence_scatter,
+            scatter: std::env::var("TERN_GDN_SCATTER").is_ok_and(|v| v == "1"),
             recurrence_variant: None,
             recurrence_block_warps: RECURRENCE_BLOCK_WARPS,
             gpu,
@@ -688,6 +701,13 @@ impl GatedDeltaCuda {
         }
         self.recurrence_variant = variant;
         Ok(())
+    }
+
+    /// Whether the recurrence's 8-row forms and its fused form sum their rows by scatter
+    /// (`SCATTER` in recurrence.cu) rather than one butterfly a row: the same bits, fewer
+    /// shuffles; the other forms keep the butterflies.
+    pub fn set_scatter_sums(&mut self, on: bool) {
+        self.scatter = on;
     }
 
     /// Warps per block of the unfused recurrence (one of [`RECURRENCE_BLOCK_WARP_CHOICES`]);
@@ -891,10 +911,16 @@ impl GatedDeltaCuda {
                 if decode && segs.n_seqs() >= MANY_DECODE_SEQS { RECURRENCE_VARIANT_MANY } else { RECURRENCE_VARIANT }
             }),
         };
-        let f = match x.fused {
-            Some(_) if heads.d_v <= FUSED_MAX_DV => self.recurrence_fused.iter().find(|(d, _)| *d == heads.d_k).map(|(_, f)| f),
-            Some(_) => return Err(Error::Shape(format!("delta_rule fused on CUDA: d_v = {} (at most {FUSED_MAX_DV})", heads.d_v))),
-            None => self.recurrence.iter().find(|(d, v, _)| *d == heads.d_k && *v == (rows, per_warp)).map(|(_, _, f)| f),
+        let scatter = if self.scatter { self.recurrence_scatter.iter().find(|(d, _)| *d == heads.d_k).map(|(_, fs)| fs) } else { None };
+        let f = match (x.fused.is_some(), scatter) {
+            (true, _) if heads.d_v > FUSED_MAX_DV => {
+                return Err(Error::Shape(format!("delta_rule fused on CUDA: d_v = {} (at most {FUSED_MAX_DV})", heads.d_v)))
+            }
+            (true, Some(fs)) => Some(&fs[2]),
+            (true, None) => self.recurrence_fused.iter().find(|(d, _)| *d == heads.d_k).map(|(_, f)| f),
+            (false, Some(fs)) if (rows, per_warp) == (8, 1) => Some(&fs[0]),
+            (false, Some(fs)) if (rows, per_warp) == (8, 2) => Some(&fs[1]),
+            (false, _) => self.recurrence.iter().find(|(d, v, _)| *d == heads.d_k && *v == (rows, per_warp)).map(|(_, _, f)| f),
         };
         let f = f.ok_or_else(|| Error::Shape(format!("delta_rule on CUDA: d_k = {} (supported: 32, 64, 128, 256)", heads.d_k)))?;
         if segs.n_seqs() == 0 {

@@ -120,17 +120,50 @@ struct tern_gdn_recurrence_args {
     float eps, q_scale;
 };
 
+// The sums over the warp of ROWS values a lane holds, one per row, as tern_gdn_warp_sum forms
+// each (butterfly levels 16, 8, 4, 2, 1), but at each of the first log2(ROWS) levels a lane
+// keeps half of its rows (the upper half where its bit of that level is set) and sends the
+// other half to its partner: ROWS - 1 + 5 - log2(ROWS) shuffles (9 for 8 rows) where ROWS
+// butterflies take 5 ROWS (40). Each pairwise sum is the butterfly's own (the lane's value
+// plus its partner's for the same row), so the sum a lane ends with has the butterfly's bits.
+// Lane L ends with row L >> (5 - log2(ROWS)).
+template <int ROWS>
+__device__ __forceinline__ float tern_gdn_rows_sum(const float (&x)[ROWS]) {
+    constexpr int LOG = ROWS == 1 ? 0 : ROWS == 2 ? 1 : ROWS == 4 ? 2 : 3;
+    static_assert(ROWS == 1 << LOG, "rows a power of two up to 8");
+    const int lane = threadIdx.x & 31;
+    float v[ROWS];
+#pragma unroll
+    for (int i = 0; i < ROWS; i++) v[i] = x[i];
+#pragma unroll
+    for (int level = 0; level < LOG; level++) {
+        const int o = 16 >> level, half = (ROWS >> level) / 2;
+        const bool upper = (lane & o) != 0;
+#pragma unroll
+        for (int i = 0; i < half; i++) {
+            const float send = upper ? v[i] : v[i + half], keep = upper ? v[i + half] : v[i];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+    }
+#pragma unroll
+    for (int o = 16 >> LOG; o > 0; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+    return v[0];
+}
+
 // One token's update of ROWS state rows held by a warp (normalised k and q, the rows' v, the
-// decay exp(g) and beta), leaving each row's output, the same in every lane, in o. Row m's v
-// is held by lane m alone (v_lane) and reaches the warp by shuffle: one register rather than
-// ROWS, which keeps the 8-row forms inside 64 registers (a full multiprocessor of warps, the
-// bytes in flight that the state stream needs). Every form of the recurrence (rows and groups
-// per warp, fused or not) advances its rows through this one function, so they all agree bit
-// for bit.
-template <int DK, int ROWS>
-__device__ __forceinline__ void tern_gdn_rows_token(float (&r)[ROWS][DK / 32], const float (&kk)[DK / 32], const float (&qq)[DK / 32],
-                                                    float v_lane, float decay, float b, float (&o)[ROWS]) {
+// decay exp(g) and beta), returning row m's output in lane m (m < ROWS). Row m's v is held by
+// lane m alone (v_lane) and reaches the warp by shuffle: one register rather than ROWS, which
+// keeps the 8-row forms inside 64 registers (a full multiprocessor of warps, the bytes in
+// flight that the state stream needs). Every form of the recurrence (rows and groups per
+// warp, fused or not) advances its rows through this one function, so they all agree bit for
+// bit. SCATTER: the rows' sums by tern_gdn_rows_sum, each delta then broadcast from a lane
+// that holds its row's sum (28 shuffles a token for 8 rows where the butterflies take 88); the
+// same operations on every value, so the same bits.
+template <int DK, int ROWS, bool SCATTER>
+__device__ __forceinline__ float tern_gdn_rows_token(float (&r)[ROWS][DK / 32], const float (&kk)[DK / 32], const float (&qq)[DK / 32],
+                                                     float v_lane, float decay, float b) {
     constexpr int E = DK / 32;
+    const int lane = threadIdx.x & 31;
     float part[ROWS];
 #pragma unroll
     for (int m = 0; m < ROWS; m++) {
@@ -141,18 +174,43 @@ __device__ __forceinline__ void tern_gdn_rows_token(float (&r)[ROWS][DK / 32], c
             part[m] += r[m][e] * kk[e];
         }
     }
+    float o[ROWS];
+    if constexpr (SCATTER) {
+        constexpr int SHIFT = ROWS == 1 ? 5 : ROWS == 2 ? 4 : ROWS == 4 ? 3 : 2;  // 5 - log2(ROWS)
+        const int mine = lane >> SHIFT;
+        const float delta_mine = (__shfl_sync(0xffffffffu, v_lane, mine) - tern_gdn_rows_sum<ROWS>(part)) * b;
 #pragma unroll
-    for (int m = 0; m < ROWS; m++) {
-        const float delta = (__shfl_sync(0xffffffffu, v_lane, m) - tern_gdn_warp_sum(part[m])) * b;
-        o[m] = 0.0f;
+        for (int m = 0; m < ROWS; m++) {
+            const float delta = __shfl_sync(0xffffffffu, delta_mine, m << SHIFT);
+            o[m] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < E; e++) {
-            r[m][e] += kk[e] * delta;
-            o[m] += r[m][e] * qq[e];
+            for (int e = 0; e < E; e++) {
+                r[m][e] += kk[e] * delta;
+                o[m] += r[m][e] * qq[e];
+            }
         }
-    }
+        return __shfl_sync(0xffffffffu, tern_gdn_rows_sum<ROWS>(o), (lane % ROWS) << SHIFT);
+    } else {
 #pragma unroll
-    for (int m = 0; m < ROWS; m++) o[m] = tern_gdn_warp_sum(o[m]);
+        for (int m = 0; m < ROWS; m++) {
+            const float delta = (__shfl_sync(0xffffffffu, v_lane, m) - tern_gdn_warp_sum(part[m])) * b;
+            o[m] = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                r[m][e] += kk[e] * delta;
+                o[m] += r[m][e] * qq[e];
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < ROWS; m++) o[m] = tern_gdn_warp_sum(o[m]);
+        // Every lane has every row's output; lane m keeps row m's, selected without indexing o
+        // at run time (which would put it in local memory).
+        float o_lane = 0.0f;
+#pragma unroll
+        for (int m = 0; m < ROWS; m++)
+            if (lane == m) o_lane = o[m];
+        return o_lane;
+    }
 }
 
 // Value heads of at most this many rows take the fused form (one block per head, 8 rows per
@@ -173,7 +231,7 @@ __device__ __forceinline__ void tern_gdn_rows_token(float (&r)[ROWS][DK / 32], c
 // block meets in shared memory once per token; the sum of squares runs in that kernel's
 // order), so a decode step's gates, recurrence and norm are one launch with the same bits as
 // three.
-template <int DK, int ROWS, int GPW, bool FUSED>
+template <int DK, int ROWS, int GPW, bool FUSED, bool SCATTER>
 __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, float* o_smem) {
     constexpr int E = DK / 32;
     const int lane = threadIdx.x % 32;
@@ -238,14 +296,7 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
                 tern_gdn_l2_regs<DK>(kk, a.eps, 1.0f);
                 tern_gdn_l2_regs<DK>(qq, a.eps, a.q_scale);
             }
-            float o[ROWS];
-            tern_gdn_rows_token<DK, ROWS>(r, kk, qq, v_lane, decay, b, o);
-            // Every lane has every row's output (warp sums); lane m keeps row m's, selected
-            // without indexing o at run time (which would put it in local memory).
-            float o_lane = 0.0f;
-#pragma unroll
-            for (int m = 0; m < ROWS; m++)
-                if (lane == m) o_lane = o[m];
+            const float o_lane = tern_gdn_rows_token<DK, ROWS, SCATTER>(r, kk, qq, v_lane, decay, b);
             float* row_out = a.out + (t * nv + h) * dv;
             if constexpr (FUSED) {
                 // Two buffers by token parity: a warp writing token t + 1's row never meets one
@@ -281,25 +332,30 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
 // 8x2 default: 25% occupancy, 0.93). At d_k = 128 that bound costs 16 bytes of spill (8 rows and
 // the fused form; scripts/device-bench.sh times it); at 256 it would spill hundreds. Not yet
 // timed, so every d_k keeps the registers its forms need.
-#define TERN_GDN_RECURRENCE_KERNEL(D, R, P, BOUNDS)                                                      \
-    extern "C" __global__ void BOUNDS tern_gdn_recurrence_dk##D##_r##R##_g##P(const tern_gdn_recurrence_args a) { \
+//
+// SCATTER (kernels _s: the 8-row forms and the fused one): the rows' sums by
+// tern_gdn_rows_sum; the same bits, fewer shuffles. Opt-in until timed (TERN_GDN_SCATTER=1).
+#define TERN_GDN_RECURRENCE_KERNEL(D, R, P, BOUNDS, SCATTER, SUFFIX)                                     \
+    extern "C" __global__ void BOUNDS tern_gdn_recurrence_dk##D##_r##R##_g##P##SUFFIX(const tern_gdn_recurrence_args a) { \
         tern_await_prior_kernel();                                                                       \
-        tern_gdn_recurrence_body<D, R, P, false>(a, nullptr);                                            \
+        tern_gdn_recurrence_body<D, R, P, false, SCATTER>(a, nullptr);                                   \
     }
-#define TERN_GDN_RECURRENCE(D, R, P) TERN_GDN_RECURRENCE_KERNEL(D, R, P, __launch_bounds__(128))
-#define TERN_GDN_RECURRENCE_FULL(D, R, P) TERN_GDN_RECURRENCE_KERNEL(D, R, P, __launch_bounds__(128, 8))
+#define TERN_GDN_RECURRENCE(D, R, P) TERN_GDN_RECURRENCE_KERNEL(D, R, P, __launch_bounds__(128), false, )
+#define TERN_GDN_RECURRENCE_S(D, R, P) TERN_GDN_RECURRENCE_KERNEL(D, R, P, __launch_bounds__(128), true, _s)
+#define TERN_GDN_RECURRENCE_FULL(D, R, P) TERN_GDN_RECURRENCE_KERNEL(D, R, P, __launch_bounds__(128, 8), false, )
 // The fused form: 8 rows per warp, a block of dv / 8 warps per (sequence, head).
-#define TERN_GDN_RECURRENCE_FUSED(D, MIN_BLOCKS)                                                         \
+#define TERN_GDN_RECURRENCE_FUSED(D, MIN_BLOCKS, SCATTER, SUFFIX)                                        \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GDN_FUSED_MAX_DV / 8, MIN_BLOCKS)             \
-        tern_gdn_recurrence_fused_dk##D(const tern_gdn_recurrence_args a) {                              \
+        tern_gdn_recurrence_fused_dk##D##SUFFIX(const tern_gdn_recurrence_args a) {                      \
         tern_await_prior_kernel();                                                                       \
         __shared__ float o_smem[2 * TERN_GDN_FUSED_MAX_DV];                                              \
-        tern_gdn_recurrence_body<D, 8, 1, true>(a, o_smem);                                              \
+        tern_gdn_recurrence_body<D, 8, 1, true, SCATTER>(a, o_smem);                                     \
     }
 #define TERN_GDN_RECURRENCE_D(D, ONE_GROUP, FUSED_MIN_BLOCKS)                                             \
     ONE_GROUP(D, 1, 1) ONE_GROUP(D, 2, 1) ONE_GROUP(D, 4, 1) ONE_GROUP(D, 8, 1)                          \
     TERN_GDN_RECURRENCE(D, 2, 2) TERN_GDN_RECURRENCE(D, 4, 2) TERN_GDN_RECURRENCE(D, 8, 2)              \
-    TERN_GDN_RECURRENCE(D, 2, 4) TERN_GDN_RECURRENCE(D, 4, 4) TERN_GDN_RECURRENCE_FUSED(D, FUSED_MIN_BLOCKS)
+    TERN_GDN_RECURRENCE(D, 2, 4) TERN_GDN_RECURRENCE(D, 4, 4) TERN_GDN_RECURRENCE_FUSED(D, FUSED_MIN_BLOCKS, false, ) \
+    TERN_GDN_RECURRENCE_S(D, 8, 1) TERN_GDN_RECURRENCE_S(D, 8, 2) TERN_GDN_RECURRENCE_FUSED(D, FUSED_MIN_BLOCKS, true, _s)
 TERN_GDN_RECURRENCE_D(32, TERN_GDN_RECURRENCE, 1)
 TERN_GDN_RECURRENCE_D(64, TERN_GDN_RECURRENCE, 1)
 TERN_GDN_RECURRENCE_D(128, TERN_GDN_RECURRENCE, 1)
@@ -308,4 +364,5 @@ TERN_GDN_RECURRENCE_D(256, TERN_GDN_RECURRENCE, 1)
 #undef TERN_GDN_RECURRENCE_FUSED
 #undef TERN_GDN_RECURRENCE_FULL
 #undef TERN_GDN_RECURRENCE
+#undef TERN_GDN_RECURRENCE_S
 #undef TERN_GDN_RECURRENCE_KERNEL

@@ -415,6 +415,34 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
                 assert_bits_eq(&format!("variant {rows:?}, {warps} warps a block (states)"), &gpu.download(&p).unwrap(), &scan_pool);
             }
         }
+        // The scatter sums of the 8-row forms, as a scan and as decode steps, the same bits.
+        kr.set_recurrence_block_warps(RECURRENCE_BLOCK_WARPS).unwrap();
+        kr.set_scatter_sums(true);
+        for rows in [(8, 1), (8, 2)] {
+            kr.set_recurrence_variant(Some(rows)).unwrap();
+            let mut p = up(&pool);
+            let mut o = nan(&gpu, tokens * v_row);
+            kr.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut p), &mut o).unwrap();
+            assert_bits_eq(&format!("variant {rows:?} with scatter sums (outputs)"), &gpu.download(&o).unwrap(), &scan_out);
+            assert_bits_eq(&format!("variant {rows:?} with scatter sums (states)"), &gpu.download(&p).unwrap(), &scan_pool);
+        }
+        {
+            let mut p = up(&pool);
+            let step_slots: Vec<usize> = slots.clone();
+            // The first token of each sequence as one decode step, against the plain kernels'.
+            let firsts: Vec<usize> = segments.iter().map(|s| s.start).collect();
+            let gather = |v: &[f32], w: usize| firsts.iter().flat_map(|&t| v[t * w..(t + 1) * w].iter().copied()).collect::<Vec<f32>>();
+            let (sq, sk, sv, sg, sb) = (up(&gather(&x.q, qk_row)), up(&gather(&x.k, qk_row)), up(&gather(&x.v, v_row)), up(&gather(&x.g, nv)), up(&gather(&x.beta, nv)));
+            let step = GpuDeltaRuleInputs { q: Rows::contiguous(&sq, qk_row), k: Rows::contiguous(&sk, qk_row), v: Rows::contiguous(&sv, v_row), g: &sg, beta: &sb, normalize_qk, fused: None };
+            let dsegs = GpuSegments::decode(&gpu, &step_slots).unwrap();
+            let mut o = nan(&gpu, n * v_row);
+            kr.set_recurrence_variant(None).unwrap();
+            kr.delta_rule(&heads, &step, &dsegs, GpuStates::Pool(&mut p), &mut o).unwrap();
+            let (mut p0, mut o0) = (up(&pool), nan(&gpu, n * v_row));
+            k.delta_rule(&heads, &step, &dsegs, GpuStates::Pool(&mut p0), &mut o0).unwrap();
+            assert_bits_eq("a decode step with scatter sums (outputs)", &gpu.download(&o).unwrap(), &gpu.download(&o0).unwrap());
+            assert_bits_eq("a decode step with scatter sums (states)", &gpu.download(&p).unwrap(), &gpu.download(&p0).unwrap());
+        }
         eprintln!("recurrence nk {nk} nv {nv} dk {d} dv {d_v} {key_head:?} l2qk {normalize_qk}: {tokens} decode steps == scan, bit for bit");
     }
 }
@@ -711,6 +739,16 @@ fn cuda_fused_recurrence_equals_gates_recurrence_norm() {
         }
         let got = gpu.download(&out).unwrap();
         assert_bits_eq("fused recurrence vs three kernels (outputs)", &got, &three);
+        // The fused form with the scatter sums: the same bits.
+        {
+            let mut ks = GatedDeltaCuda::new(gpu.clone()).unwrap();
+            ks.set_scatter_sums(true);
+            let mut p = gpu.upload(&pool).unwrap();
+            let mut o = nan(&gpu, tokens * v_row);
+            ks.delta_rule(&heads, &x, &segs, GpuStates::Pool(&mut p), &mut o).unwrap();
+            assert_bits_eq("fused recurrence with scatter sums vs three kernels (outputs)", &gpu.download(&o).unwrap(), &three);
+            assert_bits_eq("fused recurrence with scatter sums vs three kernels (states)", &gpu.download(&p).unwrap(), &three_pool);
+        }
         let mut es = 0.0f64;
         for (i, &s) in slots.iter().enumerate() {
             let st = gpu.download(&own[i]).unwrap();
