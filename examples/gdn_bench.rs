@@ -17,7 +17,7 @@
 //! the layer must move (q, k, v read and the output written once, f32) at the copy bandwidth.
 
 use tern::cuda::Gpu;
-use tern::kernels::gated_delta::cuda::{ChunkAccumulate, CHUNK_STATE_ROWS, FAST_VARIANT, FAST_VARIANTS, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
+use tern::kernels::gated_delta::cuda::{ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, FAST_VARIANT, FAST_VARIANTS, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
@@ -192,7 +192,7 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             let fused = FusedGatesNorm { dt_bias: &dt_bias, a: &a, z: Rows { buf: &z, offset: 0, stride: nv * heads.d_v }, norm: &norm, eps: 1e-6 };
             let x = GpuDeltaRuleInputs { fused: Some(fused), ..inputs(heads, &l) };
             // Then the same with the rows' sums by scatter (`fused_s`: the same bits).
-            for scatter in [false, true] {
+            for scatter in [ScatterSums::Off, ScatterSums::On] {
                 k.set_scatter_sums(scatter);
                 let ms = time_ms(gpu, 2, 15, |i| {
                     for s in 0..inner {
@@ -200,14 +200,18 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
                     }
                     Ok(())
                 })? / inner as f64;
-                report(b, if scatter { "fused_s" } else { "fused" }, ms);
+                report(b, if scatter == ScatterSums::On { "fused_s" } else { "fused" }, ms);
             }
-            k.set_scatter_sums(false);
+            k.set_scatter_sums(ScatterSums::Off);
         }
         // The default form replayed from a graph of `inner` steps, as fla's kernels are timed;
-        // then with the scatter sums (`graph_s`).
-        for scatter in [false, true] {
+        // then with the scatter sums (`graph_s`), and the (8, 1) form with them in 64 registers
+        // (`graph_s64`).
+        for (scatter, name) in [(ScatterSums::Off, "graph"), (ScatterSums::On, "graph_s"), (ScatterSums::Registers64, "graph_s64")] {
             k.set_scatter_sums(scatter);
+            if scatter == ScatterSums::Registers64 {
+                k.set_recurrence_variant(Some((8, 1)))?;
+            }
             let mut n = 0usize;
             if let Some(ms) = time_graph_ms(gpu, 15, || {
                 for _ in 0..inner {
@@ -216,10 +220,11 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
                 }
                 Ok(())
             })? {
-                report(b, if scatter { "graph_s" } else { "graph" }, ms / inner as f64);
+                report(b, name, ms / inner as f64);
             }
         }
-        k.set_scatter_sums(false);
+        k.set_scatter_sums(ScatterSums::Off);
+        k.set_recurrence_variant(None)?;
         // The default (rows per warp chosen by batch), then every variant in every block size.
         let runs = std::iter::once((None, RECURRENCE_BLOCK_WARPS)).chain(RECURRENCE_VARIANTS.into_iter().flat_map(|r| RECURRENCE_BLOCK_WARP_CHOICES.map(|w| (Some(r), w))));
         for (rows, warps) in runs {
@@ -233,18 +238,22 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             })? / inner as f64;
             report(b, &rows.map_or("default".into(), |r| format!("{}x{}w{}", r.0, r.1, warps)), ms);
         }
-        // The default with the scatter sums, stream-launched (`default_s`).
-        k.set_recurrence_variant(None)?;
+        // With the scatter sums, stream-launched: the default (`default_s`), the (8, 1) and
+        // (8, 2) forms (`8x1_s`, `8x2_s`) and (8, 1) in 64 registers (`8x1_s64`).
         k.set_recurrence_block_warps(RECURRENCE_BLOCK_WARPS)?;
-        k.set_scatter_sums(true);
-        let ms = time_ms(gpu, 2, 15, |i| {
-            for s in 0..inner {
-                k.delta_rule(heads, &x, &segs[(i * inner + s) % rot], GpuStates::Pool(&mut pool), &mut out)?;
-            }
-            Ok(())
-        })? / inner as f64;
-        report(b, "default_s", ms);
-        k.set_scatter_sums(false);
+        for (rows, scatter, name) in [(None, ScatterSums::On, "default_s"), (Some((8, 1)), ScatterSums::On, "8x1_s"), (Some((8, 2)), ScatterSums::On, "8x2_s"), (Some((8, 1)), ScatterSums::Registers64, "8x1_s64")] {
+            k.set_recurrence_variant(rows)?;
+            k.set_scatter_sums(scatter);
+            let ms = time_ms(gpu, 2, 15, |i| {
+                for s in 0..inner {
+                    k.delta_rule(heads, &x, &segs[(i * inner + s) % rot], GpuStates::Pool(&mut pool), &mut out)?;
+                }
+                Ok(())
+            })? / inner as f64;
+            report(b, name, ms);
+        }
+        k.set_scatter_sums(ScatterSums::Off);
+        k.set_recurrence_variant(None)?;
     }
 
     k.set_recurrence_variant(None)?;

@@ -309,11 +309,12 @@ pub struct GatedDeltaCuda {
     recurrence: Vec<(usize, (usize, usize), CudaFunction)>,
     recurrence_fused: Vec<(usize, CudaFunction)>,
     /// The 8-row forms and the fused one with the scatter sums (`SCATTER` in recurrence.cu),
-    /// by d_k: [(8, 1), (8, 2), fused].
-    recurrence_scatter: Vec<(usize, [CudaFunction; 3])>,
-    /// Whether the forms that have them take the scatter sums: the same bits with fewer
-    /// shuffles; TERN_GDN_SCATTER=1 (opt-in until timed on a GPU).
-    scatter: bool,
+    /// by d_k: [(8, 1), (8, 2), fused], and (8, 1) bounded to 64 registers (d_k <= 128).
+    recurrence_scatter: Vec<(usize, [CudaFunction; 3], Option<CudaFunction>)>,
+    /// Whether the forms that have them take the scatter sums (the same bits with fewer
+    /// shuffles), and the (8, 1) form its 64-register kernel: TERN_GDN_SCATTER=1 / =64 (opt-in
+    /// until timed on a GPU).
+    scatter: ScatterSums,
     /// None: [`RECURRENCE_VARIANT`], or [`RECURRENCE_VARIANT_MANY`] for a large decode step.
     recurrence_variant: Option<(usize, usize)>,
     recurrence_block_warps: u32,
@@ -333,6 +334,19 @@ pub struct GatedDeltaCuda {
     /// Shared with the graphs of the steps that used it: a recorded prefill holds its address,
     /// so growing it (for a longer prompt) must not free it under such a graph.
     chunk_scratch: Mutex<Option<Arc<CudaSlice<f32>>>>,
+}
+
+/// How the recurrence sums a warp's rows ([`GatedDeltaCuda::set_scatter_sums`]); the same bits
+/// in every form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScatterSums {
+    /// One butterfly a row.
+    Off,
+    /// By scatter (`SCATTER` in recurrence.cu) in the 8-row and fused forms.
+    On,
+    /// By scatter, and the (8, 1) form bounded to 64 registers (8 blocks a multiprocessor)
+    /// where d_k <= 128.
+    Registers64,
 }
 
 /// Accumulator precision of the f32-storage chunked prefill.
@@ -604,6 +618,7 @@ impl GatedDeltaCuda {
             recurrence_scatter.push((
                 d,
                 [f(format!("tern_gdn_recurrence_dk{d}_r8_g1_s"))?, f(format!("tern_gdn_recurrence_dk{d}_r8_g2_s"))?, f(format!("tern_gdn_recurrence_fused_dk{d}_s"))?],
+                if d <= 128 { Some(f(format!("tern_gdn_recurrence_dk{d}_r8_g1_s64"))?) } else { None },
             ));
         }
         let with_smem = |src: &KernelSource, name: &str, smem: usize| -> Result<CudaFunction> {
@@ -654,7 +669,11 @@ impl GatedDeltaCuda {
             recurrence,
             recurrence_fused,
             recurrence_scatter,
-            scatter: std::env::var("TERN_GDN_SCATTER").is_ok_and(|v| v == "1"),
+            scatter: match std::env::var("TERN_GDN_SCATTER").as_deref() {
+                Ok("1") => ScatterSums::On,
+                Ok("64") => ScatterSums::Registers64,
+                _ => ScatterSums::Off,
+            },
             recurrence_variant: None,
             recurrence_block_warps: RECURRENCE_BLOCK_WARPS,
             gpu,
@@ -706,8 +725,8 @@ impl GatedDeltaCuda {
     /// Whether the recurrence's 8-row forms and its fused form sum their rows by scatter
     /// (`SCATTER` in recurrence.cu) rather than one butterfly a row: the same bits, fewer
     /// shuffles; the other forms keep the butterflies.
-    pub fn set_scatter_sums(&mut self, on: bool) {
-        self.scatter = on;
+    pub fn set_scatter_sums(&mut self, how: ScatterSums) {
+        self.scatter = how;
     }
 
     /// Warps per block of the unfused recurrence (one of [`RECURRENCE_BLOCK_WARP_CHOICES`]);
@@ -911,15 +930,19 @@ impl GatedDeltaCuda {
                 if decode && segs.n_seqs() >= MANY_DECODE_SEQS { RECURRENCE_VARIANT_MANY } else { RECURRENCE_VARIANT }
             }),
         };
-        let scatter = if self.scatter { self.recurrence_scatter.iter().find(|(d, _)| *d == heads.d_k).map(|(_, fs)| fs) } else { None };
+        let scatter = match self.scatter {
+            ScatterSums::Off => None,
+            _ => self.recurrence_scatter.iter().find(|(d, _, _)| *d == heads.d_k).map(|(_, fs, f64)| (fs, f64)),
+        };
         let f = match (x.fused.is_some(), scatter) {
             (true, _) if heads.d_v > FUSED_MAX_DV => {
                 return Err(Error::Shape(format!("delta_rule fused on CUDA: d_v = {} (at most {FUSED_MAX_DV})", heads.d_v)))
             }
-            (true, Some(fs)) => Some(&fs[2]),
+            (true, Some((fs, _))) => Some(&fs[2]),
             (true, None) => self.recurrence_fused.iter().find(|(d, _)| *d == heads.d_k).map(|(_, f)| f),
-            (false, Some(fs)) if (rows, per_warp) == (8, 1) => Some(&fs[0]),
-            (false, Some(fs)) if (rows, per_warp) == (8, 2) => Some(&fs[1]),
+            (false, Some((_, Some(f64)))) if (rows, per_warp) == (8, 1) && self.scatter == ScatterSums::Registers64 => Some(f64),
+            (false, Some((fs, _))) if (rows, per_warp) == (8, 1) => Some(&fs[0]),
+            (false, Some((fs, _))) if (rows, per_warp) == (8, 2) => Some(&fs[1]),
             (false, _) => self.recurrence.iter().find(|(d, v, _)| *d == heads.d_k && *v == (rows, per_warp)).map(|(_, _, f)| f),
         };
         let f = f.ok_or_else(|| Error::Shape(format!("delta_rule on CUDA: d_k = {} (supported: 32, 64, 128, 256)", heads.d_k)))?;

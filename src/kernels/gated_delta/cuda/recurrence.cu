@@ -335,6 +335,9 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
 //
 // SCATTER (kernels _s: the 8-row forms and the fused one): the rows' sums by
 // tern_gdn_rows_sum; the same bits, fewer shuffles. Opt-in until timed (TERN_GDN_SCATTER=1).
+// With them the one-group 8-row form fits 64 registers without spilling at d_k <= 128 (the
+// butterflies' form spills 16 bytes there): _s64, bounded to 8 blocks a multiprocessor (32
+// warps, the occupancy of fla's recurrence), TERN_GDN_SCATTER=64.
 #define TERN_GDN_RECURRENCE_KERNEL(D, R, P, BOUNDS, SCATTER, SUFFIX)                                     \
     extern "C" __global__ void BOUNDS tern_gdn_recurrence_dk##D##_r##R##_g##P##SUFFIX(const tern_gdn_recurrence_args a) { \
         tern_await_prior_kernel();                                                                       \
@@ -356,13 +359,18 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
     TERN_GDN_RECURRENCE(D, 2, 2) TERN_GDN_RECURRENCE(D, 4, 2) TERN_GDN_RECURRENCE(D, 8, 2)              \
     TERN_GDN_RECURRENCE(D, 2, 4) TERN_GDN_RECURRENCE(D, 4, 4) TERN_GDN_RECURRENCE_FUSED(D, FUSED_MIN_BLOCKS, false, ) \
     TERN_GDN_RECURRENCE_S(D, 8, 1) TERN_GDN_RECURRENCE_S(D, 8, 2) TERN_GDN_RECURRENCE_FUSED(D, FUSED_MIN_BLOCKS, true, _s)
+#define TERN_GDN_RECURRENCE_S64(D) TERN_GDN_RECURRENCE_KERNEL(D, 8, 1, __launch_bounds__(128, 8), true, _s64)
 TERN_GDN_RECURRENCE_D(32, TERN_GDN_RECURRENCE, 1)
 TERN_GDN_RECURRENCE_D(64, TERN_GDN_RECURRENCE, 1)
 TERN_GDN_RECURRENCE_D(128, TERN_GDN_RECURRENCE, 1)
 TERN_GDN_RECURRENCE_D(256, TERN_GDN_RECURRENCE, 1)
+TERN_GDN_RECURRENCE_S64(32)
+TERN_GDN_RECURRENCE_S64(64)
+TERN_GDN_RECURRENCE_S64(128)
 #undef TERN_GDN_RECURRENCE_D
 #undef TERN_GDN_RECURRENCE_FUSED
 #undef TERN_GDN_RECURRENCE_FULL
 #undef TERN_GDN_RECURRENCE
 #undef TERN_GDN_RECURRENCE_S
+#undef TERN_GDN_RECURRENCE_S64
 #undef TERN_GDN_RECURRENCE_KERNEL

@@ -417,14 +417,14 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
         }
         // The scatter sums of the 8-row forms, as a scan and as decode steps, the same bits.
         kr.set_recurrence_block_warps(RECURRENCE_BLOCK_WARPS).unwrap();
-        kr.set_scatter_sums(true);
-        for rows in [(8, 1), (8, 2)] {
+        for (rows, how) in [((8, 1), ScatterSums::On), ((8, 2), ScatterSums::On), ((8, 1), ScatterSums::Registers64)] {
+            kr.set_scatter_sums(how);
             kr.set_recurrence_variant(Some(rows)).unwrap();
             let mut p = up(&pool);
             let mut o = nan(&gpu, tokens * v_row);
             kr.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut p), &mut o).unwrap();
-            assert_bits_eq(&format!("variant {rows:?} with scatter sums (outputs)"), &gpu.download(&o).unwrap(), &scan_out);
-            assert_bits_eq(&format!("variant {rows:?} with scatter sums (states)"), &gpu.download(&p).unwrap(), &scan_pool);
+            assert_bits_eq(&format!("variant {rows:?} with scatter sums {how:?} (outputs)"), &gpu.download(&o).unwrap(), &scan_out);
+            assert_bits_eq(&format!("variant {rows:?} with scatter sums {how:?} (states)"), &gpu.download(&p).unwrap(), &scan_pool);
         }
         {
             let mut p = up(&pool);
@@ -742,7 +742,7 @@ fn cuda_fused_recurrence_equals_gates_recurrence_norm() {
         // The fused form with the scatter sums: the same bits.
         {
             let mut ks = GatedDeltaCuda::new(gpu.clone()).unwrap();
-            ks.set_scatter_sums(true);
+            ks.set_scatter_sums(ScatterSums::On);
             let mut p = gpu.upload(&pool).unwrap();
             let mut o = nan(&gpu, tokens * v_row);
             ks.delta_rule(&heads, &x, &segs, GpuStates::Pool(&mut p), &mut o).unwrap();
