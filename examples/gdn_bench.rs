@@ -16,7 +16,7 @@
 //! timed without its sequential pass; the fast mode's time is set against the fewest bytes
 //! the layer must move (q, k, v read and the output written once, f32) at the copy bandwidth.
 
-use tern::cuda::Gpu;
+use tern::cuda::{CudaSlice, Gpu};
 use tern::kernels::gated_delta::cuda::{ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, FAST_VARIANT, FAST_VARIANTS, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
@@ -139,6 +139,19 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// Milliseconds of one decode step: the median run of `inner` steps, each on the next of the
+/// rotating slot sets `segs`.
+#[allow(clippy::too_many_arguments)]
+fn steps_ms(gpu: &Gpu, k: &GatedDeltaCuda, heads: &DeltaRuleHeads, x: &GpuDeltaRuleInputs, segs: &[GpuSegments], pool: &mut CudaSlice<f32>, out: &mut CudaSlice<f32>, inner: usize) -> Result<f64> {
+    let ms = time_ms(gpu, 2, 15, |i| {
+        for s in 0..inner {
+            k.delta_rule(heads, x, &segs[(i * inner + s) % segs.len()], GpuStates::Pool(&mut *pool), &mut *out)?;
+        }
+        Ok(())
+    })?;
+    Ok(ms / inner as f64)
+}
+
 fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut Lcg, copy_bw: f64) -> Result<()> {
     let state_bytes = heads.state_len() * 4;
     println!("\ndecode (one token per sequence, fused L2 norm of q/k, state f32 [32][128][128] per sequence)");
@@ -194,12 +207,7 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             // Then the same with the rows' sums by scatter (`fused_s`: the same bits).
             for scatter in [ScatterSums::Off, ScatterSums::On] {
                 k.set_scatter_sums(scatter);
-                let ms = time_ms(gpu, 2, 15, |i| {
-                    for s in 0..inner {
-                        k.delta_rule(heads, &x, &segs[(i * inner + s) % rot], GpuStates::Pool(&mut pool), &mut out)?;
-                    }
-                    Ok(())
-                })? / inner as f64;
+                let ms = steps_ms(gpu, k, heads, &x, &segs, &mut pool, &mut out, inner)?;
                 report(b, if scatter == ScatterSums::On { "fused_s" } else { "fused" }, ms);
             }
             k.set_scatter_sums(ScatterSums::Off);
@@ -230,12 +238,7 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
         for (rows, warps) in runs {
             k.set_recurrence_variant(rows)?;
             k.set_recurrence_block_warps(warps)?;
-            let ms = time_ms(gpu, 2, 15, |i| {
-                for s in 0..inner {
-                    k.delta_rule(heads, &x, &segs[(i * inner + s) % rot], GpuStates::Pool(&mut pool), &mut out)?;
-                }
-                Ok(())
-            })? / inner as f64;
+            let ms = steps_ms(gpu, k, heads, &x, &segs, &mut pool, &mut out, inner)?;
             report(b, &rows.map_or("default".into(), |r| format!("{}x{}w{}", r.0, r.1, warps)), ms);
         }
         // With the scatter sums, stream-launched: the default (`default_s`), the (8, 1) and
@@ -244,12 +247,7 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
         for (rows, scatter, name) in [(None, ScatterSums::On, "default_s"), (Some((8, 1)), ScatterSums::On, "8x1_s"), (Some((8, 2)), ScatterSums::On, "8x2_s"), (Some((8, 1)), ScatterSums::Registers64, "8x1_s64")] {
             k.set_recurrence_variant(rows)?;
             k.set_scatter_sums(scatter);
-            let ms = time_ms(gpu, 2, 15, |i| {
-                for s in 0..inner {
-                    k.delta_rule(heads, &x, &segs[(i * inner + s) % rot], GpuStates::Pool(&mut pool), &mut out)?;
-                }
-                Ok(())
-            })? / inner as f64;
+            let ms = steps_ms(gpu, k, heads, &x, &segs, &mut pool, &mut out, inner)?;
             report(b, name, ms);
         }
         k.set_scatter_sums(ScatterSums::Off);
