@@ -28,12 +28,13 @@ const FAST_MOE_BOUND: f64 = 2e-2;
 const LOGIT_BOUND: f64 = 1e-4;
 /// Where one rounding of the input embeddings moves a step's CPU logits by `spread`, the step
 /// is that ill-conditioned, and the GPU's logits (other summation orders, every op) may differ
-/// from the CPU's by this many times `spread` before the bound above is exceeded. Measured: a
-/// random tiny model's decode step can turn one rounding into 1.4e-4 of the logit scale (a
-/// gated-delta head whose output is a small remainder of large terms, normalised to unit size,
-/// layer after layer); the GPU then differs by 0.97-1.0 times that spread, where well
-/// conditioned steps stay at ~1e-6.
-const SPREAD_FACTOR: f64 = 4.0;
+/// from the CPU's by this many times `spread` before the bound above is exceeded. Measured on
+/// hostcuda: a random tiny model's decode step can turn one rounding into 1.4e-4 of the logit
+/// scale (a gated-delta head whose output is a small remainder of large terms, normalised to
+/// unit size, layer after layer), and the GPU then differs by 0.97-1.0 times that spread; over
+/// 24 prompts of dense-tied (17 steps each) the ratio ranged 0.5-3.7, the high end only where
+/// both lie near 1e-5 (the GPU rounds at every op, the nudge only once).
+const SPREAD_FACTOR: f64 = 8.0;
 
 fn fixture(rel: &str) -> PathBuf {
     let here = PathBuf::from("tests/fixtures/qwen35").join(rel);
@@ -434,3 +435,4 @@ fn cuda_moe_sort_slots_matches_the_host_sort() {
     assert!(moe.sort_slots(&dids, 2, 1025).is_err());
     assert!(moe.sort_slots(&dids, 3, 4).is_err(), "2 ids are not rows of top-3");
 }
+
