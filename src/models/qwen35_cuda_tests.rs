@@ -435,4 +435,3 @@ fn cuda_moe_sort_slots_matches_the_host_sort() {
     assert!(moe.sort_slots(&dids, 2, 1025).is_err());
     assert!(moe.sort_slots(&dids, 3, 4).is_err(), "2 ids are not rows of top-3");
 }
-
