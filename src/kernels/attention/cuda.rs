@@ -521,8 +521,8 @@ impl KvForm {
     pub const ALL: [KvForm; 4] = [
         KvForm { splits: KV_SPLITS, warps: KV_WARPS },
         KvForm { splits: KV_MAX_SPLITS, warps: KV_WARPS },
-        KvForm { splits: KV_SPLITS, warps: 16 },
-        KvForm { splits: KV_MAX_SPLITS, warps: 16 },
+        KvForm { splits: KV_SPLITS, warps: KV_WARPS_WIDE },
+        KvForm { splits: KV_MAX_SPLITS, warps: KV_WARPS_WIDE },
     ];
 
     /// The default form, or what TERN_KV_SPLITS=16 / TERN_KV_WARPS=16 ask.
@@ -530,7 +530,7 @@ impl KvForm {
         let sixteen = |name| std::env::var(name).is_ok_and(|v| v == "16");
         KvForm {
             splits: if sixteen("TERN_KV_SPLITS") { KV_MAX_SPLITS } else { KV_SPLITS },
-            warps: if sixteen("TERN_KV_WARPS") { 16 } else { KV_WARPS },
+            warps: if sixteen("TERN_KV_WARPS") { KV_WARPS_WIDE } else { KV_WARPS },
         }
     }
 }
@@ -543,6 +543,8 @@ const KV_MAX_SPLITS: usize = 16;
 
 /// Warps per block of tern_kv_attention (TERN_KV_WARPS in kv.cu).
 const KV_WARPS: usize = 4;
+/// Warps per block of tern_kv_attention_p{PER}_w16.
+const KV_WARPS_WIDE: usize = 16;
 /// Key ranges each (row, head) of tern_kv_attention is split into. A constant, so that a row's
 /// ranges — and so its bits — depend on its own keys only, never on the other sequences of its
 /// batch or on their caches (a sequence decodes the same alone and in a server's batch); and
@@ -749,7 +751,7 @@ impl KvAttentionCuda {
         let partial = g.alloc::<f32>(if splits > 1 { rows * q_heads * splits * (hd + 2) } else { 1 })?;
         let counters = g.zeros::<u32>(rows * q_heads)?;
         // hd <= MAX_HEAD_DIM = 32 · the last lane count (checked above).
-        let kernels = if warps == 16 { &self.attend_w16 } else { &self.attend };
+        let kernels = if warps == KV_WARPS_WIDE { &self.attend_w16 } else { &self.attend };
         let attend = KV_LANE_VALUES.iter().position(|&per| 32 * per >= hd).map(|at| &kernels[at]).expect("hd <= MAX_HEAD_DIM");
         let mut l = g.launch_builder(attend);
         l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld);
@@ -786,6 +788,9 @@ mod tests {
         }
         assert_eq!(code.matches("\nTERN_KV_ATTENTION(").count(), KV_LANE_VALUES.len());
         assert!(code.contains(&format!("#define TERN_KV_MAX_SPLITS {KV_MAX_SPLITS}\n")));
+        // Block sizes: the launcher's warps are the kernels' (and the wide form's bound).
+        assert!(code.contains(&format!("#define TERN_KV_WARPS {KV_WARPS}\n")));
+        assert!(code.contains(&format!("_w16, PER, KB, {KV_WARPS_WIDE}, __launch_bounds__({})", 32 * KV_WARPS_WIDE)));
         assert_eq!(32 * KV_LANE_VALUES[KV_LANE_VALUES.len() - 1], MAX_HEAD_DIM);
     }
 
