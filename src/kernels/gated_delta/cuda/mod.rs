@@ -326,7 +326,8 @@ pub struct GatedDeltaCuda {
     /// Benchmark aid: stop the chunked prefill after its parallel pass (the result is then
     /// incomplete), so that the two passes can be timed apart.
     chunk_prepare_only: bool,
-    /// Fast mode: prepare kernels by (d_k, d_v, rows) and state kernels by (d_k, stages).
+    /// Fast mode: prepare kernels by (d_k, d_v, rows, compact, tiled) and state kernels by
+    /// (d_k, stages, late issue).
     tc_prepare: Vec<((usize, usize, usize, bool, bool), CudaFunction)>,
     tc_state: Vec<((usize, usize, bool), CudaFunction)>,
     fast_variant: FastVariant,
