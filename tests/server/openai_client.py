@@ -220,9 +220,13 @@ def test_backpressure_and_disconnect(a):
     while metric(a.busy_url, "tern_requests_in_flight") != 0:
         check(time.time() < deadline, "the closed stream still holds its slot")
         time.sleep(0.05)
+    # The round under way when the client left may still finish and count its one token (the
+    # slot is freed by the request's end, the sequence at the scheduler's next round); a
+    # scheduler that kept decoding would count a token every few milliseconds.
     before = metric(a.busy_url, "tern_completion_tokens_total")
     time.sleep(0.5)
-    check(metric(a.busy_url, "tern_completion_tokens_total") == before, "the scheduler kept decoding for a gone client")
+    after = metric(a.busy_url, "tern_completion_tokens_total")
+    check(after - before <= 1, f"the scheduler kept decoding for a gone client ({after - before} tokens in 0.5 s)")
     r = client.embeddings.create(model=a.embed_model, input="a")
     check(len(r.data) == 1, "served after the slot was freed")
     print("backpressure: 429 at the limit at once; a closed stream frees its slot and sequence")
