@@ -131,15 +131,18 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
         // (a key past j1 has zeros and its score is not used) and the same order of the
         // softmax updates: the same bits as the one-key loop.
         constexpr bool SCORES_FIRST = WARPS > 4;
+        // This lane's part of key u's dot product with the query.
+        const auto dot = [&](int u) {
+            float s = 0.0f;
+#pragma unroll
+            for (int t = 0; t < PER; ++t)
+                if (lane + 32 * t < hd) s += qs[lane + 32 * t] * kv[u][t];
+            return s;
+        };
         float sc[KB];
         if constexpr (SCORES_FIRST) {
 #pragma unroll
-            for (int u = 0; u < KB; ++u) {
-                sc[u] = 0.0f;
-#pragma unroll
-                for (int t = 0; t < PER; ++t)
-                    if (lane + 32 * t < hd) sc[u] += qs[lane + 32 * t] * kv[u][t];
-            }
+            for (int u = 0; u < KB; ++u) sc[u] = dot(u);
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
@@ -148,16 +151,7 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
 #pragma unroll
         for (int u = 0; u < KB; ++u) {
             if (jb + u * WARPS >= j1) break;
-            float s;
-            if constexpr (SCORES_FIRST) {
-                s = sc[u] * scale;
-            } else {
-                s = 0.0f;
-#pragma unroll
-                for (int t = 0; t < PER; ++t)
-                    if (lane + 32 * t < hd) s += qs[lane + 32 * t] * kv[u][t];
-                s = tern_warp_sum(s) * scale;
-            }
+            const float s = (SCORES_FIRST ? sc[u] : tern_warp_sum(dot(u))) * scale;
             const float m_new = fmaxf(m, s);
             // The first key: m is −inf, so the old terms get weight exp(−inf) = 0.
             const float corr = expf(m - m_new), p = expf(s - m_new);

@@ -304,11 +304,7 @@ __device__ __forceinline__ void tern_gdn_tc_block_row_tiled(const float* As, flo
     const int tid = threadIdx.x, j = tid >> 5, p = (tid >> 2) & 7, c0 = 4 * (tid & 3);
     const bool mine = tid < 32 * i;
     if (mine) {
-        float part[2][4];
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int u = 0; u < 4; u++) part[h][u] = 0.0f;
+        float part[2][4] = {};
         for (int kb = j; kb < i; kb++)
 #pragma unroll
             for (int m = 0; m < 16; m++) {
@@ -329,11 +325,7 @@ __device__ __forceinline__ void tern_gdn_tc_block_row_tiled(const float* As, flo
     if (mine) {
         // Row p sums T_ii[p][m] P[m] over m <= p, row p + 8 over m <= p + 8: terms past a row's
         // diagonal are skipped, not added as zeros (which could turn a -0 sum into +0).
-        float t[2][4];
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int u = 0; u < 4; u++) t[h][u] = 0.0f;
+        float t[2][4] = {};
         for (int m = 0; m <= p + 8; m++) {
             const float lo = m <= p ? Ts[(16 * i + p) * LDA + 16 * i + m] : 0.0f, hi = Ts[(16 * i + p + 8) * LDA + 16 * i + m];
 #pragma unroll

@@ -128,9 +128,14 @@ struct tern_gdn_recurrence_args {
 // plus its partner's for the same row), so the sum a lane ends with has the butterfly's bits.
 // Lane L ends with row L >> (5 - log2(ROWS)).
 template <int ROWS>
+struct tern_gdn_rows_log2 {
+    static constexpr int value = ROWS == 1 ? 0 : ROWS == 2 ? 1 : ROWS == 4 ? 2 : 3;
+    static_assert(ROWS == 1 << value, "rows a power of two up to 8");
+};
+
+template <int ROWS>
 __device__ __forceinline__ float tern_gdn_rows_sum(const float (&x)[ROWS]) {
-    constexpr int LOG = ROWS == 1 ? 0 : ROWS == 2 ? 1 : ROWS == 4 ? 2 : 3;
-    static_assert(ROWS == 1 << LOG, "rows a power of two up to 8");
+    constexpr int LOG = tern_gdn_rows_log2<ROWS>::value;
     const int lane = threadIdx.x & 31;
     float v[ROWS];
 #pragma unroll
@@ -174,43 +179,32 @@ __device__ __forceinline__ float tern_gdn_rows_token(float (&r)[ROWS][DK / 32], 
             part[m] += r[m][e] * kk[e];
         }
     }
+    // SCATTER: lane L holds the sums of row L >> SHIFT.
+    constexpr int SHIFT = 5 - tern_gdn_rows_log2<ROWS>::value;
+    float delta_mine = 0.0f;
+    if constexpr (SCATTER) delta_mine = (__shfl_sync(0xffffffffu, v_lane, lane >> SHIFT) - tern_gdn_rows_sum<ROWS>(part)) * b;
     float o[ROWS];
-    if constexpr (SCATTER) {
-        constexpr int SHIFT = ROWS == 1 ? 5 : ROWS == 2 ? 4 : ROWS == 4 ? 3 : 2;  // 5 - log2(ROWS)
-        const int mine = lane >> SHIFT;
-        const float delta_mine = (__shfl_sync(0xffffffffu, v_lane, mine) - tern_gdn_rows_sum<ROWS>(part)) * b;
 #pragma unroll
-        for (int m = 0; m < ROWS; m++) {
-            const float delta = __shfl_sync(0xffffffffu, delta_mine, m << SHIFT);
-            o[m] = 0.0f;
+    for (int m = 0; m < ROWS; m++) {
+        const float delta = SCATTER ? __shfl_sync(0xffffffffu, delta_mine, m << SHIFT)
+                                    : (__shfl_sync(0xffffffffu, v_lane, m) - tern_gdn_warp_sum(part[m])) * b;
+        o[m] = 0.0f;
 #pragma unroll
-            for (int e = 0; e < E; e++) {
-                r[m][e] += kk[e] * delta;
-                o[m] += r[m][e] * qq[e];
-            }
+        for (int e = 0; e < E; e++) {
+            r[m][e] += kk[e] * delta;
+            o[m] += r[m][e] * qq[e];
         }
-        return __shfl_sync(0xffffffffu, tern_gdn_rows_sum<ROWS>(o), (lane % ROWS) << SHIFT);
-    } else {
-#pragma unroll
-        for (int m = 0; m < ROWS; m++) {
-            const float delta = (__shfl_sync(0xffffffffu, v_lane, m) - tern_gdn_warp_sum(part[m])) * b;
-            o[m] = 0.0f;
-#pragma unroll
-            for (int e = 0; e < E; e++) {
-                r[m][e] += kk[e] * delta;
-                o[m] += r[m][e] * qq[e];
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < ROWS; m++) o[m] = tern_gdn_warp_sum(o[m]);
-        // Every lane has every row's output; lane m keeps row m's, selected without indexing o
-        // at run time (which would put it in local memory).
-        float o_lane = 0.0f;
-#pragma unroll
-        for (int m = 0; m < ROWS; m++)
-            if (lane == m) o_lane = o[m];
-        return o_lane;
     }
+    if constexpr (SCATTER) return __shfl_sync(0xffffffffu, tern_gdn_rows_sum<ROWS>(o), (lane % ROWS) << SHIFT);
+#pragma unroll
+    for (int m = 0; m < ROWS; m++) o[m] = tern_gdn_warp_sum(o[m]);
+    // Every lane has every row's output; lane m keeps row m's, selected without indexing o at
+    // run time (which would put it in local memory).
+    float o_lane = 0.0f;
+#pragma unroll
+    for (int m = 0; m < ROWS; m++)
+        if (lane == m) o_lane = o[m];
+    return o_lane;
 }
 
 // Value heads of at most this many rows take the fused form (one block per head, 8 rows per
