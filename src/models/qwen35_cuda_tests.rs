@@ -100,9 +100,9 @@ fn cuda_llm_ops_match_cpu() {
             let mut cpu_caches: Vec<_> = (0..3).map(|_| cpu.kv_cache(kw).unwrap()).collect();
             let mut gpu_caches: Vec<_> = (0..3).map(|_| ops.kv_cache(kw).unwrap()).collect();
             let mut past = vec![0usize; 3];
-            // The third call is a decode step (every sequence one row), whose own keys and values the
-            // attention kernel reads from the projection and appends itself.
-            // The other forms differ only in the decode kernel (not the prefill's flash kernels):
+            // The third call is a decode step (every sequence one row), whose own keys and values
+            // the attention kernel reads from the projection and appends itself. The forms after
+            // the first differ only in the decode kernel (not the prefill's flash kernels):
             // shorter prompts, which still give each warp of 16 one to four keys at once.
             let calls = if form == KvForm::ALL[0] { [[3usize, 270, 1], [1, 5, 300], [1, 1, 1]] } else { [[3, 160, 1], [1, 5, 120], [1, 1, 1]] };
             for lens in calls {

@@ -341,6 +341,8 @@ fn cuda_recurrence_matches_cpu_scan() {
 fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
     let gpu = gpu();
     let k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    let mut ks = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    ks.set_scatter_sums(ScatterSums::On);
     let mut rng = rng("cuda_recurrence_scan_equals_decode_steps_bit_for_bit");
     let cases = [(16usize, 32usize, 128usize, 128usize, KeyHeadMap::Grouped), (2, 4, 64, 64, KeyHeadMap::Tiled), (1, 2, 256, 256, KeyHeadMap::Grouped), (2, 6, 128, 44, KeyHeadMap::Tiled)];
     for (case, &(nk, nv, d, d_v, key_head)) in cases.iter().enumerate() {
@@ -366,8 +368,9 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
         let scan_out = gpu.download(&scan_out).unwrap();
         let scan_pool = gpu.download(&scan_pool).unwrap();
 
-        // The steps on the pool and on per-sequence buffers (an address table).
-        for own_buffers in [false, true] {
+        // The steps on the pool and on per-sequence buffers (an address table), and on the pool
+        // with the scatter sums (`ks`).
+        for (own_buffers, kd) in [(false, &k), (true, &k), (false, &ks)] {
             let mut step_pool = up(&pool);
             let mut own: Vec<CudaSlice<f32>> = slots.iter().map(|&s| up(&pool[s * sl..(s + 1) * sl])).collect();
             let mut step_out = vec![f32::NAN; tokens * v_row];
@@ -381,18 +384,18 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
                 if own_buffers {
                     let segs = GpuSegments::decode(&gpu, &(0..active.len()).collect::<Vec<_>>()).unwrap();
                     let mut refs: Vec<&mut CudaSlice<f32>> = own.iter_mut().enumerate().filter(|(s, _)| active.contains(s)).map(|(_, b)| b).collect();
-                    k.delta_rule(&heads, &inputs, &segs, GpuStates::Each(&mut refs), &mut o).unwrap();
+                    kd.delta_rule(&heads, &inputs, &segs, GpuStates::Each(&mut refs), &mut o).unwrap();
                 } else {
                     let step_slots: Vec<usize> = active.iter().map(|&s| slots[s]).collect();
                     let segs = GpuSegments::decode(&gpu, &step_slots).unwrap();
-                    k.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut step_pool), &mut o).unwrap();
+                    kd.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut step_pool), &mut o).unwrap();
                 }
                 let o = gpu.download(&o).unwrap();
                 for (i, &t) in rows.iter().enumerate() {
                     step_out[t * v_row..(t + 1) * v_row].copy_from_slice(&o[i * v_row..(i + 1) * v_row]);
                 }
             }
-            let how = format!("decode steps{} vs scan", if own_buffers { " (own buffers)" } else { "" });
+            let how = format!("decode steps{}{} vs scan", if own_buffers { " (own buffers)" } else { "" }, if std::ptr::eq(kd, &ks) { " with scatter sums" } else { "" });
             assert_bits_eq(&format!("{how} (outputs)"), &step_out, &scan_out);
             if own_buffers {
                 for (i, &s) in slots.iter().enumerate() {
@@ -415,7 +418,7 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
                 assert_bits_eq(&format!("variant {rows:?}, {warps} warps a block (states)"), &gpu.download(&p).unwrap(), &scan_pool);
             }
         }
-        // The scatter sums of the 8-row forms, as a scan and as decode steps, the same bits.
+        // The scatter sums of the 8-row forms as a scan (as decode steps above), the same bits.
         kr.set_recurrence_block_warps(RECURRENCE_BLOCK_WARPS).unwrap();
         for (rows, how) in [((8, 1), ScatterSums::On), ((8, 2), ScatterSums::On), ((8, 1), ScatterSums::Registers64)] {
             kr.set_scatter_sums(how);
@@ -425,23 +428,6 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
             kr.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut p), &mut o).unwrap();
             assert_bits_eq(&format!("variant {rows:?} with scatter sums {how:?} (outputs)"), &gpu.download(&o).unwrap(), &scan_out);
             assert_bits_eq(&format!("variant {rows:?} with scatter sums {how:?} (states)"), &gpu.download(&p).unwrap(), &scan_pool);
-        }
-        {
-            let mut p = up(&pool);
-            let step_slots: Vec<usize> = slots.clone();
-            // The first token of each sequence as one decode step, against the plain kernels'.
-            let firsts: Vec<usize> = segments.iter().map(|s| s.start).collect();
-            let gather = |v: &[f32], w: usize| firsts.iter().flat_map(|&t| v[t * w..(t + 1) * w].iter().copied()).collect::<Vec<f32>>();
-            let (sq, sk, sv, sg, sb) = (up(&gather(&x.q, qk_row)), up(&gather(&x.k, qk_row)), up(&gather(&x.v, v_row)), up(&gather(&x.g, nv)), up(&gather(&x.beta, nv)));
-            let step = GpuDeltaRuleInputs { q: Rows::contiguous(&sq, qk_row), k: Rows::contiguous(&sk, qk_row), v: Rows::contiguous(&sv, v_row), g: &sg, beta: &sb, normalize_qk, fused: None };
-            let dsegs = GpuSegments::decode(&gpu, &step_slots).unwrap();
-            let mut o = nan(&gpu, n * v_row);
-            kr.set_recurrence_variant(None).unwrap();
-            kr.delta_rule(&heads, &step, &dsegs, GpuStates::Pool(&mut p), &mut o).unwrap();
-            let (mut p0, mut o0) = (up(&pool), nan(&gpu, n * v_row));
-            k.delta_rule(&heads, &step, &dsegs, GpuStates::Pool(&mut p0), &mut o0).unwrap();
-            assert_bits_eq("a decode step with scatter sums (outputs)", &gpu.download(&o).unwrap(), &gpu.download(&o0).unwrap());
-            assert_bits_eq("a decode step with scatter sums (states)", &gpu.download(&p).unwrap(), &gpu.download(&p0).unwrap());
         }
         eprintln!("recurrence nk {nk} nv {nv} dk {d} dv {d_v} {key_head:?} l2qk {normalize_qk}: {tokens} decode steps == scan, bit for bit");
     }
