@@ -1,0 +1,250 @@
+//! How close a chain of one-row products can come to the copy rate when the chain is one
+//! persistent launch (examples/gemv_chain.cu) instead of a graph of launches: the question that
+//! decides whether a decode step of Qwen3.5-0.8B (~130 launches, ~0.4 of its weight roofline)
+//! can reach 80% of it without one kernel for the whole step.
+//!
+//!   cargo run --release --example gemv_chain_bench [layers=N] [ring=P,...] [grid=N] [reps=N]   (on a machine with an NVIDIA GPU)
+//!
+//! `grid=N` launches N blocks plainly instead of one a multiprocessor cooperatively: with N = 1
+//! the chain's logic runs on hostcuda (tools/hostcuda), which has no cooperative launch.
+//!
+//! The chain is the products of N (default 24) gated-delta layers of Qwen3.5-0.8B in bf16:
+//! input projections 8224 x 1024, output 1024 x 2048, gate|up 7168 x 1024, down 1024 x 3584,
+//! each layer's own weights (1.03 GB for 24 layers, far past the L2). Timed, against the copy
+//! rate of the same run:
+//! - `graph`: tern's GEMV kernels (Blas::linear), one launch a product, replayed from a graph
+//!   (as a decode step runs them);
+//! - `persistent ring=P`: one cooperative launch, each stage's input the previous stage's output
+//!   (a grid barrier between), each warp's weights streamed ahead into P pieces of 16 bytes a lane
+//!   of shared memory.
+//!
+//! The persistent chain's outputs are checked first against the products formed on the CPU in
+//! f64 from the same inputs (each stage from the GPU's output of the stage before), relative
+//! error ≤ 1e-5 for every stage, or the program fails.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use tern::cuda::{CudaSlice, Gpu, KernelSource};
+use tern::kernels::cuda_ops::{CudaOps, Precision};
+use tern::kernels::matmul::cuda::Blas;
+use tern::kernels::matmul::Weights;
+use tern::Result;
+
+const CHAIN: KernelSource = KernelSource { name: "tern_gemv_chain_experiment", code: include_str!("gemv_chain.cu") };
+const WARPS: usize = 8;
+
+fn err(e: impl std::fmt::Debug) -> tern::Error {
+    tern::Error::Cuda(format!("{e:?}"))
+}
+
+/// Median milliseconds of `reps` runs of `f` (after two untimed ones), by events.
+fn time_ms(gpu: &Gpu, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let (start, end) = (gpu.event()?, gpu.event()?);
+    f()?;
+    f()?;
+    gpu.synchronize()?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        start.record(gpu.stream()).map_err(err)?;
+        f()?;
+        end.record(gpu.stream()).map_err(err)?;
+        end.synchronize().map_err(err)?;
+        times.push(start.elapsed_ms(&end).map_err(err)? as f64);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[reps / 2])
+}
+
+/// `f` recorded once into a graph, then timed as replays of it.
+fn time_graph_ms(gpu: &Gpu, reps: usize, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let stream = gpu.stream();
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(err)?;
+    let queued = f();
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(err);
+    let graph = match (queued, graph) {
+        (Ok(()), Ok(Some(g))) => g,
+        (q, g) => return Err(err(format!("no graph recorded: {:?} / {:?}", q.err(), g.err()))),
+    };
+    time_ms(gpu, reps, || graph.launch().map_err(err))
+}
+
+struct Lcg(u64);
+impl Lcg {
+    /// Uniform in [-a, a).
+    fn next(&mut self, a: f32) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (((self.0 >> 40) as u32) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * a
+    }
+}
+
+fn bf16_to_f64(b: u16) -> f64 {
+    f32::from_bits((b as u32) << 16) as f64
+}
+
+struct Stage {
+    n: usize,
+    k: usize,
+    host: Vec<u16>,
+    w: CudaSlice<u16>,
+    y: CudaSlice<f32>,
+}
+
+/// One cooperative launch of the chain over `table` (clearing the arrival counter first).
+/// `grid` None: one block a multiprocessor as a cooperative launch; Some(n): n blocks, a plain
+/// launch (hostcuda, which runs blocks one after another, takes one block and no cooperative
+/// launch: a check of the ring's logic on a CPU).
+fn launch_chain(gpu: &Gpu, f: &cudarc::driver::CudaFunction, table: &CudaSlice<u64>, n_stages: i32, arrivals: &CudaSlice<u32>, ring: i32, x_max: i32, grid: (u32, bool), smem: u32) -> Result<()> {
+    let (grid, cooperative) = grid;
+    let (mut tp, mut ap) = (gpu.ptr(table), gpu.ptr(arrivals));
+    let (mut ns, mut rg, mut xm) = (n_stages, ring, x_max);
+    let mut params: [*mut std::ffi::c_void; 5] = [
+        &mut tp as *mut u64 as *mut _,
+        &mut ns as *mut i32 as *mut _,
+        &mut ap as *mut u64 as *mut _,
+        &mut rg as *mut i32 as *mut _,
+        &mut xm as *mut i32 as *mut _,
+    ];
+    gpu.context().bind_to_thread().map_err(err)?;
+    // SAFETY: the parameters match tern_gemv_chain's (a device pointer, int, device pointer,
+    // int, int); the table's stages point at buffers that outlive the launch; a zeroed
+    // attribute is valid and its id and value are set together.
+    unsafe {
+        sys::cuMemsetD32Async(ap, 0, 1, gpu.stream().cu_stream()).result().map_err(err)?;
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        attr.value.cooperative = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: (WARPS * 32) as u32,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: gpu.stream().cu_stream(),
+            attrs: &mut attr,
+            numAttrs: cooperative as std::ffi::c_uint,
+        };
+        sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result().map_err(err)?;
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let arg = |name: &str| std::env::args().find_map(|a| a.strip_prefix(&format!("{name}=")).map(str::to_string));
+    let layers: usize = arg("layers").map_or(24, |v| v.parse().expect("layers=N"));
+    let reps: usize = arg("reps").map_or(20, |v| v.parse().expect("reps=N"));
+    let plain_grid: Option<u32> = arg("grid").map(|v| v.parse().expect("grid=N"));
+    let rings: Vec<usize> = arg("ring").map_or(vec![16, 32, 48], |v| v.split(',').map(|r| r.parse().expect("ring=P,...")).collect());
+    let gpu: Arc<Gpu> = Gpu::new(0)?;
+    let sms = gpu.multiprocessors()?;
+    let copy_bw = CudaOps::new(gpu.clone(), Precision::F32)?.measure_copy_bandwidth(1 << 30)?;
+    let blas = Blas::new(gpu.clone(), false)?;
+    println!("# {} ({} SMs), copy bandwidth {:.0} GB/s, {layers} layers", gpu.name(), sms, copy_bw / 1e9);
+
+    // (out, in) of a gated-delta layer's products; each stage reads the first `in` outputs of
+    // the stage before (every `in` is at most the previous `out`).
+    let shapes = [(8224usize, 1024usize), (1024, 2048), (7168, 1024), (1024, 3584)];
+    let mut rng = Lcg(0x2545f4914f6cdd1d);
+    let mut stages = Vec::new();
+    for _ in 0..layers {
+        for &(n, k) in &shapes {
+            // Weights of ±sqrt(3 / k): each output keeps about the scale of its input.
+            let a = (3.0 / k as f32).sqrt();
+            let host: Vec<u16> = (0..n * k).map(|_| half::bf16::from_f32(rng.next(a)).to_bits()).collect();
+            let w = gpu.upload(&host)?;
+            let y = gpu.zeros::<f32>(n)?;
+            stages.push(Stage { n, k, host, w, y });
+        }
+    }
+    let x0_host: Vec<f32> = (0..shapes[0].1).map(|_| rng.next(1.0)).collect();
+    let x0 = gpu.upload(&x0_host)?;
+    let bytes: usize = stages.iter().map(|s| 2 * s.n * s.k).sum();
+    let x_max = stages.iter().map(|s| s.k).max().unwrap_or(0);
+
+    // The stage table, tern_chain_stage's layout: w, x, y (u64), then n, k (i32) in one u64.
+    let mut table = Vec::with_capacity(4 * stages.len());
+    for (i, s) in stages.iter().enumerate() {
+        let x = if i == 0 { gpu.ptr(&x0) } else { gpu.ptr(&stages[i - 1].y) };
+        table.extend_from_slice(&[gpu.ptr(&s.w), x, gpu.ptr(&s.y), (s.n as u64) | ((s.k as u64) << 32)]);
+    }
+    let table = gpu.upload(&table)?;
+    let arrivals = gpu.zeros::<u32>(1)?;
+    let f = gpu.function(&CHAIN, "tern_gemv_chain")?;
+    let report = |name: &str, ms: f64| {
+        let bw = bytes as f64 / (ms * 1e-3);
+        println!("{name:<22} {:>9.1} us {:>7.0} GB/s {:>6.3} of copy", ms * 1e3, bw / 1e9, bw / copy_bw);
+        println!("RESULT chain form={} layers={layers} us={:.2} gbps={:.1} copy_fraction={:.4}", name.replace(' ', "_"), ms * 1e3, bw / 1e9, bw / copy_bw);
+    };
+    println!("{} products, {:.1} MB of weights", stages.len(), bytes as f64 / 1e6);
+
+    for &ring in &rings {
+        let smem = x_max * 4 + WARPS * 32 * 16 * ring;
+        if ring * 256 < x_max {
+            println!("ring={ring}: a {x_max}-wide row does not fit; skipped");
+            continue;
+        }
+        use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN_SMEM;
+        f.set_attribute(MAX_DYN_SMEM, smem as i32).map_err(err)?;
+        let per_sm = f.occupancy_max_active_blocks_per_multiprocessor((WARPS * 32) as u32, smem, None).map_err(err)? as usize;
+        if per_sm == 0 {
+            println!("ring={ring}: {smem} bytes of shared memory leave no block resident; skipped");
+            continue;
+        }
+        let grid = plain_grid.map_or(((sms * per_sm) as u32, true), |g| (g, false));
+        let n_stages = stages.len() as i32;
+        let run = || launch_chain(&gpu, &f, &table, n_stages, &arrivals, ring as i32, x_max as i32, grid, smem as u32);
+        // Check: poison the outputs, run once, compare every stage with the CPU's products.
+        for s in stages.iter_mut() {
+            gpu.poison(&mut s.y)?;
+        }
+        run()?;
+        gpu.synchronize()?;
+        let mut prev = x0_host.clone();
+        let mut worst = 0.0f64;
+        for (i, s) in stages.iter().enumerate() {
+            let got = gpu.download(&s.y)?;
+            let (mut d, mut r) = (0.0f64, 0.0f64);
+            for row in 0..s.n {
+                let w = &s.host[row * s.k..(row + 1) * s.k];
+                let want: f64 = w.iter().zip(&prev).map(|(&b, &x)| bf16_to_f64(b) * x as f64).sum();
+                d += (got[row] as f64 - want).powi(2);
+                r += want * want;
+            }
+            let rel = (d / r).sqrt();
+            if !(rel <= 1e-5) {
+                return Err(tern::Error::Cuda(format!("ring={ring}: stage {i} differs from the CPU by {rel:.3e} (bound 1e-5)")));
+            }
+            worst = worst.max(rel);
+            prev = got;
+        }
+        println!("ring={ring}: {} blocks ({per_sm} a multiprocessor), {smem} bytes of shared memory; every stage within {worst:.2e} of the CPU", grid.0);
+        let ms = match time_graph_ms(&gpu, reps, run) {
+            Ok(ms) => ms,
+            Err(e) => {
+                println!("ring={ring}: graph capture failed ({e:?}); timing stream launches");
+                time_ms(&gpu, reps, run)?
+            }
+        };
+        report(&format!("persistent ring={ring}"), ms);
+    }
+
+    // tern's GEMVs, one launch a product, from a graph; inputs of the right length (the
+    // stream orders each launch after the one before, as in a decode step).
+    let mats = stages
+        .iter()
+        .map(|s| blas.matrix(&Weights::Bf16(&s.host), s.n, s.k))
+        .collect::<Result<Vec<_>>>()?;
+    let xs = stages.iter().map(|s| gpu.upload(&vec![0.5f32; s.k])).collect::<Result<Vec<_>>>()?;
+    let mut ys = stages.iter().map(|s| gpu.zeros::<f32>(s.n)).collect::<Result<Vec<_>>>()?;
+    let ms = time_graph_ms(&gpu, reps, || {
+        for ((m, x), y) in mats.iter().zip(&xs).zip(ys.iter_mut()) {
+            blas.linear(x, 1, m, y)?;
+        }
+        Ok(())
+    })?;
+    report("graph of launches", ms);
+    Ok(())
+}
