@@ -204,18 +204,18 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             let norm = gpu.upload(&rng.vec(heads.d_v, 0.5, 1.5))?;
             let fused = FusedGatesNorm { dt_bias: &dt_bias, a: &a, z: Rows { buf: &z, offset: 0, stride: nv * heads.d_v }, norm: &norm, eps: 1e-6 };
             let x = GpuDeltaRuleInputs { fused: Some(fused), ..inputs(heads, &l) };
-            // Then the same with the rows' sums by scatter (`fused_s`: the same bits).
-            for scatter in [ScatterSums::Off, ScatterSums::On] {
+            // Then the same with the rows' sums by butterflies (`fused_b`: the same bits).
+            for scatter in [ScatterSums::On, ScatterSums::Off] {
                 k.set_scatter_sums(scatter);
                 let ms = steps_ms(gpu, k, heads, &x, &segs, &mut pool, &mut out, inner)?;
-                report(b, if scatter == ScatterSums::On { "fused_s" } else { "fused" }, ms);
+                report(b, if scatter == ScatterSums::On { "fused" } else { "fused_b" }, ms);
             }
-            k.set_scatter_sums(ScatterSums::Off);
+            k.set_scatter_sums(ScatterSums::On);
         }
         // The default form replayed from a graph of `inner` steps, as fla's kernels are timed;
-        // then with the scatter sums (`graph_s`), and the (8, 1) form with them in 64 registers
-        // (`graph_s64`).
-        for (scatter, name) in [(ScatterSums::Off, "graph"), (ScatterSums::On, "graph_s"), (ScatterSums::Registers64, "graph_s64")] {
+        // then with the butterflies' sums (`graph_b`), and the (8, 1) form with the scatter sums
+        // in 64 registers (`graph_s64`).
+        for (scatter, name) in [(ScatterSums::On, "graph"), (ScatterSums::Off, "graph_b"), (ScatterSums::Registers64, "graph_s64")] {
             k.set_scatter_sums(scatter);
             if scatter == ScatterSums::Registers64 {
                 k.set_recurrence_variant(Some((8, 1)))?;
@@ -231,7 +231,7 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
                 report(b, name, ms / inner as f64);
             }
         }
-        k.set_scatter_sums(ScatterSums::Off);
+        k.set_scatter_sums(ScatterSums::On);
         k.set_recurrence_variant(None)?;
         // The default (rows per warp chosen by batch), then every variant in every block size.
         let runs = std::iter::once((None, RECURRENCE_BLOCK_WARPS)).chain(RECURRENCE_VARIANTS.into_iter().flat_map(|r| RECURRENCE_BLOCK_WARP_CHOICES.map(|w| (Some(r), w))));
@@ -241,16 +241,17 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             let ms = steps_ms(gpu, k, heads, &x, &segs, &mut pool, &mut out, inner)?;
             report(b, &rows.map_or("default".into(), |r| format!("{}x{}w{}", r.0, r.1, warps)), ms);
         }
-        // With the scatter sums, stream-launched: the default (`default_s`), the (8, 1) and
-        // (8, 2) forms (`8x1_s`, `8x2_s`) and (8, 1) in 64 registers (`8x1_s64`).
+        // With the butterflies' sums, stream-launched: the default (`default_b`), the (8, 1) and
+        // (8, 2) forms (`8x1_b`, `8x2_b`); and (8, 1) with the scatter sums in 64 registers
+        // (`8x1_s64`).
         k.set_recurrence_block_warps(RECURRENCE_BLOCK_WARPS)?;
-        for (rows, scatter, name) in [(None, ScatterSums::On, "default_s"), (Some((8, 1)), ScatterSums::On, "8x1_s"), (Some((8, 2)), ScatterSums::On, "8x2_s"), (Some((8, 1)), ScatterSums::Registers64, "8x1_s64")] {
+        for (rows, scatter, name) in [(None, ScatterSums::Off, "default_b"), (Some((8, 1)), ScatterSums::Off, "8x1_b"), (Some((8, 2)), ScatterSums::Off, "8x2_b"), (Some((8, 1)), ScatterSums::Registers64, "8x1_s64")] {
             k.set_recurrence_variant(rows)?;
             k.set_scatter_sums(scatter);
             let ms = steps_ms(gpu, k, heads, &x, &segs, &mut pool, &mut out, inner)?;
             report(b, name, ms);
         }
-        k.set_scatter_sums(ScatterSums::Off);
+        k.set_scatter_sums(ScatterSums::On);
         k.set_recurrence_variant(None)?;
     }
 

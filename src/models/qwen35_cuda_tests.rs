@@ -90,7 +90,7 @@ fn cuda_llm_ops_match_cpu() {
     // q | gate | k | v rows as views of one fused projection. The 270-row prefill spans several
     // query and key tiles, so the causal mask meets tiles a warp sees whole and tiles it sees
     // in part.
-    // Every form of the decode attention (key ranges and warps a block), the default first.
+    // Every form of the decode attention (key ranges and warps a block).
     for form in KvForm::ALL {
         let ops = CudaOps::new(gpu.clone(), Precision::F32).unwrap().with_kv_form(form);
         for &(qh, kvh, hd) in &[(8usize, 2usize, 256usize), (4, 4, 64), (2, 1, 128), (6, 3, 32), (2, 1, 512)] {
@@ -101,10 +101,10 @@ fn cuda_llm_ops_match_cpu() {
             let mut gpu_caches: Vec<_> = (0..3).map(|_| ops.kv_cache(kw).unwrap()).collect();
             let mut past = vec![0usize; 3];
             // The third call is a decode step (every sequence one row), whose own keys and values
-            // the attention kernel reads from the projection and appends itself. The forms after
-            // the first differ only in the decode kernel (not the prefill's flash kernels):
-            // shorter prompts, which still give each warp of 16 one to four keys at once.
-            let calls = if form == KvForm::ALL[0] { [[3usize, 270, 1], [1, 5, 300], [1, 1, 1]] } else { [[3, 160, 1], [1, 5, 120], [1, 1, 1]] };
+            // the attention kernel reads from the projection and appends itself. The forms other
+            // than the default differ only in the decode kernel (not the prefill's flash
+            // kernels): shorter prompts, which still give each warp of 16 one to four keys at once.
+            let calls = if form == KvForm::DEFAULT { [[3usize, 270, 1], [1, 5, 300], [1, 1, 1]] } else { [[3, 160, 1], [1, 5, 120], [1, 1, 1]] };
             for lens in calls {
                 let segs = pack(lens);
                 let n: usize = lens.iter().sum();
@@ -124,7 +124,7 @@ fn cuda_llm_ops_match_cpu() {
                 let mut gc: Vec<_> = gpu_caches.iter_mut().collect();
                 let got = ops.kv_attention(atg(0), atg(2 * qw), atg(2 * qw + kw), atg(qw), &gb, &mut gc, &shape).unwrap();
                 check(&format!("kv_attention {form:?} {qh}/{kvh}×{hd} lens {lens:?} past {past:?}"), &gpu.download(&got).unwrap(), &want, BOUND);
-                if past.iter().all(|&p| p == 0) && form == KvForm::ALL[0] {
+                if past.iter().all(|&p| p == 0) && form == KvForm::DEFAULT {
                     // From empty caches the prefill runs on the flash kernels; the bf16 form's
                     // tensor-core products round q, k, v and P to bf16 (the encoder test's bound).
                     let gb16 = ops16.batch_at(&segs, &ids, &past).unwrap();

@@ -312,8 +312,10 @@ pub struct GatedDeltaCuda {
     /// by d_k: [(8, 1), (8, 2), fused], and (8, 1) bounded to 64 registers (d_k <= 128).
     recurrence_scatter: Vec<(usize, [CudaFunction; 3], Option<CudaFunction>)>,
     /// Whether the forms that have them take the scatter sums (the same bits with fewer
-    /// shuffles), and the (8, 1) form its 64-register kernel: TERN_GDN_SCATTER=1 / =64 (opt-in
-    /// until timed on a GPU).
+    /// shuffles; the default, TERN_GDN_SCATTER=0 turns them off), and the (8, 1) form its
+    /// 64-register kernel (TERN_GDN_SCATTER=64). Timed on an H100 (2026-12-05, graph replays,
+    /// 35B-A3B shapes): 4.38 -> 3.97 µs at 1 sequence, 26.24 -> 25.64 at 16, 96.9 -> 96.1 at
+    /// 64, 371.2 -> 371.1 at 256; the fused form 7.58 -> 7.34 at 1, 35.1 -> 34.0 at 16.
     scatter: ScatterSums,
     /// None: [`RECURRENCE_VARIANT`], or [`RECURRENCE_VARIANT_MANY`] for a large decode step.
     recurrence_variant: Option<(usize, usize)>,
@@ -413,12 +415,14 @@ pub const FAST_VARIANTS: [FastVariant; 9] = [
     fast(8, 3, true, false),
     fast(8, 3, false, true),
     fast(8, 3, true, true),
-    FastVariant { tiled: true, ..FAST_VARIANT },
+    FAST_VARIANT,
 ];
-/// The default fast variant: the compact prepare layout (three blocks a multiprocessor) with the
-/// state pass's late copies, the fastest at 2k, 8k and 32k tokens on the H200 (2026-12-05,
-/// BENCHMARKS.md: 2.495 ms against 2.796 ms for (8, 3, false, false) at 32k).
-pub const FAST_VARIANT: FastVariant = fast(8, 3, true, true);
+/// The default fast variant: the compact prepare layout (three blocks a multiprocessor), TILED,
+/// with the state pass's late copies: the fastest at 2k, 8k and 32k tokens. Untiled it was the
+/// fastest on the H200 (2026-12-05, BENCHMARKS.md: 2.495 ms against 2.796 ms for
+/// (8, 3, false, false) at 32k); tiling took its prepare pass from 1.322 to 1.182 ms at 32k on
+/// an H100 (2.464 -> 2.321 ms in all; 0.195 -> 0.182 at 2k, 0.646 -> 0.618 at 8k), the same bits.
+pub const FAST_VARIANT: FastVariant = FastVariant { tiled: true, ..fast(8, 3, true, true) };
 
 /// Bytes of `tern_gdn_tc_prepare_body`'s shared memory (`tern_gdn_tc_prep_smem` in
 /// chunked_tc.cu): G (f64), beta and e^G, then A, T, the block-row partials (f32), k, q, v and
@@ -671,9 +675,9 @@ impl GatedDeltaCuda {
             recurrence_fused,
             recurrence_scatter,
             scatter: match std::env::var("TERN_GDN_SCATTER").as_deref() {
-                Ok("1") => ScatterSums::On,
+                Ok("0") => ScatterSums::Off,
                 Ok("64") => ScatterSums::Registers64,
-                _ => ScatterSums::Off,
+                _ => ScatterSums::On,
             },
             recurrence_variant: None,
             recurrence_block_warps: RECURRENCE_BLOCK_WARPS,

@@ -340,7 +340,9 @@ fn cuda_recurrence_matches_cpu_scan() {
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
     let gpu = gpu();
-    let k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    // The butterflies' form, against which the scatter sums are checked.
+    let mut k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    k.set_scatter_sums(ScatterSums::Off);
     let mut ks = GatedDeltaCuda::new(gpu.clone()).unwrap();
     ks.set_scatter_sums(ScatterSums::On);
     let mut rng = rng("cuda_recurrence_scan_equals_decode_steps_bit_for_bit");
@@ -406,7 +408,9 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
             }
         }
         // Every rows-per-warp variant, in blocks of every size, computes the same bits.
+        // The butterflies' form, against which the scatter sums are checked.
         let mut kr = GatedDeltaCuda::new(gpu.clone()).unwrap();
+        kr.set_scatter_sums(ScatterSums::Off);
         for rows in RECURRENCE_VARIANTS {
             for warps in RECURRENCE_BLOCK_WARP_CHOICES {
                 kr.set_recurrence_variant(Some(rows)).unwrap();
@@ -645,7 +649,9 @@ fn cuda_chunked_fast_matches_cpu_scan() {
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_fused_recurrence_equals_gates_recurrence_norm() {
     let gpu = gpu();
-    let k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    // The butterflies' form, against which the scatter sums are checked.
+    let mut k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    k.set_scatter_sums(ScatterSums::Off);
     let mut rng = rng("cuda_fused_recurrence_equals_gates_recurrence_norm");
     use KeyHeadMap::{Grouped, Tiled};
     let cases: &[(usize, usize, usize, usize, KeyHeadMap, &[usize])] = &[
