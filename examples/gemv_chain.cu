@@ -11,20 +11,19 @@
 // the previous stage (a grid barrier) only before it multiplies: the memory keeps fetching the
 // next stage's weights across the barrier.
 //
-// Layout: every block runs 8 warps and holds one warp's ring of RING pieces a lane (16 bytes,
-// 8 bf16 each) per warp, [warp][piece][lane], so that a warp's 32 lanes fill and read 512
+// Layout: a block runs WARPS streaming warps (8 or 16) and a control warp, and holds a ring of
+// RING pieces a lane (16 bytes, 8 bf16 each) per streaming warp, [warp][piece][lane], so that a warp's 32 lanes fill and read 512
 // contiguous bytes. Warp gw of the grid (of W warps) owns rows gw, gw + W, ... of every stage;
 // lane l copies and later reads pieces l, l + 32, ... of each of its rows (k % 256 == 0), so a
 // lane reads only the bytes it copied itself and its own cp.async groups order them: one
 // commit group a row, at most MAX_ROWS rows in flight a warp.
 //
-// The grid barrier needs every block resident at once: the host launches one block per
-// multiprocessor (its shared memory allows no second) as a cooperative launch, which the
+// The grid barrier needs every block resident at once: the host launches as many blocks as
+// fit on the multiprocessors together, as a cooperative launch, which the
 // driver refuses rather than deadlocks when the blocks cannot all be resident. `arrivals`
 // must be 0 at the start of a launch (the host clears it).
 
-#define CHAIN_WARPS 8
-#define CHAIN_MAX_ROWS 8
+#define CHAIN_MAX_ROWS 32
 
 struct tern_chain_stage {
     unsigned long long w;  // bf16 bits [n][k]
@@ -39,30 +38,25 @@ __device__ __forceinline__ void tern_chain_cp16(void* smem, const void* global) 
 }
 
 // Waits until at most `pending` of this thread's newest cp.async groups are outstanding
-// (wait_group takes an immediate).
+// (wait_group takes an immediate; pending < CHAIN_MAX_ROWS).
 template <int N>
 __device__ __forceinline__ void tern_chain_wait_n() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+template <int N>
 __device__ __forceinline__ void tern_chain_wait(int pending) {
-    switch (pending) {
-        case 0: tern_chain_wait_n<0>(); break;
-        case 1: tern_chain_wait_n<1>(); break;
-        case 2: tern_chain_wait_n<2>(); break;
-        case 3: tern_chain_wait_n<3>(); break;
-        case 4: tern_chain_wait_n<4>(); break;
-        case 5: tern_chain_wait_n<5>(); break;
-        case 6: tern_chain_wait_n<6>(); break;
-        default: tern_chain_wait_n<7>(); break;
+    if constexpr (N + 1 < CHAIN_MAX_ROWS) {
+        if (pending > N) return tern_chain_wait<N + 1>(pending);
     }
+    tern_chain_wait_n<N>();
 }
 
 // Every block arrives; returns once `target` blocks in all have. The fences make the block's
 // writes before the barrier visible to every block after it (the pattern of cooperative
 // groups' grid sync).
-__device__ __forceinline__ void tern_chain_grid_barrier(unsigned* arrivals, unsigned target) {
+__device__ __forceinline__ void tern_chain_grid_barrier(unsigned* arrivals, unsigned target, int control) {
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == control) {
         __threadfence();
         atomicAdd(arrivals, 1u);
         while (*reinterpret_cast<volatile unsigned*>(arrivals) < target) {
@@ -72,14 +66,16 @@ __device__ __forceinline__ void tern_chain_grid_barrier(unsigned* arrivals, unsi
     __syncthreads();
 }
 
-extern "C" __global__ void __launch_bounds__(CHAIN_WARPS * 32, 1)
-    tern_gemv_chain(const tern_chain_stage* stages, int n_stages, unsigned* arrivals, int ring, int x_max) {
-    tern_await_prior_kernel();
+// WARPS streaming warps and one control warp, which only stages the inputs and meets the
+// grid barrier (its thread has no copies in flight for the barrier's fence to wait out).
+template <int WARPS>
+__device__ void tern_gemv_chain_body(const tern_chain_stage* stages, int n_stages, unsigned* arrivals, int ring, int x_max) {
     extern __shared__ __align__(16) unsigned char chain_smem[];
     float* xs = reinterpret_cast<float*>(chain_smem);
     uint4* rings = reinterpret_cast<uint4*>(chain_smem + (size_t)x_max * 4);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int gw = blockIdx.x * CHAIN_WARPS + warp, W = gridDim.x * CHAIN_WARPS;
+    const int gw = blockIdx.x * WARPS + warp, W = gridDim.x * WARPS;
+    const bool streams = warp < WARPS;
     uint4* my = rings + (size_t)warp * ring * 32 + lane;  // piece p of this lane: my[p * 32]
     const auto rows_of = [&](int s) { const int n = stages[s].n; return n > gw ? (n - gw + W - 1) / W : 0; };
 
@@ -87,7 +83,7 @@ extern "C" __global__ void __launch_bounds__(CHAIN_WARPS * 32, 1)
     // next slot to fill and to read, and the pieces in it not yet read.
     int is = 0, ir = 0, in_flight = 0, fill = 0, read = 0, held = 0;
     const auto issue_ahead = [&]() {
-        while (is < n_stages && in_flight < CHAIN_MAX_ROWS) {
+        while (streams && is < n_stages && in_flight < CHAIN_MAX_ROWS) {
             if (ir >= rows_of(is)) { is++; ir = 0; continue; }
             const tern_chain_stage st = stages[is];
             const int per = st.k / 256;
@@ -106,19 +102,20 @@ extern "C" __global__ void __launch_bounds__(CHAIN_WARPS * 32, 1)
 
     for (int s = 0; s < n_stages; s++) {
         issue_ahead();
-        if (s > 0) tern_chain_grid_barrier(arrivals, (unsigned)(s * gridDim.x));
+        if (s > 0) tern_chain_grid_barrier(arrivals, (unsigned)(s * gridDim.x), WARPS * 32);
         const tern_chain_stage st = stages[s];
         const float* x = reinterpret_cast<const float*>(st.x);
         // The input as the stage before left it in L2 (not through L1, which other blocks'
         // writes do not reach).
         for (int i = threadIdx.x; i < st.k; i += blockDim.x) xs[i] = __ldcg(x + i);
         __syncthreads();
-        const int rows = rows_of(s), per = st.k / 256;
+        const int rows = streams ? rows_of(s) : 0, per = st.k / 256;
         for (int r = 0; r < rows; r++) {
             issue_ahead();
-            tern_chain_wait(in_flight - 1);  // this row's group is the oldest outstanding
-            float acc = 0.0f;
-            for (int i = 0; i < per; i++) {
+            tern_chain_wait<0>(in_flight - 1);  // this row's group is the oldest outstanding
+            // Two sums (even and odd pieces), so that the multiply-adds are two chains, not one.
+            float even = 0.0f, odd = 0.0f;
+            const auto piece = [&](int i, float acc) {
                 const uint4 u = my[read * 32];
                 if (++read == ring) read = 0;
                 const float4 xa = *reinterpret_cast<const float4*>(xs + 8 * lane + 256 * i);
@@ -130,13 +127,31 @@ extern "C" __global__ void __launch_bounds__(CHAIN_WARPS * 32, 1)
                 acc = fmaf(__uint_as_float(u.z << 16), xb.x, acc);
                 acc = fmaf(__uint_as_float(u.z & 0xffff0000u), xb.y, acc);
                 acc = fmaf(__uint_as_float(u.w << 16), xb.z, acc);
-                acc = fmaf(__uint_as_float(u.w & 0xffff0000u), xb.w, acc);
+                return fmaf(__uint_as_float(u.w & 0xffff0000u), xb.w, acc);
+            };
+            int i = 0;
+            for (; i + 1 < per; i += 2) {
+                even = piece(i, even);
+                odd = piece(i + 1, odd);
             }
+            if (i < per) even = piece(i, even);
             held -= per;
             in_flight--;
+            float acc = even + odd;
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
             if (lane == 0) reinterpret_cast<float*>(st.y)[gw + r * W] = acc;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(9 * 32, 1)
+    tern_gemv_chain_w8(const tern_chain_stage* stages, int n_stages, unsigned* arrivals, int ring, int x_max) {
+    tern_await_prior_kernel();
+    tern_gemv_chain_body<8>(stages, n_stages, arrivals, ring, x_max);
+}
+extern "C" __global__ void __launch_bounds__(17 * 32, 1)
+    tern_gemv_chain_w16(const tern_chain_stage* stages, int n_stages, unsigned* arrivals, int ring, int x_max) {
+    tern_await_prior_kernel();
+    tern_gemv_chain_body<16>(stages, n_stages, arrivals, ring, x_max);
 }

@@ -3,7 +3,7 @@
 //! decides whether a decode step of Qwen3.5-0.8B (~130 launches, ~0.4 of its weight roofline)
 //! can reach 80% of it without one kernel for the whole step.
 //!
-//!   cargo run --release --example gemv_chain_bench [layers=N] [ring=P,...] [grid=N] [reps=N]   (on a machine with an NVIDIA GPU)
+//!   cargo run --release --example gemv_chain_bench [layers=N] [forms=WxP,...] [grid=N] [reps=N]   (on a machine with an NVIDIA GPU)
 //!
 //! `grid=N` launches N blocks plainly instead of one a multiprocessor cooperatively: with N = 1
 //! the chain's logic runs on hostcuda (tools/hostcuda), which has no cooperative launch.
@@ -14,9 +14,9 @@
 //! rate of the same run:
 //! - `graph`: tern's GEMV kernels (Blas::linear), one launch a product, replayed from a graph
 //!   (as a decode step runs them);
-//! - `persistent ring=P`: one cooperative launch, each stage's input the previous stage's output
-//!   (a grid barrier between), each warp's weights streamed ahead into P pieces of 16 bytes a lane
-//!   of shared memory.
+//! - `persistent WxP`: one cooperative launch of blocks of W streaming warps (and a control
+//!   warp), each stage's input the previous stage's output (a grid barrier between), each
+//!   warp's weights streamed ahead into P pieces of 16 bytes a lane of shared memory.
 //!
 //! The persistent chain's outputs are checked first against the products formed on the CPU in
 //! f64 from the same inputs (each stage from the GPU's output of the stage before), relative
@@ -32,7 +32,6 @@ use tern::kernels::matmul::Weights;
 use tern::Result;
 
 const CHAIN: KernelSource = KernelSource { name: "tern_gemv_chain_experiment", code: include_str!("gemv_chain.cu") };
-const WARPS: usize = 8;
 
 fn err(e: impl std::fmt::Debug) -> tern::Error {
     tern::Error::Cuda(format!("{e:?}"))
@@ -95,7 +94,8 @@ struct Stage {
 /// `grid` None: one block a multiprocessor as a cooperative launch; Some(n): n blocks, a plain
 /// launch (hostcuda, which runs blocks one after another, takes one block and no cooperative
 /// launch: a check of the ring's logic on a CPU).
-fn launch_chain(gpu: &Gpu, f: &cudarc::driver::CudaFunction, table: &CudaSlice<u64>, n_stages: i32, arrivals: &CudaSlice<u32>, ring: i32, x_max: i32, grid: (u32, bool), smem: u32) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+fn launch_chain(gpu: &Gpu, f: &cudarc::driver::CudaFunction, table: &CudaSlice<u64>, n_stages: i32, arrivals: &CudaSlice<u32>, ring: i32, x_max: i32, grid: (u32, bool), threads: u32, smem: u32) -> Result<()> {
     let (grid, cooperative) = grid;
     let (mut tp, mut ap) = (gpu.ptr(table), gpu.ptr(arrivals));
     let (mut ns, mut rg, mut xm) = (n_stages, ring, x_max);
@@ -119,7 +119,7 @@ fn launch_chain(gpu: &Gpu, f: &cudarc::driver::CudaFunction, table: &CudaSlice<u
             gridDimX: grid,
             gridDimY: 1,
             gridDimZ: 1,
-            blockDimX: (WARPS * 32) as u32,
+            blockDimX: threads,
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: smem,
@@ -137,7 +137,13 @@ fn main() -> Result<()> {
     let layers: usize = arg("layers").map_or(24, |v| v.parse().expect("layers=N"));
     let reps: usize = arg("reps").map_or(20, |v| v.parse().expect("reps=N"));
     let plain_grid: Option<u32> = arg("grid").map(|v| v.parse().expect("grid=N"));
-    let rings: Vec<usize> = arg("ring").map_or(vec![16, 32, 48], |v| v.split(',').map(|r| r.parse().expect("ring=P,...")).collect());
+    // (streaming warps a block, ring pieces a lane): 8 or 16 warps; rings of 14 pieces or more
+    // (a 3584-wide row is 14 pieces a lane).
+    let forms: Vec<(usize, usize)> = arg("forms").map_or(vec![(8, 16), (8, 24), (8, 48), (16, 14), (16, 24)], |v| {
+        v.split(',')
+            .map(|f| f.split_once('x').and_then(|(w, r)| Some((w.parse().ok()?, r.parse().ok()?))).expect("forms=WxP,..."))
+            .collect()
+    });
     let gpu: Arc<Gpu> = Gpu::new(0)?;
     let sms = gpu.multiprocessors()?;
     let copy_bw = CudaOps::new(gpu.clone(), Precision::F32)?.measure_copy_bandwidth(1 << 30)?;
@@ -172,7 +178,6 @@ fn main() -> Result<()> {
     }
     let table = gpu.upload(&table)?;
     let arrivals = gpu.zeros::<u32>(1)?;
-    let f = gpu.function(&CHAIN, "tern_gemv_chain")?;
     let report = |name: &str, ms: f64| {
         let bw = bytes as f64 / (ms * 1e-3);
         println!("{name:<22} {:>9.1} us {:>7.0} GB/s {:>6.3} of copy", ms * 1e3, bw / 1e9, bw / copy_bw);
@@ -180,22 +185,28 @@ fn main() -> Result<()> {
     };
     println!("{} products, {:.1} MB of weights", stages.len(), bytes as f64 / 1e6);
 
-    for &ring in &rings {
-        let smem = x_max * 4 + WARPS * 32 * 16 * ring;
+    for &(warps, ring) in &forms {
+        let name = format!("persistent {warps}x{ring}");
+        let Ok(f) = gpu.function(&CHAIN, &format!("tern_gemv_chain_w{warps}")) else {
+            println!("{name}: no kernel for {warps} warps (8 or 16); skipped");
+            continue;
+        };
+        let threads = (warps + 1) * 32;
+        let smem = x_max * 4 + warps * 32 * 16 * ring;
         if ring * 256 < x_max {
-            println!("ring={ring}: a {x_max}-wide row does not fit; skipped");
+            println!("{name}: a {x_max}-wide row does not fit; skipped");
             continue;
         }
         use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN_SMEM;
         f.set_attribute(MAX_DYN_SMEM, smem as i32).map_err(err)?;
-        let per_sm = f.occupancy_max_active_blocks_per_multiprocessor((WARPS * 32) as u32, smem, None).map_err(err)? as usize;
+        let per_sm = f.occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None).map_err(err)? as usize;
         if per_sm == 0 {
-            println!("ring={ring}: {smem} bytes of shared memory leave no block resident; skipped");
+            println!("{name}: {smem} bytes of shared memory leave no block resident; skipped");
             continue;
         }
         let grid = plain_grid.map_or(((sms * per_sm) as u32, true), |g| (g, false));
         let n_stages = stages.len() as i32;
-        let run = || launch_chain(&gpu, &f, &table, n_stages, &arrivals, ring as i32, x_max as i32, grid, smem as u32);
+        let run = || launch_chain(&gpu, &f, &table, n_stages, &arrivals, ring as i32, x_max as i32, grid, threads as u32, smem as u32);
         // Check: poison the outputs, run once, compare every stage with the CPU's products.
         for s in stages.iter_mut() {
             gpu.poison(&mut s.y)?;
@@ -215,20 +226,20 @@ fn main() -> Result<()> {
             }
             let rel = (d / r).sqrt();
             if !(rel <= 1e-5) {
-                return Err(tern::Error::Cuda(format!("ring={ring}: stage {i} differs from the CPU by {rel:.3e} (bound 1e-5)")));
+                return Err(tern::Error::Cuda(format!("{name}: stage {i} differs from the CPU by {rel:.3e} (bound 1e-5)")));
             }
             worst = worst.max(rel);
             prev = got;
         }
-        println!("ring={ring}: {} blocks ({per_sm} a multiprocessor), {smem} bytes of shared memory; every stage within {worst:.2e} of the CPU", grid.0);
+        println!("{name}: {} blocks ({per_sm} a multiprocessor), {smem} bytes of shared memory; every stage within {worst:.2e} of the CPU", grid.0);
         let ms = match time_graph_ms(&gpu, reps, run) {
             Ok(ms) => ms,
             Err(e) => {
-                println!("ring={ring}: graph capture failed ({e:?}); timing stream launches");
+                println!("{name}: graph capture failed ({e:?}); timing stream launches");
                 time_ms(&gpu, reps, run)?
             }
         };
-        report(&format!("persistent ring={ring}"), ms);
+        report(&name, ms);
     }
 
     // tern's GEMVs, one launch a product, from a graph; inputs of the right length (the
