@@ -348,9 +348,9 @@ __device__ __forceinline__ void tern_gdn_tc_block_row_tiled(const float* As, flo
 // registers, two blocks a multiprocessor); the compact one fetches k's rows, then q's (three
 // blocks need <= 80 registers).
 //
-// TILED: the same bits with fewer shared-memory reads and global stores (measured under ncu on
-// the H200, the untiled pass is bound by its shared-memory pipe, and a fifth of its global
-// store sectors are partly filled):
+// TILED (the launcher's default, FAST_VARIANT in mod.rs): the same bits with fewer shared-memory
+// reads and global stores (measured under ncu on the H200, the untiled pass is bound by its
+// shared-memory pipe, and a fifth of its global store sectors are partly filled):
 //  - the block rows of T: a thread owns 2 rows x 4 columns of a block (i x 32 threads for block
 //    row i) and reuses each element of A, T and the partials it reads from shared memory
 //    across them: per multiply-add of the warp, 6 wavefronts per 8 where the one-element form

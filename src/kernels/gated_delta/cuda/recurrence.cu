@@ -328,7 +328,8 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
 // timed, so every d_k keeps the registers its forms need.
 //
 // SCATTER (kernels _s: the 8-row forms and the fused one): the rows' sums by
-// tern_gdn_rows_sum; the same bits, fewer shuffles. Opt-in until timed (TERN_GDN_SCATTER=1).
+// tern_gdn_rows_sum; the same bits, fewer shuffles. The launcher's default (faster or equal at
+// 1-256 sequences on an H100; TERN_GDN_SCATTER=0 takes the butterflies).
 // With them the one-group 8-row form fits 64 registers without spilling at d_k <= 128 (the
 // butterflies' form spills 16 bytes there): _s64, bounded to 8 blocks a multiprocessor (32
 // warps, the occupancy of fla's recurrence), TERN_GDN_SCATTER=64.
