@@ -204,13 +204,16 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             let norm = gpu.upload(&rng.vec(heads.d_v, 0.5, 1.5))?;
             let fused = FusedGatesNorm { dt_bias: &dt_bias, a: &a, z: Rows { buf: &z, offset: 0, stride: nv * heads.d_v }, norm: &norm, eps: 1e-6 };
             let x = GpuDeltaRuleInputs { fused: Some(fused), ..inputs(heads, &l) };
-            // Then the same with the rows' sums by butterflies (`fused_b`: the same bits).
-            for scatter in [ScatterSums::On, ScatterSums::Off] {
+            // Then the same with the rows' sums by butterflies (`fused_b`: the same bits), and
+            // both bounded to two blocks a multiprocessor (`fused_64`, `fused_b64`).
+            for (scatter, bound64, name) in [(ScatterSums::On, false, "fused"), (ScatterSums::Off, false, "fused_b"), (ScatterSums::On, true, "fused_64"), (ScatterSums::Off, true, "fused_b64")] {
                 k.set_scatter_sums(scatter);
+                k.set_fused_bound64(bound64);
                 let ms = steps_ms(gpu, k, heads, &x, &segs, &mut pool, &mut out, inner)?;
-                report(b, if scatter == ScatterSums::On { "fused" } else { "fused_b" }, ms);
+                report(b, name, ms);
             }
             k.set_scatter_sums(ScatterSums::On);
+            k.set_fused_bound64(false);
         }
         // The default form replayed from a graph of `inner` steps, as fla's kernels are timed;
         // then with the butterflies' sums (`graph_b`), and the (8, 1) form with the scatter sums

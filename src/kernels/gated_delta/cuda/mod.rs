@@ -311,6 +311,11 @@ pub struct GatedDeltaCuda {
     /// The 8-row forms and the fused one with the scatter sums (`SCATTER` in recurrence.cu),
     /// by d_k: [(8, 1), (8, 2), fused], and (8, 1) bounded to 64 registers (d_k <= 128).
     recurrence_scatter: Vec<(usize, [CudaFunction; 3], Option<CudaFunction>)>,
+    /// The fused form bounded to two blocks a multiprocessor, by d_k (<= 128): with the
+    /// butterflies, with the scatter sums (`_b64`, `_s_b64` in recurrence.cu).
+    recurrence_fused_b64: Vec<(usize, [CudaFunction; 2])>,
+    /// Whether the fused form takes those (TERN_GDN_FUSED_BOUND=64; opt-in until timed).
+    fused_bound64: bool,
     /// Whether the forms that have them take the scatter sums (the same bits with fewer
     /// shuffles; the default, TERN_GDN_SCATTER=0 turns them off), and the (8, 1) form its
     /// 64-register kernel (TERN_GDN_SCATTER=64). Timed on an H100 (2026-12-05, graph replays,
@@ -613,7 +618,7 @@ impl GatedDeltaCuda {
     /// Compiles (or takes from the cache) and loads every kernel of the family.
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
         let conv = (1..=MAX_CONV_WIDTH).map(|kw| gpu.function(&CONV, &format!("tern_gdn_conv_k{kw}"))).collect::<Result<_>>()?;
-        let (mut recurrence, mut recurrence_fused, mut recurrence_scatter) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut recurrence, mut recurrence_fused, mut recurrence_scatter, mut recurrence_fused_b64) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for d in [32usize, 64, 128, 256] {
             for (r, g) in RECURRENCE_VARIANTS {
                 recurrence.push((d, (r, g), gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_dk{d}_r{r}_g{g}"))?));
@@ -625,6 +630,9 @@ impl GatedDeltaCuda {
                 [f(format!("tern_gdn_recurrence_dk{d}_r8_g1_s"))?, f(format!("tern_gdn_recurrence_dk{d}_r8_g2_s"))?, f(format!("tern_gdn_recurrence_fused_dk{d}_s"))?],
                 if d <= 128 { Some(f(format!("tern_gdn_recurrence_dk{d}_r8_g1_s64"))?) } else { None },
             ));
+            if d <= 128 {
+                recurrence_fused_b64.push((d, [f(format!("tern_gdn_recurrence_fused_dk{d}_b64"))?, f(format!("tern_gdn_recurrence_fused_dk{d}_s_b64"))?]));
+            }
         }
         let with_smem = |src: &KernelSource, name: &str, smem: usize| -> Result<CudaFunction> {
             let f = gpu.function(src, name)?;
@@ -674,6 +682,8 @@ impl GatedDeltaCuda {
             recurrence,
             recurrence_fused,
             recurrence_scatter,
+            recurrence_fused_b64,
+            fused_bound64: std::env::var("TERN_GDN_FUSED_BOUND").is_ok_and(|v| v == "64"),
             scatter: match std::env::var("TERN_GDN_SCATTER").as_deref() {
                 Ok("0") => ScatterSums::Off,
                 Ok("64") => ScatterSums::Registers64,
@@ -732,6 +742,12 @@ impl GatedDeltaCuda {
     /// shuffles; the other forms keep the butterflies.
     pub fn set_scatter_sums(&mut self, how: ScatterSums) {
         self.scatter = how;
+    }
+
+    /// Whether the fused form runs bounded to two blocks a multiprocessor where d_k <= 128 (the
+    /// same bits, with the butterflies or the scatter sums as [`Self::set_scatter_sums`] says).
+    pub fn set_fused_bound64(&mut self, on: bool) {
+        self.fused_bound64 = on;
     }
 
     /// Warps per block of the unfused recurrence (one of [`RECURRENCE_BLOCK_WARP_CHOICES`]);
@@ -939,10 +955,12 @@ impl GatedDeltaCuda {
             ScatterSums::Off => None,
             _ => self.recurrence_scatter.iter().find(|(d, _, _)| *d == heads.d_k).map(|(_, fs, f64)| (fs, f64)),
         };
+        let fused_b64 = self.recurrence_fused_b64.iter().find(|(d, _)| self.fused_bound64 && *d == heads.d_k).map(|(_, fs)| fs);
         let f = match (x.fused.is_some(), scatter) {
             (true, _) if heads.d_v > FUSED_MAX_DV => {
                 return Err(Error::Shape(format!("delta_rule fused on CUDA: d_v = {} (at most {FUSED_MAX_DV})", heads.d_v)))
             }
+            (true, s) if fused_b64.is_some() => fused_b64.map(|fs| &fs[s.is_some() as usize]),
             (true, Some((fs, _))) => Some(&fs[2]),
             (true, None) => self.recurrence_fused.iter().find(|(d, _)| *d == heads.d_k).map(|(_, f)| f),
             (false, Some((_, Some(f64)))) if (rows, per_warp) == (8, 1) && self.scatter == ScatterSums::Registers64 => Some(f64),

@@ -731,15 +731,18 @@ fn cuda_fused_recurrence_equals_gates_recurrence_norm() {
         }
         let got = gpu.download(&out).unwrap();
         assert_bits_eq("fused recurrence vs three kernels (outputs)", &got, &three);
-        // The fused form with the scatter sums: the same bits.
-        {
+        // The fused form with the scatter sums, and bounded to two blocks a multiprocessor with
+        // either sums (d_k <= 128; above it the bound is ignored): the same bits.
+        for (scatter, bound64) in [(ScatterSums::On, false), (ScatterSums::Off, true), (ScatterSums::On, true)] {
             let mut ks = GatedDeltaCuda::new(gpu.clone()).unwrap();
-            ks.set_scatter_sums(ScatterSums::On);
+            ks.set_scatter_sums(scatter);
+            ks.set_fused_bound64(bound64);
             let mut p = gpu.upload(&pool).unwrap();
             let mut o = nan(&gpu, tokens * v_row);
             ks.delta_rule(&heads, &x, &segs, GpuStates::Pool(&mut p), &mut o).unwrap();
-            assert_bits_eq("fused recurrence with scatter sums vs three kernels (outputs)", &gpu.download(&o).unwrap(), &three);
-            assert_bits_eq("fused recurrence with scatter sums vs three kernels (states)", &gpu.download(&p).unwrap(), &three_pool);
+            let form = format!("fused recurrence, sums {scatter:?}, bounded to 64 registers {bound64}, vs three kernels");
+            assert_bits_eq(&format!("{form} (outputs)"), &gpu.download(&o).unwrap(), &three);
+            assert_bits_eq(&format!("{form} (states)"), &gpu.download(&p).unwrap(), &three_pool);
         }
         let mut es = 0.0f64;
         for (i, &s) in slots.iter().enumerate() {
