@@ -59,8 +59,8 @@ __device__ __forceinline__ void tern_chain_grid_barrier(unsigned* arrivals, unsi
     if (threadIdx.x == control) {
         __threadfence();
         atomicAdd(arrivals, 1u);
-        while (*reinterpret_cast<volatile unsigned*>(arrivals) < target) {
-        }
+        // The sleep is short against a stage (µs); hostcuda needs it to run the other blocks.
+        while (*reinterpret_cast<volatile unsigned*>(arrivals) < target) __nanosleep(32);
         __threadfence();
     }
     __syncthreads();

@@ -5,8 +5,10 @@
 //!
 //!   cargo run --release --example gemv_chain_bench [layers=N] [forms=WxP,...] [grid=N] [reps=N]   (on a machine with an NVIDIA GPU)
 //!
-//! `grid=N` launches N blocks plainly instead of one a multiprocessor cooperatively: with N = 1
-//! the chain's logic runs on hostcuda (tools/hostcuda), which has no cooperative launch.
+//! `grid=N` launches N blocks plainly instead of as many as fit cooperatively (N = 1 needs no
+//! grid barrier to be met). `reps=0` checks the chain against the CPU and times nothing:
+//! scripts/test-hostcuda.sh runs it so on hostcuda (tools/hostcuda), whose cooperative launches
+//! run every block's threads together.
 //!
 //! The chain is the products of N (default 24) gated-delta layers of Qwen3.5-0.8B in bf16:
 //! input projections 8224 x 1024, output 1024 x 2048, gate|up 7168 x 1024, down 1024 x 3584,
@@ -90,10 +92,8 @@ struct Stage {
     y: CudaSlice<f32>,
 }
 
-/// One cooperative launch of the chain over `table` (clearing the arrival counter first).
-/// `grid` None: one block a multiprocessor as a cooperative launch; Some(n): n blocks, a plain
-/// launch (hostcuda, which runs blocks one after another, takes one block and no cooperative
-/// launch: a check of the ring's logic on a CPU).
+/// One launch of the chain over `table` (clearing the arrival counter first): `grid` blocks,
+/// cooperative when its flag is set (as many blocks as fit at once), else plain (one block).
 #[allow(clippy::too_many_arguments)]
 fn launch_chain(gpu: &Gpu, f: &cudarc::driver::CudaFunction, table: &CudaSlice<u64>, n_stages: i32, arrivals: &CudaSlice<u32>, ring: i32, x_max: i32, grid: (u32, bool), threads: u32, smem: u32) -> Result<()> {
     let (grid, cooperative) = grid;
@@ -176,7 +176,10 @@ fn main() -> Result<()> {
         let x = if i == 0 { gpu.ptr(&x0) } else { gpu.ptr(&stages[i - 1].y) };
         table.extend_from_slice(&[gpu.ptr(&s.w), x, gpu.ptr(&s.y), (s.n as u64) | ((s.k as u64) << 32)]);
     }
+    // The same stages with no rows (n = 0): the chain's barriers and staging alone.
+    let empty: Vec<u64> = table.chunks(4).flat_map(|e| [e[0], e[1], e[2], e[3] & !0xffff_ffff]).collect();
     let table = gpu.upload(&table)?;
+    let empty_table = gpu.upload(&empty)?;
     let arrivals = gpu.zeros::<u32>(1)?;
     let report = |name: &str, ms: f64| {
         let bw = bytes as f64 / (ms * 1e-3);
@@ -232,6 +235,9 @@ fn main() -> Result<()> {
             prev = got;
         }
         println!("{name}: {} blocks ({per_sm} a multiprocessor), {smem} bytes of shared memory; every stage within {worst:.2e} of the CPU", grid.0);
+        if reps == 0 {
+            continue;
+        }
         let ms = match time_graph_ms(&gpu, reps, run) {
             Ok(ms) => ms,
             Err(e) => {
@@ -240,8 +246,16 @@ fn main() -> Result<()> {
             }
         };
         report(&name, ms);
+        // The same launch over stages of no rows: only the grid barriers and the inputs' staging
+        // remain, so this is what the chain's synchronisation costs (µs a stage, printed).
+        let ms_sync = time_graph_ms(&gpu, reps, || launch_chain(&gpu, &f, &empty_table, n_stages, &arrivals, ring as i32, x_max as i32, grid, threads as u32, smem as u32))?;
+        println!("{name}: barriers alone {:.2} us a stage", ms_sync * 1e3 / n_stages as f64);
+        println!("RESULT chain_sync form={} us_per_stage={:.3}", name.replace(' ', "_"), ms_sync * 1e3 / n_stages as f64);
     }
 
+    if reps == 0 {
+        return Ok(());
+    }
     // tern's GEMVs, one launch a product, from a graph; inputs of the right length (the
     // stream orders each launch after the one before, as in a decode step).
     let mats = stages

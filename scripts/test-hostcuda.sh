@@ -40,7 +40,12 @@ if [ ! -f "$model/model.safetensors" ]; then
   echo "EmbeddingGemma 300M is not at $model (set TERN_EGEMMA300M_DIR or run scripts/test.sh, which fetches it)" >&2
   exit 1
 fi
-cargo build --release --quiet --bin tern
+cargo build --release --quiet --bin tern --example gemv_chain_bench
+# The persistent product chain (examples/gemv_chain.cu): one cooperative launch whose blocks
+# meet at a grid barrier between stages, every stage checked against the CPU (the program fails
+# otherwise); hostcuda runs the blocks' threads together, in both thread orders.
+target/release/examples/gemv_chain_bench layers=1 forms=16x24 reps=0
+TERN_HOSTCUDA_ORDER=reverse target/release/examples/gemv_chain_bench layers=1 forms=8x16 reps=0
 tmp=$(mktemp -d)
 texts=("Which seabird migrates the farthest?" "Arctic terns fly from pole to pole." "a")
 target/release/tern embed --model "$model" --device cpu --prompt-name query "${texts[@]}" > "$tmp/cpu.jsonl"

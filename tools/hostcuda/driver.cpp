@@ -30,14 +30,16 @@
 // - A kernel launch is checked as the H200 checks it (block and grid limits; dynamic shared
 //   memory above 48 KiB only after CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES was raised
 //   to cover it, never above 227 KiB) and then run to completion by the module's
-//   tern_host_launch, its blocks one after another. A launch the kernel side reports as failed
+//   tern_host_launch, its blocks one after another; a cooperative launch (refused, as on the
+//   H200, when its blocks could not all be resident) by tern_host_launch_cooperative, every
+//   block's threads together, so that a grid barrier works. A launch the kernel side reports as failed
 //   (a deadlock, a misaligned access, ...) returns CUDA_ERROR_LAUNCH_FAILED from that call; the
 //   message goes to stderr and is what cuGetErrorString gives for that code afterwards. Unlike
 //   on a GPU the context stays usable after such an error.
 // Not modelled: time (kernels take no time that means anything), concurrency between streams
 // or between blocks (races between blocks go unseen, since blocks run one after another),
 // programmatic dependent launch (accepted and ignored: each kernel has finished before the next
-// starts, which satisfies the dependency), clusters and cooperative launches (refused).
+// starts, which satisfies the dependency), and clusters (refused).
 //
 // The module image contract with nvrtc.cpp: 16 bytes of magic ("TERNHOSTCUDA" and 4 zero
 // bytes), a little-endian u64 length N, then N bytes of an ELF shared object exporting
@@ -45,6 +47,7 @@
 //   int tern_host_kernel_params(const char* name, unsigned* sizes, unsigned max);
 //   int tern_host_launch(const char* name, const unsigned grid[3], const unsigned block[3],
 //                        unsigned dynamic_smem, void** params, char* err, unsigned errlen);
+//   int tern_host_launch_cooperative(...the same...);   (optional: without it, cooperative launches are refused)
 // and optionally `const char* tern_host_fault_where(void)`, which, when a kernel faults on a
 // guard page, says where (block and thread) for the fault report.
 //
@@ -162,6 +165,7 @@ enum : int {
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
     CUDA_ERROR_LAUNCH_FAILED = 719,
+    CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE = 720,
     CUDA_ERROR_NOT_PERMITTED = 800,
     CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
@@ -563,6 +567,7 @@ struct CUmod_st {
     int (*has_kernel)(const char*);
     int (*kernel_params)(const char*, unsigned*, unsigned);
     int (*launch)(const char*, const unsigned*, const unsigned*, unsigned, void**, char*, unsigned);
+    int (*launch_cooperative)(const char*, const unsigned*, const unsigned*, unsigned, void**, char*, unsigned);
     const char* (*fault_where)();
     std::map<std::string, CUfunc_st*> funcs;
     int refs;  // the handle's, plus one per graph node of its functions
@@ -615,6 +620,7 @@ struct Node {
     // kernel
     CUfunc_st* func = nullptr;
     unsigned grid[3] = {1, 1, 1}, block[3] = {1, 1, 1}, smem = 0;
+    bool cooperative = false;
     std::vector<char> args;  // the parameters' bytes, copied at capture
     std::vector<size_t> offsets;
     // memset / memcpy
@@ -741,14 +747,14 @@ CUresult check_unsafe(const char* what) {
 
 // ---- execution --------------------------------------------------------------------------------
 
-CUresult run_kernel(CUfunc_st* f, const unsigned grid[3], const unsigned block[3], unsigned smem, void** params) {
+CUresult run_kernel(CUfunc_st* f, const unsigned grid[3], const unsigned block[3], unsigned smem, void** params, bool cooperative) {
     ensure_alt_stack();
     char err[2048];
     err[0] = 0;
     int rc;
     {
         OpScope op(f->name.c_str(), true, f->mod->fault_where);
-        rc = f->mod->launch(f->name.c_str(), grid, block, smem, params, err, sizeof err);
+        rc = (cooperative ? f->mod->launch_cooperative : f->mod->launch)(f->name.c_str(), grid, block, smem, params, err, sizeof err);
     }
     if (rc == 0) return CUDA_SUCCESS;
     err[sizeof err - 1] = 0;
@@ -800,7 +806,7 @@ CUresult run_node(Node& n, bool auto_free) {
         case N_KERNEL: {
             std::vector<void*> ptrs(n.offsets.size());
             for (size_t i = 0; i < n.offsets.size(); i++) ptrs[i] = n.args.data() + n.offsets[i];
-            return run_kernel(n.func, n.grid, n.block, n.smem, ptrs.data());
+            return run_kernel(n.func, n.grid, n.block, n.smem, ptrs.data(), n.cooperative);
         }
         case N_MEMSET:
             return run_memset(n.dst, n.value, n.elem, n.count, n.what);
@@ -917,6 +923,18 @@ CUresult check_launch(CUfunc_st* f, const unsigned grid[3], const unsigned block
     return CUDA_SUCCESS;
 }
 
+// Blocks of `block_size` threads and `smem` bytes of dynamic shared memory a multiprocessor
+// holds: plausible figures for the H200 (registers are not counted). cuOccupancy* report them,
+// and a cooperative launch larger than they allow is refused, as on the device.
+static int blocks_per_sm(int block_size, size_t smem) {
+    if (block_size <= 0 || block_size > 1024) return 0;
+    int warps = (block_size + 31) / 32;
+    int by_threads = 64 / warps;
+    int by_smem = (int)(kSharedPerSm / (smem + 1024));
+    int n = by_threads < by_smem ? by_threads : by_smem;
+    return n < 32 ? n : 32;
+}
+
 CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], unsigned smem, CUstream hs,
                 void** params, void** extra, const CUlaunchAttribute* attrs, unsigned nattrs) {
     Lock l(g_mu);
@@ -930,6 +948,7 @@ CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], u
     }
     if (!params && !f->param_sizes.empty()) return CUDA_ERROR_INVALID_VALUE;
     std::vector<CUevent_st*> completion_events;
+    bool cooperative = false;
     for (unsigned i = 0; i < nattrs; i++) {
         const CUlaunchAttribute& a = attrs[i];
         switch (a.id) {
@@ -952,11 +971,8 @@ CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], u
                     completion_events.push_back(a.value.programmaticEvent.event);
                 }
                 break;
-            case 2:  // cooperative: blocks run one after another here, so a grid sync cannot be met
-                if (a.value.i) {
-                    report("launch of %s: cooperative launches are not supported", f->name.c_str());
-                    return CUDA_ERROR_NOT_SUPPORTED;
-                }
+            case 2:  // cooperative: every block resident at once (checked below)
+                cooperative = a.value.i != 0;
                 break;
             case 4:   // cluster dimension
             case 11:  // preferred cluster dimension
@@ -970,6 +986,21 @@ CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], u
         }
     }
     if (CUresult r = check_launch(f, grid, block, smem)) return r;
+    if (cooperative && !f->mod->launch_cooperative) {
+        report("cooperative launch of %s: its module has no tern_host_launch_cooperative", f->name.c_str());
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    if (cooperative) {
+        // As the driver does: a grid whose blocks cannot all be resident together is refused
+        // (its grid barrier would never be met), by the occupancy cuOccupancy* reports.
+        const unsigned long long threads = (unsigned long long)block[0] * block[1] * block[2];
+        const unsigned long long fit = (unsigned long long)blocks_per_sm((int)threads, smem) * kMultiprocessors;
+        if ((unsigned long long)grid[0] * grid[1] * grid[2] > fit) {
+            report("cooperative launch of %s: %u x %u x %u blocks, but only %llu fit on the device at once", f->name.c_str(),
+                   grid[0], grid[1], grid[2], fit);
+            return CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;
+        }
+    }
     CUresult err;
     if (Capture* c = capturing(s, &err)) {
         if (err) return err;
@@ -979,6 +1010,7 @@ CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], u
         memcpy(n.grid, grid, sizeof n.grid);
         memcpy(n.block, block, sizeof n.block);
         n.smem = smem;
+        n.cooperative = cooperative;
         size_t total = 0;
         for (unsigned sz : f->param_sizes) {
             n.offsets.push_back(total);
@@ -998,7 +1030,7 @@ CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], u
         }
         return CUDA_SUCCESS;
     }
-    CUresult r = run_kernel(f, grid, block, smem, params);
+    CUresult r = run_kernel(f, grid, block, smem, params, cooperative);
     if (!r)
         for (CUevent_st* e : completion_events) record_event(e);
     return r;
@@ -1206,7 +1238,7 @@ bool device_attribute(int attr, int* v) {
         case 90: *v = 1; return true;              // compute preemption
         case 91: *v = 0; return true;
         case 92: case 93: case 94: *v = 0; return true;
-        case 95: *v = 0; return true;              // cooperative launch: refused here
+        case 95: *v = 1; return true;              // cooperative launch
         case 96: *v = 0; return true;
         case 97: *v = (int)kSharedOptin; return true;  // shared memory per block, opt-in
         case 98: *v = 1; return true;
@@ -1318,6 +1350,8 @@ CUresult load_module(CUmodule* out, const void* image) {
     m->kernel_params = reinterpret_cast<int (*)(const char*, unsigned*, unsigned)>(dlsym(dl, "tern_host_kernel_params"));
     m->launch = reinterpret_cast<int (*)(const char*, const unsigned*, const unsigned*, unsigned, void**, char*, unsigned)>(
         dlsym(dl, "tern_host_launch"));
+    m->launch_cooperative = reinterpret_cast<int (*)(const char*, const unsigned*, const unsigned*, unsigned, void**, char*, unsigned)>(
+        dlsym(dl, "tern_host_launch_cooperative"));
     m->fault_where = reinterpret_cast<const char* (*)()>(dlsym(dl, "tern_host_fault_where"));
     m->refs = 1;
     m->unloaded = false;
@@ -2730,22 +2764,14 @@ CUresult cuLaunchKernelEx(const CUlaunchConfig* cfg, CUfunction f, void** params
 
 CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                    unsigned bz, unsigned smem, CUstream s, void** params) {
-    (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)smem, (void)s, (void)params;
-    Lock l(g_mu);
-    if (g_funcs.count(f)) report("launch of %s: cooperative launches are not supported", f->name.c_str());
-    return CUDA_ERROR_NOT_SUPPORTED;
+    const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+    CUlaunchAttribute cooperative{};
+    cooperative.id = 2;
+    cooperative.value.i = 1;
+    return launch(f, grid, block, smem, s, params, nullptr, &cooperative, 1);
 }
 
-// ---- occupancy (plausible figures for the H200; nothing here depends on them) ----------------
-
-static int blocks_per_sm(int block_size, size_t smem) {
-    if (block_size <= 0 || block_size > 1024) return 0;
-    int warps = (block_size + 31) / 32;
-    int by_threads = 64 / warps;
-    int by_smem = (int)(kSharedPerSm / (smem + 1024));
-    int n = by_threads < by_smem ? by_threads : by_smem;
-    return n < 32 ? n : 32;
-}
+// ---- occupancy (the figures of blocks_per_sm) ---------------------------------------------------
 
 CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int* n, CUfunction f, int block_size, size_t smem) {
     Lock l(g_mu);

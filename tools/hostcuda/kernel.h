@@ -4,7 +4,8 @@
 // and shared-memory declarations into calls of this file) and compiles the result with g++ into
 // a shared object that hostcuda's driver (driver.cpp) loads as a module. What it models is the
 // logic a GPU test checks: every thread of a block runs as its own fiber with its own stack
-// (so a thread's locals are its registers), blocks run one after another, and the points where
+// (so a thread's locals are its registers), blocks run one after another (a cooperative
+// launch's all together, so that they may wait for each other), and the points where
 // CUDA threads meet — __syncthreads, named barriers, warp shuffles, votes, ldmatrix and mma —
 // are real rendezvous: a fiber that reaches one waits until every thread it names has arrived.
 // Code that only works when a warp runs in lockstep (shared memory read by another lane without
@@ -16,7 +17,8 @@
 // missing between a write and another thread's read shows in one order or the other.
 //
 // Not modelled: time, the order of blocks, the memory model between blocks (blocks run in
-// order, so a race between them can go unseen), and the last bits of the device's own
+// order, or a cooperative launch's in turns between meeting points, so a race between them can
+// go unseen), and the last bits of the device's own
 // rounding: expf and friends are glibc's, and the tensor-core product sums exactly before its
 // one rounding (the hardware truncates partial sums). The source is compiled with
 // -ffp-contract=off: a multiply-add is fused only where the kernel asks for fmaf. NVRTC fuses
@@ -31,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <memory>
+#include <new>
 #include <type_traits>
 #include <utility>
 
@@ -84,7 +88,7 @@ constexpr size_t kStackBytes = 512 * 1024;
 constexpr size_t kStaticShared = 48 * 1024;
 constexpr size_t kMaxShared = 232448;  // per block, with the opt-in (H200)
 
-enum class Wait : int { None, Barrier, WarpArrive, WarpRead, Done };
+enum class Wait : int { None, Barrier, WarpArrive, WarpRead, Sleep, Done };
 
 struct Thread {
     void* sp;
@@ -146,10 +150,15 @@ struct Launch {
     bool failed = false;
 };
 
-inline Launch& L() {
-    static Launch launch;
-    return launch;
+// The block whose threads run now. A plain launch runs its blocks one after another through
+// one Launch; a cooperative launch runs every block's threads as fibers of one scheduler, each
+// block its own Launch, and the scheduler points this at the block of the fiber it resumes.
+inline Launch*& current_block() {
+    static Launch first;
+    static Launch* current = &first;
+    return current;
 }
+inline Launch& L() { return *current_block(); }
 
 [[noreturn]] inline void fail_thread();
 
@@ -437,7 +446,7 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
     tern_host::WarpSlot& w = tern_host::arrive(mask, tern_host::kSync, 0);
     tern_host::leave(w);
 }
-// Blocks run one after another on one OS thread: every write is visible to what runs later.
+// Every thread of a launch runs on one OS thread: a write is visible to whatever runs after it.
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 
@@ -531,25 +540,40 @@ template <class T>
 inline void __stwt(T* p, T v) { *p = v; }
 
 // Atomics: one OS thread runs every thread of the grid, and a fiber only yields at a
-// rendezvous, so a read-modify-write is atomic as written.
+// rendezvous, so a read-modify-write is atomic as written. Each counts as progress for the
+// deadlock check: another block's thread may be spinning on the word it changes.
+namespace tern_host {
+inline void progress() { ++L().epoch; }
+}  // namespace tern_host
 template <class T, class U>
-inline T atomicAdd(T* p, U v) { const T o = *p; *p = (T)(o + (T)v); return o; }
+inline T atomicAdd(T* p, U v) { tern_host::progress(); const T o = *p; *p = (T)(o + (T)v); return o; }
 template <class T, class U>
-inline T atomicSub(T* p, U v) { const T o = *p; *p = (T)(o - (T)v); return o; }
+inline T atomicSub(T* p, U v) { tern_host::progress(); const T o = *p; *p = (T)(o - (T)v); return o; }
 template <class T, class U>
-inline T atomicMax(T* p, U v) { const T o = *p; if ((T)v > o) *p = (T)v; return o; }
+inline T atomicMax(T* p, U v) { tern_host::progress(); const T o = *p; if ((T)v > o) *p = (T)v; return o; }
 template <class T, class U>
-inline T atomicMin(T* p, U v) { const T o = *p; if ((T)v < o) *p = (T)v; return o; }
+inline T atomicMin(T* p, U v) { tern_host::progress(); const T o = *p; if ((T)v < o) *p = (T)v; return o; }
 template <class T, class U>
-inline T atomicExch(T* p, U v) { const T o = *p; *p = (T)v; return o; }
+inline T atomicExch(T* p, U v) { tern_host::progress(); const T o = *p; *p = (T)v; return o; }
 template <class T, class U>
-inline T atomicOr(T* p, U v) { const T o = *p; *p = o | (T)v; return o; }
+inline T atomicOr(T* p, U v) { tern_host::progress(); const T o = *p; *p = o | (T)v; return o; }
 template <class T, class U>
-inline T atomicAnd(T* p, U v) { const T o = *p; *p = o & (T)v; return o; }
+inline T atomicAnd(T* p, U v) { tern_host::progress(); const T o = *p; *p = o & (T)v; return o; }
 template <class T, class U, class V>
-inline T atomicCAS(T* p, U expected, V v) { const T o = *p; if (o == (T)expected) *p = (T)v; return o; }
+inline T atomicCAS(T* p, U expected, V v) { tern_host::progress(); const T o = *p; if (o == (T)expected) *p = (T)v; return o; }
 template <class T>
-inline T atomicInc(T* p, T limit) { const T o = *p; *p = o >= limit ? 0 : o + 1; return o; }
+inline T atomicInc(T* p, T limit) { tern_host::progress(); const T o = *p; *p = o >= limit ? 0 : o + 1; return o; }
+
+// A thread that waits for another block (a spin on memory, as a grid barrier does) must sleep in
+// its loop: here the sleep hands the OS thread to the other fibers, which a spin without one
+// would never do, and is no progress by itself, so a grid whose threads all sleep or wait at
+// rendezvous is reported as a deadlock.
+inline void __nanosleep(unsigned) {
+    tern_host::Thread* t = tern_host::L().current;
+    t->wait = tern_host::Wait::Sleep;
+    tern_host::yield();
+    t->wait = tern_host::Wait::None;
+}
 
 inline size_t __cvta_generic_to_shared(const void* p) { return tern_host::shared_address(p); }
 
@@ -769,13 +793,14 @@ inline const char* wait_name(const Thread& t) {
         case Wait::Barrier: return "a barrier";
         case Wait::WarpArrive: return "a warp collective (before arriving)";
         case Wait::WarpRead: return "a warp collective (for other lanes)";
+        case Wait::Sleep: return "a sleep (a spin-wait on memory)";
         default: return "nothing";
     }
 }
 
-inline int run_grid(const Kernel& k, const unsigned grid[3], const unsigned block[3], unsigned dynamic_smem,
-                    void** params, char* err, unsigned errlen) {
-    Launch& l = L();
+// A launch's checks, and its fields that every block of it shares (shared memory apart).
+inline int begin_launch(Launch& l, const Kernel& k, const unsigned grid[3], const unsigned block[3], unsigned dynamic_smem,
+                        void** params, char* err, unsigned errlen) {
     const unsigned long long n = (unsigned long long)block[0] * block[1] * block[2];
     auto refuse = [&](const char* what) {
         snprintf(err, errlen, "%s: %s", k.name, what);
@@ -786,15 +811,6 @@ inline int run_grid(const Kernel& k, const unsigned grid[3], const unsigned bloc
     if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0 || grid[1] > 65535 || grid[2] > 65535)
         return refuse("grid dimension 0, or y or z over 65535");
     if (dynamic_smem > kMaxShared) return refuse("dynamic shared memory over 227 KiB");
-    Memory* m;
-    if (const char* e = memory(m)) return refuse(e);
-    // Threads run up to their next meeting point in thread order, so a thread that reads what a
-    // lower-numbered one wrote without a barrier between them gets it anyway; with
-    // TERN_HOSTCUDA_ORDER=reverse they run highest first, and such a missing barrier shows.
-    static const bool reverse = [] {
-        const char* o = getenv("TERN_HOSTCUDA_ORDER");
-        return o && strcmp(o, "reverse") == 0;
-    }();
     l.run = k.run;
     l.params = params;
     l.name = k.name;
@@ -804,63 +820,181 @@ inline int run_grid(const Kernel& k, const unsigned grid[3], const unsigned bloc
     l.failed = false;
     l.error[0] = 0;
     l.dynamic_bytes = dynamic_smem;
-    l.shared_base = m->shared;
-    l.dynamic_shared = m->shared + m->shared_bytes - ((dynamic_smem + 15) & ~15u);
+    return 0;
+}
+
+// Shared memory of a block from an arena of `arena_bytes` that a PROT_NONE page follows: the
+// static declarations from its start, the dynamic region flush against its end.
+inline void place_shared(Launch& l, char* arena, size_t arena_bytes) {
+    l.shared_base = arena;
+    l.dynamic_shared = arena + arena_bytes - ((l.dynamic_bytes + 15) & ~size_t(15));
+}
+
+// Block `idx` of the launch, ready to run: its threads at their start on fresh stacks (thread i's
+// ending at stacks + (i + 1) * stride), its shared memory poisoned, its rendezvous empty.
+inline void start_block(Launch& l, uint3_ idx, char* stacks, size_t stride) {
+    l.block_idx = idx;
+    l.live = l.nthreads;
+    l.decls = 0;
+    l.static_used = 0;
+    for (auto& w : l.warps) w = WarpSlot{};
+    for (auto& b : l.barriers) b = NamedBarrier{};
+    for (auto& e : l.exited_mask) e = 0;
+    memset(l.shared_base, 0xff, kStaticShared);
+    memset(l.dynamic_shared, 0xff, l.dynamic_bytes);
+    for (int i = 0; i < l.nthreads; ++i) {
+        Thread& t = l.threads[i];
+        t.linear = i;
+        t.tid = {(unsigned)i % l.block.x, (unsigned)i / l.block.x % l.block.y, (unsigned)i / (l.block.x * l.block.y)};
+        t.wait = Wait::None;
+        t.sp = fresh_stack(stacks + (size_t)(i + 1) * stride);
+    }
+}
+
+// Threads run up to their next meeting point in thread order, so a thread that reads what a
+// lower-numbered one wrote without a barrier between them gets it anyway; with
+// TERN_HOSTCUDA_ORDER=reverse they run highest first (and a cooperative launch's blocks last
+// first), and such a missing barrier shows.
+inline bool reverse_order() {
+    static const bool reverse = [] {
+        const char* o = getenv("TERN_HOSTCUDA_ORDER");
+        return o && strcmp(o, "reverse") == 0;
+    }();
+    return reverse;
+}
+
+// Resumes every unfinished thread of the current block once, up to its next meeting point.
+// False when none was left to run.
+inline bool run_pass(Launch& l) {
+    const bool reverse = reverse_order();
+    bool running = false;
+    for (int j = 0; j < l.nthreads; ++j) {
+        Thread& t = l.threads[reverse ? l.nthreads - 1 - j : j];
+        if (t.wait == Wait::Done) continue;
+        running = true;
+        l.current = &t;
+        tern_host_switch_stack(&l.scheduler_sp, t.sp);
+        if (l.failed) break;
+    }
+    l.current = nullptr;
+    return running;
+}
+
+// The deadlock report of a block: up to four of its waiting threads and what they wait at,
+// those spinning on memory first (in a grid that waits for itself, they are the ones waiting).
+inline void report_deadlock(const Launch& l, char* err, unsigned errlen) {
+    int at = snprintf(err, errlen, "%s block (%u,%u,%u): deadlock;", l.name, l.block_idx.x, l.block_idx.y, l.block_idx.z);
+    int shown = 0;
+    for (int sleeping = 1; sleeping >= 0; --sleeping)
+        for (int i = 0; i < l.nthreads && shown < 4; ++i) {
+            const Thread& t = l.threads[i];
+            if (t.wait == Wait::Done || (t.wait == Wait::Sleep) != (sleeping == 1) || at < 0 || (unsigned)at >= errlen) continue;
+            at += snprintf(err + at, errlen - at, " thread %d waits at %s;", i, wait_name(t));
+            ++shown;
+        }
+    if (at > 0 && (unsigned)at < errlen) snprintf(err + at, errlen - at, " %d thread(s) have exited", l.nthreads - l.live);
+}
+
+inline int run_grid(const Kernel& k, const unsigned grid[3], const unsigned block[3], unsigned dynamic_smem,
+                    void** params, char* err, unsigned errlen) {
+    Launch& l = L();
+    if (int r = begin_launch(l, k, grid, block, dynamic_smem, params, err, errlen)) return r;
+    Memory* m;
+    if (const char* e = memory(m)) {
+        snprintf(err, errlen, "%s: %s", k.name, e);
+        return 1;
+    }
+    place_shared(l, m->shared, m->shared_bytes);
     if (getenv("TERN_HOSTCUDA_DEBUG"))
         fprintf(stderr, "hostcuda: %s grid (%u,%u,%u) block (%u,%u,%u), %u bytes of dynamic shared memory at %p\n", k.name, grid[0],
                 grid[1], grid[2], block[0], block[1], block[2], dynamic_smem, (void*)l.dynamic_shared);
     for (unsigned bz = 0; bz < grid[2]; ++bz)
         for (unsigned by = 0; by < grid[1]; ++by)
             for (unsigned bx = 0; bx < grid[0]; ++bx) {
-                l.block_idx = {bx, by, bz};
-                l.live = l.nthreads;
-                l.decls = 0;
-                l.static_used = 0;
-                for (auto& w : l.warps) w = WarpSlot{};
-                for (auto& b : l.barriers) b = NamedBarrier{};
-                for (auto& e : l.exited_mask) e = 0;
-                memset(m->shared, 0xff, kStaticShared);
-                memset(l.dynamic_shared, 0xff, dynamic_smem);
-                for (int i = 0; i < l.nthreads; ++i) {
-                    Thread& t = l.threads[i];
-                    t.linear = i;
-                    t.tid = {(unsigned)i % block[0], (unsigned)i / block[0] % block[1], (unsigned)i / (block[0] * block[1])};
-                    t.wait = Wait::None;
-                    t.sp = fresh_stack(m->stacks + (size_t)(i + 1) * m->stack_stride);
-                }
+                start_block(l, {bx, by, bz}, m->stacks, m->stack_stride);
                 for (;;) {
                     const unsigned long long before = l.epoch;
-                    bool running = false;
-                    for (int j = 0; j < l.nthreads; ++j) {
-                        Thread& t = l.threads[reverse ? l.nthreads - 1 - j : j];
-                        if (t.wait == Wait::Done) continue;
-                        running = true;
-                        l.current = &t;
-                        tern_host_switch_stack(&l.scheduler_sp, t.sp);
-                        if (l.failed) break;
-                    }
-                    l.current = nullptr;
+                    const bool running = run_pass(l);
                     if (l.failed) {
                         snprintf(err, errlen, "%s", l.error);
                         return 2;
                     }
                     if (!running) break;
                     if (l.epoch == before) {
-                        int at = snprintf(err, errlen, "%s block (%u,%u,%u): deadlock;", k.name, bx, by, bz);
-                        int shown = 0;
-                        for (int i = 0; i < l.nthreads && shown < 4; ++i) {
-                            const Thread& t = l.threads[i];
-                            if (t.wait == Wait::Done || at < 0 || (unsigned)at >= errlen) continue;
-                            at += snprintf(err + at, errlen - at, " thread %d waits at %s;", i, wait_name(t));
-                            ++shown;
-                        }
-                        if (at > 0 && (unsigned)at < errlen)
-                            snprintf(err + at, errlen - at, " %d thread(s) have exited", l.nthreads - l.live);
+                        report_deadlock(l, err, errlen);
                         return 2;
                     }
                 }
             }
     return 0;
+}
+
+// A cooperative launch: every block resident at once, as the driver guarantees by refusing a
+// grid that does not fit the device, so blocks may wait for one another (a grid barrier). Each
+// block gets its own Launch, stacks and shared memory, and one scheduler resumes the threads of
+// every block in turn; a pass in which no thread of any block made progress is a deadlock.
+// The memory is mapped for the launch and unmapped after it.
+inline int run_grid_cooperative(const Kernel& k, const unsigned grid[3], const unsigned block[3], unsigned dynamic_smem,
+                                void** params, char* err, unsigned errlen) {
+    const unsigned long long nblocks = (unsigned long long)grid[0] * grid[1] * grid[2];
+    const unsigned long long nthreads = (unsigned long long)block[0] * block[1] * block[2];
+    if (nblocks == 0 || nblocks * nthreads > 1u << 20) {
+        snprintf(err, errlen, "%s: a cooperative grid of 0 blocks or of more than 2^20 threads", k.name);
+        return 1;
+    }
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    const size_t arena = (kStaticShared + kMaxShared + page - 1) / page * page;
+    const size_t stacks_bytes = (size_t)(nblocks * nthreads) * kStackBytes, shared_bytes = (size_t)nblocks * (arena + page);
+    void* stacks = mmap(nullptr, stacks_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void* shared = mmap(nullptr, shared_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    std::unique_ptr<Launch[]> blocks(stacks == MAP_FAILED || shared == MAP_FAILED ? nullptr : new (std::nothrow) Launch[nblocks]);
+    Launch*& current = current_block();
+    Launch* const outside = current;
+    int rc = 0;
+    if (!blocks) {
+        snprintf(err, errlen, "%s: cannot map the memory of a cooperative grid of %llu blocks", k.name, nblocks);
+        rc = 1;
+    }
+    for (unsigned long long b = 0; b < nblocks && !rc; ++b) {
+        Launch& l = blocks[b];
+        char* own = (char*)shared + b * (arena + page);
+        mprotect(own + arena, page, PROT_NONE);
+        if ((rc = begin_launch(l, k, grid, block, dynamic_smem, params, err, errlen))) break;
+        place_shared(l, own, arena);
+        current = &l;
+        start_block(l, {(unsigned)(b % grid[0]), (unsigned)(b / grid[0] % grid[1]), (unsigned)(b / ((unsigned long long)grid[0] * grid[1]))},
+                    (char*)stacks + b * nthreads * kStackBytes, kStackBytes);
+    }
+    while (!rc) {
+        unsigned long long before = 0;
+        for (unsigned long long b = 0; b < nblocks; ++b) before += blocks[b].epoch;
+        bool running = false;
+        for (unsigned long long j = 0; j < nblocks && !rc; ++j) {
+            Launch& l = blocks[reverse_order() ? nblocks - 1 - j : j];
+            current = &l;
+            running |= run_pass(l);
+            if (l.failed) {
+                snprintf(err, errlen, "%s", l.error);
+                rc = 2;
+            }
+        }
+        if (rc || !running) break;
+        unsigned long long after = 0;
+        for (unsigned long long b = 0; b < nblocks; ++b) after += blocks[b].epoch;
+        if (after == before) {
+            for (unsigned long long b = 0; b < nblocks; ++b)
+                if (blocks[b].live > 0) {
+                    report_deadlock(blocks[b], err, errlen);
+                    break;
+                }
+            rc = 2;
+        }
+    }
+    current = outside;
+    blocks.reset();
+    if (stacks != MAP_FAILED) munmap(stacks, stacks_bytes);
+    if (shared != MAP_FAILED) munmap(shared, shared_bytes);
+    return rc;
 }
 
 }  // namespace tern_host
@@ -901,4 +1035,16 @@ extern "C" __attribute__((visibility("default"))) int tern_host_launch(const cha
         return 1;
     }
     return tern_host::run_grid(*k, grid, block, dynamic_smem, params, err, errlen);
+}
+// The same for a cooperative launch (every block resident at once); the driver has checked that
+// the grid fits the device.
+extern "C" __attribute__((visibility("default"))) int tern_host_launch_cooperative(const char* name, const unsigned grid[3],
+                                                                                   const unsigned block[3], unsigned dynamic_smem,
+                                                                                   void** params, char* err, unsigned errlen) {
+    const tern_host::Kernel* k = tern_host_find(name);
+    if (!k) {
+        snprintf(err, errlen, "no kernel %s in this module", name);
+        return 1;
+    }
+    return tern_host::run_grid_cooperative(*k, grid, block, dynamic_smem, params, err, errlen);
 }
