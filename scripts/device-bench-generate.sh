@@ -13,7 +13,7 @@
 # decode from an empty context and after a prompt of TERN_BENCH_DEPTH tokens (default 4096),
 # decode rounds of 1, 8, 32 and 128 sequences, each with the rooflines measured in the run) and
 # llama-bench on the GGUFs (pp16, pp128, pp512, pp4096, tg128, and tg128 @ d4096), plus one profiled
-# run per precision (TERN_CUDA_PROFILE). TERN_BENCH_MODELS, TERN_BENCH_CONCURRENT and
+# run per precision (TERN_CUDA_PROFILE). TERN_BENCH_DTYPES (default "f32 bf16"), TERN_BENCH_MODELS, TERN_BENCH_CONCURRENT and
 # TERN_BENCH_VARIANTS (device-env.sh) narrow or repeat the tern runs. TERN_BENCH_35B=1 also makes
 # Qwen3.5-35B-A3B's random-weight GGUFs (its checkpoint in /dev/shm, removed after the conversion;
 # about 70 GB of memory, 107 GB of disk: a machine of the x2 kind or larger) and runs them after
@@ -63,7 +63,7 @@ models=(${TERN_BENCH_MODELS:-$default_models})
 [ -e $bench/qwen35-0.8b-bf16.gguf ] || models=($bench/qwen35-0.8b)
 for model in "${models[@]}"; do
   [ -e "$model" ] || continue
-  for dtype in f32 bf16; do
+  for dtype in ${TERN_BENCH_DTYPES:-f32 bf16}; do
     tern_variants "$tern" bench generate --model "$model" --device cuda --dtype $dtype --prompt-tokens 4096 --gen-tokens 64 --iters 3 \
       --prefill-also ${TERN_BENCH_PREFILL_ALSO:-16,128,512} --decode-depth ${TERN_BENCH_DEPTH:-4096} \
       --concurrent ${TERN_BENCH_CONCURRENT:-1,8,32,128} | tee -a "$report"
