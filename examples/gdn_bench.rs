@@ -216,10 +216,13 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             k.set_fused_bound64(false);
         }
         // The default form replayed from a graph of `inner` steps, as fla's kernels are timed;
-        // then with the butterflies' sums (`graph_b`), and the (8, 1) form with the scatter sums
-        // in 64 registers (`graph_s64`).
-        for (scatter, name) in [(ScatterSums::On, "graph"), (ScatterSums::Off, "graph_b"), (ScatterSums::Registers64, "graph_s64")] {
+        // then with the butterflies' sums (`graph_b`), with each sequence's slot and row loaded
+        // from the batch's tables (`graph_t`; each step's slots are consecutive, so by default
+        // the kernel computes them), and the (8, 1) form with the scatter sums in 64 registers
+        // (`graph_s64`).
+        for (scatter, direct, name) in [(ScatterSums::On, true, "graph"), (ScatterSums::Off, true, "graph_b"), (ScatterSums::On, false, "graph_t"), (ScatterSums::Registers64, true, "graph_s64")] {
             k.set_scatter_sums(scatter);
+            k.set_direct_addressing(direct);
             if scatter == ScatterSums::Registers64 {
                 k.set_recurrence_variant(Some((8, 1)))?;
             }
@@ -235,6 +238,7 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             }
         }
         k.set_scatter_sums(ScatterSums::On);
+        k.set_direct_addressing(true);
         k.set_recurrence_variant(None)?;
         // The default (rows per warp chosen by batch), then every variant in every block size.
         let runs = std::iter::once((None, RECURRENCE_BLOCK_WARPS)).chain(RECURRENCE_VARIANTS.into_iter().flat_map(|r| RECURRENCE_BLOCK_WARP_CHOICES.map(|w| (Some(r), w))));

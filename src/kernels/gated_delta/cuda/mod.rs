@@ -90,10 +90,23 @@ pub struct GpuSegments {
     start: CudaSlice<u32>,
     len: CudaSlice<u32>,
     slot: CudaSlice<u32>,
+    /// What the recurrence may compute instead of loading from the tables above
+    /// ([`DIRECT_SLOTS`], [`DIRECT_DECODE`]), and the first slot.
+    direct: i32,
+    first_slot: u32,
     /// The chunked forms' table, made at their first use and kept with the batch, so that a
     /// recorded step (which may not copy from the host) finds it already on the device.
     chunks: std::sync::OnceLock<Option<ChunkTable>>,
 }
+
+/// The batch's slots are consecutive (sequence s in slot first + s), as when its states are one
+/// tensor of sequences: the recurrence computes a state's address instead of loading its slot.
+const DIRECT_SLOTS: i32 = 1;
+/// Every sequence is one token, row s of sequence s (a decode step): the recurrence takes the
+/// token's rows without loading its segment. With both, a decode step's first loads (state, k,
+/// q, v, gates) depend on nothing loaded; through the tables they wait for an L2 round trip,
+/// the larger part of a one-sequence step's latency beyond its state's bytes.
+const DIRECT_DECODE: i32 = 2;
 
 impl GpuSegments {
     /// Validates that the segments lie inside `tokens` rows without overlapping and that no
@@ -115,7 +128,12 @@ impl GpuSegments {
         let start: Vec<u32> = segments.iter().map(|s| s.start as u32).collect();
         let len: Vec<u32> = segments.iter().map(|s| s.len as u32).collect();
         let slot: Vec<u32> = slots.iter().map(|&s| u32_of("state slot", s)).collect::<Result<_>>()?;
+        let consecutive = slot.iter().enumerate().all(|(i, &s)| s as usize == slot[0] as usize + i);
+        let decode = segments.iter().enumerate().all(|(i, s)| s.start == i && s.len == 1);
+        let direct = if consecutive { DIRECT_SLOTS } else { 0 } | if decode { DIRECT_DECODE } else { 0 };
         Ok(GpuSegments {
+            direct,
+            first_slot: slot.first().copied().unwrap_or(0),
             segments: segments.to_vec(),
             slots: slots.to_vec(),
             tokens,
@@ -289,6 +307,8 @@ struct RecurrenceArgs {
     l2qk: i32,
     eps: f32,
     q_scale: f32,
+    slot_base: u32,
+    direct: i32,
 }
 // SAFETY: plain data, laid out as the kernel's struct.
 unsafe impl DeviceRepr for RecurrenceArgs {}
@@ -316,6 +336,9 @@ pub struct GatedDeltaCuda {
     recurrence_fused_b64: Vec<(usize, [CudaFunction; 2])>,
     /// Whether the fused form takes those (TERN_GDN_FUSED_BOUND=64; opt-in until timed).
     fused_bound64: bool,
+    /// Whether the recurrence computes what a batch lets it (`GpuSegments::direct`) rather than
+    /// loading it from the tables: the same bits. On by default; TERN_GDN_DIRECT=0 turns it off.
+    direct_addressing: bool,
     /// Whether the forms that have them take the scatter sums (the same bits with fewer
     /// shuffles; the default, TERN_GDN_SCATTER=0 turns them off), and the (8, 1) form its
     /// 64-register kernel (TERN_GDN_SCATTER=64). Timed on an H100 (2026-12-05, graph replays,
@@ -684,6 +707,7 @@ impl GatedDeltaCuda {
             recurrence_scatter,
             recurrence_fused_b64,
             fused_bound64: std::env::var("TERN_GDN_FUSED_BOUND").is_ok_and(|v| v == "64"),
+            direct_addressing: std::env::var("TERN_GDN_DIRECT").map_or(true, |v| v != "0"),
             scatter: match std::env::var("TERN_GDN_SCATTER").as_deref() {
                 Ok("0") => ScatterSums::Off,
                 Ok("64") => ScatterSums::Registers64,
@@ -748,6 +772,13 @@ impl GatedDeltaCuda {
     /// same bits, with the butterflies or the scatter sums as [`Self::set_scatter_sums`] says).
     pub fn set_fused_bound64(&mut self, on: bool) {
         self.fused_bound64 = on;
+    }
+
+    /// Whether the recurrence computes a state's address and a decode token's row where the
+    /// batch allows it (consecutive slots, one token a sequence) instead of loading them from the
+    /// batch's tables. The same bits either way.
+    pub fn set_direct_addressing(&mut self, on: bool) {
+        self.direct_addressing = on;
     }
 
     /// Warps per block of the unfused recurrence (one of [`RECURRENCE_BLOCK_WARP_CHOICES`]);
@@ -1016,6 +1047,9 @@ impl GatedDeltaCuda {
             l2qk: x.normalize_qk as i32,
             eps: L2_NORM_EPS,
             q_scale: (1.0 / (heads.d_k as f64).sqrt()) as f32,
+            slot_base: segs.first_slot,
+            // Slots only address a pool: with an address table each state is its own buffer.
+            direct: if !self.direct_addressing { 0 } else if table.is_some() { segs.direct & DIRECT_DECODE } else { segs.direct },
         };
         let mut l = g.launch_builder(f);
         l.arg(&args);

@@ -118,6 +118,11 @@ struct tern_gdn_recurrence_args {
     float norm_eps;
     int nk, nv, dv, grouped, l2qk;
     float eps, q_scale;
+    // What the batch lets the kernel compute instead of load (DIRECT_* in mod.rs): bit 0, the
+    // slots are consecutive from slot_base (pool states only); bit 1, sequence s is the one
+    // token of row s. Then a decode step's first loads wait for no table.
+    unsigned slot_base;
+    int direct;
 };
 
 // The sums over the warp of ROWS values a lane holds, one per row, as tern_gdn_warp_sum forms
@@ -239,8 +244,9 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
     // fused form every warp of a block is inside its head, so none leaves its barriers).
     if (first >= total) return;
     const int s = blockIdx.y;
-    float* seq_state = a.state_at ? (float*)a.state_at[s] : a.states + (size_t)a.slot[s] * nv * dv * DK;
-    const size_t start = a.seg_start[s], end = start + a.seg_len[s];
+    const unsigned slot = (a.direct & 1) ? a.slot_base + (unsigned)s : a.slot[s];
+    float* seq_state = a.state_at ? (float*)a.state_at[s] : a.states + (size_t)slot * nv * dv * DK;
+    const size_t start = (a.direct & 2) ? (size_t)s : a.seg_start[s], end = start + ((a.direct & 2) ? 1 : a.seg_len[s]);
 
     float r[ROWS][E], next[ROWS][E];
     {

@@ -371,9 +371,16 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
         let scan_pool = gpu.download(&scan_pool).unwrap();
 
         // The steps on the pool and on per-sequence buffers (an address table), and on the pool
-        // with the scatter sums (`ks`).
-        for (own_buffers, kd) in [(false, &k), (true, &k), (false, &ks)] {
-            let mut step_pool = up(&pool);
+        // with the scatter sums (`ks`); then on a pool where sequence s is in slot s (`dense`:
+        // a step's slots are consecutive when its sequences are, which the kernel then computes
+        // instead of loading, from a first slot of 0 or 2), and on the scattered pool with every
+        // slot and row loaded from the tables (`kt`).
+        let mut kt = GatedDeltaCuda::new(gpu.clone()).unwrap();
+        kt.set_scatter_sums(ScatterSums::Off);
+        kt.set_direct_addressing(false);
+        let dense_pool: Vec<f32> = slots.iter().flat_map(|&s| pool[s * sl..(s + 1) * sl].iter().copied()).collect();
+        for (own_buffers, dense, kd) in [(false, false, &k), (true, false, &k), (false, false, &ks), (false, true, &k), (false, false, &kt)] {
+            let mut step_pool = up(if dense { &dense_pool } else { &pool });
             let mut own: Vec<CudaSlice<f32>> = slots.iter().map(|&s| up(&pool[s * sl..(s + 1) * sl])).collect();
             let mut step_out = vec![f32::NAN; tokens * v_row];
             for p in 0..*lengths.iter().max().unwrap() {
@@ -388,7 +395,7 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
                     let mut refs: Vec<&mut CudaSlice<f32>> = own.iter_mut().enumerate().filter(|(s, _)| active.contains(s)).map(|(_, b)| b).collect();
                     kd.delta_rule(&heads, &inputs, &segs, GpuStates::Each(&mut refs), &mut o).unwrap();
                 } else {
-                    let step_slots: Vec<usize> = active.iter().map(|&s| slots[s]).collect();
+                    let step_slots: Vec<usize> = active.iter().map(|&s| if dense { s } else { slots[s] }).collect();
                     let segs = GpuSegments::decode(&gpu, &step_slots).unwrap();
                     kd.delta_rule(&heads, &inputs, &segs, GpuStates::Pool(&mut step_pool), &mut o).unwrap();
                 }
@@ -397,11 +404,22 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
                     step_out[t * v_row..(t + 1) * v_row].copy_from_slice(&o[i * v_row..(i + 1) * v_row]);
                 }
             }
-            let how = format!("decode steps{}{} vs scan", if own_buffers { " (own buffers)" } else { "" }, if std::ptr::eq(kd, &ks) { " with scatter sums" } else { "" });
+            let how = format!(
+                "decode steps{}{}{}{} vs scan",
+                if own_buffers { " (own buffers)" } else { "" },
+                if dense { " (dense pool)" } else { "" },
+                if std::ptr::eq(kd, &ks) { " with scatter sums" } else { "" },
+                if std::ptr::eq(kd, &kt) { " (tables loaded)" } else { "" }
+            );
             assert_bits_eq(&format!("{how} (outputs)"), &step_out, &scan_out);
             if own_buffers {
                 for (i, &s) in slots.iter().enumerate() {
                     assert_bits_eq(&format!("{how} (states)"), &gpu.download(&own[i]).unwrap(), &scan_pool[s * sl..(s + 1) * sl]);
+                }
+            } else if dense {
+                let got = gpu.download(&step_pool).unwrap();
+                for (i, &s) in slots.iter().enumerate() {
+                    assert_bits_eq(&format!("{how} (states)"), &got[i * sl..(i + 1) * sl], &scan_pool[s * sl..(s + 1) * sl]);
                 }
             } else {
                 assert_bits_eq(&format!("{how} (states)"), &gpu.download(&step_pool).unwrap(), &scan_pool);
