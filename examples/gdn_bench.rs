@@ -22,6 +22,9 @@ use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
 
+mod timing;
+use timing::time_ms;
+
 struct Lcg(u64);
 impl Lcg {
     fn unit(&mut self) -> f32 {
@@ -31,47 +34,6 @@ impl Lcg {
     fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
         (0..n).map(|_| lo + (hi - lo) * self.unit()).collect()
     }
-}
-
-/// `f` recorded once into a CUDA graph and replayed: median milliseconds of `reps` replays, as
-/// [`time_ms`] times them. A model's decode steps run as replayed graphs, and fla's kernels are
-/// timed that way beside them (scripts/bench_gdn_fla.py), so a launch costs what it costs there.
-/// None where the stream cannot record (the reason on stderr).
-fn time_graph_ms(gpu: &Gpu, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<Option<f64>> {
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    let stream = gpu.stream();
-    let cuda = |e: cudarc::driver::DriverError| tern::Error::Cuda(format!("{e:?}"));
-    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(cuda)?;
-    // Whatever happens inside, the capture must end, or the stream stays in it.
-    let queued = f();
-    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(cuda);
-    let graph = match (queued, graph) {
-        (Ok(()), Ok(Some(g))) => g,
-        (queued, graph) => {
-            eprintln!("no graph recorded: {:?} / {:?}", queued.err(), graph.err());
-            return Ok(None);
-        }
-    };
-    time_ms(gpu, 2, reps, |_| graph.launch().map_err(cuda)).map(Some)
-}
-
-/// Median milliseconds of `reps` timed runs of `f` (after `warm` untimed ones), by events.
-fn time_ms(gpu: &Gpu, warm: usize, reps: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
-    let (start, end) = (gpu.event()?, gpu.event()?);
-    for i in 0..warm {
-        f(i)?;
-    }
-    gpu.synchronize()?;
-    let mut times = Vec::with_capacity(reps);
-    for i in 0..reps {
-        start.record(gpu.stream()).map_err(|e| tern::Error::Cuda(format!("{e:?}")))?;
-        f(warm + i)?;
-        end.record(gpu.stream()).map_err(|e| tern::Error::Cuda(format!("{e:?}")))?;
-        end.synchronize().map_err(|e| tern::Error::Cuda(format!("{e:?}")))?;
-        times.push(start.elapsed_ms(&end).map_err(|e| tern::Error::Cuda(format!("{e:?}")))? as f64);
-    }
-    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    Ok(times[reps / 2])
 }
 
 fn rel_err(got: &[f32], want: &[f32]) -> f64 {
@@ -227,14 +189,17 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
                 k.set_recurrence_variant(Some((8, 1)))?;
             }
             let mut n = 0usize;
-            if let Some(ms) = time_graph_ms(gpu, 15, || {
+            // A form the stream cannot record is reported and skipped.
+            let recorded = timing::record_graph(gpu, || {
                 for _ in 0..inner {
                     k.delta_rule(heads, &x, &segs[n % rot], GpuStates::Pool(&mut pool), &mut out)?;
                     n += 1;
                 }
                 Ok(())
-            })? {
-                report(b, name, ms / inner as f64);
+            });
+            match recorded {
+                Ok(graph) => report(b, name, time_ms(gpu, 2, 15, |_| graph.launch().map_err(timing::err))? / inner as f64),
+                Err(e) => eprintln!("{name}: {e:?}"),
             }
         }
         k.set_scatter_sums(ScatterSums::On);

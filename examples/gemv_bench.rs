@@ -10,28 +10,23 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use tern::cuda::Gpu;
 use tern::kernels::cuda_ops::{CudaOps, Precision};
 use tern::kernels::matmul::cuda::{Blas, GemvOutput};
 use tern::kernels::matmul::{quantize_q8_0, Weights};
 use tern::Result;
 
-fn err(e: impl std::fmt::Debug) -> tern::Error {
-    tern::Error::Cuda(format!("{e:?}"))
-}
+mod timing;
+use timing::{err, record_graph};
 
-/// Microseconds per call of `f`, from a graph of `per_graph` calls replayed `reps` times.
+/// Microseconds per call of `f`, from a graph of `per_graph` calls replayed `reps` times (one
+/// untimed run of `f` and one untimed replay first).
 fn time_in_graph(gpu: &Arc<Gpu>, per_graph: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
-    let stream = gpu.stream();
-    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(err)?;
-    let queued = (0..per_graph).try_for_each(|_| f());
-    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(err)?;
-    queued?;
-    let graph = graph.ok_or_else(|| err("no graph recorded"))?;
+    let graph = record_graph(gpu, || (0..per_graph).try_for_each(|_| f()))?;
     graph.launch().map_err(err)?;
     gpu.synchronize()?;
+    let stream = gpu.stream();
     let (start, end) = (gpu.event()?, gpu.event()?);
     start.record(stream).map_err(err)?;
     for _ in 0..reps {

@@ -35,41 +35,8 @@ use tern::Result;
 
 const CHAIN: KernelSource = KernelSource { name: "tern_gemv_chain_experiment", code: include_str!("gemv_chain.cu") };
 
-fn err(e: impl std::fmt::Debug) -> tern::Error {
-    tern::Error::Cuda(format!("{e:?}"))
-}
-
-/// Median milliseconds of `reps` runs of `f` (after two untimed ones), by events.
-fn time_ms(gpu: &Gpu, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    let (start, end) = (gpu.event()?, gpu.event()?);
-    f()?;
-    f()?;
-    gpu.synchronize()?;
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        start.record(gpu.stream()).map_err(err)?;
-        f()?;
-        end.record(gpu.stream()).map_err(err)?;
-        end.synchronize().map_err(err)?;
-        times.push(start.elapsed_ms(&end).map_err(err)? as f64);
-    }
-    times.sort_by(|a, b| a.total_cmp(b));
-    Ok(times[reps / 2])
-}
-
-/// `f` recorded once into a graph, then timed as replays of it.
-fn time_graph_ms(gpu: &Gpu, reps: usize, f: impl FnOnce() -> Result<()>) -> Result<f64> {
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    let stream = gpu.stream();
-    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(err)?;
-    let queued = f();
-    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(err);
-    let graph = match (queued, graph) {
-        (Ok(()), Ok(Some(g))) => g,
-        (q, g) => return Err(err(format!("no graph recorded: {:?} / {:?}", q.err(), g.err()))),
-    };
-    time_ms(gpu, reps, || graph.launch().map_err(err))
-}
+mod timing;
+use timing::{err, time_graph_ms, time_ms};
 
 struct Lcg(u64);
 impl Lcg {
@@ -242,7 +209,7 @@ fn main() -> Result<()> {
             Ok(ms) => ms,
             Err(e) => {
                 println!("{name}: graph capture failed ({e:?}); timing stream launches");
-                time_ms(&gpu, reps, run)?
+                time_ms(&gpu, 2, reps, |_| run())?
             }
         };
         report(&name, ms);
