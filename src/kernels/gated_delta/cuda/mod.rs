@@ -325,16 +325,10 @@ pub struct GatedDeltaCuda {
     conv: Vec<CudaFunction>, // kernel widths 1..=8
     normalize_qk: CudaFunction,
     gated_norm: CudaFunction,
-    /// (d_k, (rows, groups) per warp, kernel).
-    recurrence: Vec<(usize, (usize, usize), CudaFunction)>,
-    recurrence_fused: Vec<(usize, CudaFunction)>,
-    /// The 8-row forms and the fused one with the scatter sums (`SCATTER` in recurrence.cu),
-    /// by d_k: [(8, 1), (8, 2), fused], and (8, 1) bounded to 64 registers (d_k <= 128).
-    recurrence_scatter: Vec<(usize, [CudaFunction; 3], Option<CudaFunction>)>,
-    /// The fused form bounded to two blocks a multiprocessor, by d_k (<= 128): with the
-    /// butterflies, with the scatter sums (`_b64`, `_s_b64` in recurrence.cu).
-    recurrence_fused_b64: Vec<(usize, [CudaFunction; 2])>,
-    /// Whether the fused form takes those (TERN_GDN_FUSED_BOUND=64; opt-in until timed).
+    /// Every compiled form of the recurrence (recurrence.cu's kernels), by its key.
+    recurrence: Vec<(RecurrenceKernel, CudaFunction)>,
+    /// Whether the fused form runs bounded to two blocks a multiprocessor where d_k <= 128
+    /// (`_b64`, `_s_b64` in recurrence.cu; TERN_GDN_FUSED_BOUND=64; opt-in until timed).
     fused_bound64: bool,
     /// Whether the recurrence computes what a batch lets it (`GpuSegments::direct`) rather than
     /// loading it from the tables: the same bits. On by default; TERN_GDN_DIRECT=0 turns it off.
@@ -365,6 +359,50 @@ pub struct GatedDeltaCuda {
     /// Shared with the graphs of the steps that used it: a recorded prefill holds its address,
     /// so growing it (for a longer prompt) must not free it under such a graph.
     chunk_scratch: Mutex<Option<Arc<CudaSlice<f32>>>>,
+}
+
+/// The forms of the recurrence: rows and row groups a warp, or the fused decode step (gates,
+/// recurrence and gated norm; 8 rows a warp, one block a head).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RecurrenceForm {
+    Rows(usize, usize),
+    Fused,
+}
+
+/// One kernel of recurrence.cu: its d_k, form, whether it sums a warp's rows by scatter, and
+/// whether it is held to 64 registers (the (8, 1) form: 8 blocks a multiprocessor; the fused
+/// one: 2). Every form computes the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RecurrenceKernel {
+    d_k: usize,
+    form: RecurrenceForm,
+    scatter: bool,
+    bound64: bool,
+}
+
+impl RecurrenceKernel {
+    /// Every kernel recurrence.cu instantiates.
+    fn all() -> Vec<RecurrenceKernel> {
+        let mut all = Vec::new();
+        for d_k in [32usize, 64, 128, 256] {
+            let k = |form, scatter, bound64| RecurrenceKernel { d_k, form, scatter, bound64 };
+            all.extend(RECURRENCE_VARIANTS.map(|(r, g)| k(RecurrenceForm::Rows(r, g), false, false)));
+            all.push(k(RecurrenceForm::Fused, false, false));
+            all.extend([k(RecurrenceForm::Rows(8, 1), true, false), k(RecurrenceForm::Rows(8, 2), true, false), k(RecurrenceForm::Fused, true, false)]);
+            if d_k <= 128 {
+                all.extend([k(RecurrenceForm::Rows(8, 1), true, true), k(RecurrenceForm::Fused, false, true), k(RecurrenceForm::Fused, true, true)]);
+            }
+        }
+        all
+    }
+
+    fn name(&self) -> String {
+        let sums = if self.scatter { "_s" } else { "" };
+        match self.form {
+            RecurrenceForm::Rows(r, g) => format!("tern_gdn_recurrence_dk{}_r{r}_g{g}{sums}{}", self.d_k, if self.bound64 { "64" } else { "" }),
+            RecurrenceForm::Fused => format!("tern_gdn_recurrence_fused_dk{}{sums}{}", self.d_k, if self.bound64 { "_b64" } else { "" }),
+        }
+    }
 }
 
 /// How the recurrence sums a warp's rows ([`GatedDeltaCuda::set_scatter_sums`]); the same bits
@@ -641,22 +679,7 @@ impl GatedDeltaCuda {
     /// Compiles (or takes from the cache) and loads every kernel of the family.
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
         let conv = (1..=MAX_CONV_WIDTH).map(|kw| gpu.function(&CONV, &format!("tern_gdn_conv_k{kw}"))).collect::<Result<_>>()?;
-        let (mut recurrence, mut recurrence_fused, mut recurrence_scatter, mut recurrence_fused_b64) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for d in [32usize, 64, 128, 256] {
-            for (r, g) in RECURRENCE_VARIANTS {
-                recurrence.push((d, (r, g), gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_dk{d}_r{r}_g{g}"))?));
-            }
-            recurrence_fused.push((d, gpu.function(&RECURRENCE, &format!("tern_gdn_recurrence_fused_dk{d}"))?));
-            let f = |name: String| gpu.function(&RECURRENCE, &name);
-            recurrence_scatter.push((
-                d,
-                [f(format!("tern_gdn_recurrence_dk{d}_r8_g1_s"))?, f(format!("tern_gdn_recurrence_dk{d}_r8_g2_s"))?, f(format!("tern_gdn_recurrence_fused_dk{d}_s"))?],
-                if d <= 128 { Some(f(format!("tern_gdn_recurrence_dk{d}_r8_g1_s64"))?) } else { None },
-            ));
-            if d <= 128 {
-                recurrence_fused_b64.push((d, [f(format!("tern_gdn_recurrence_fused_dk{d}_b64"))?, f(format!("tern_gdn_recurrence_fused_dk{d}_s_b64"))?]));
-            }
-        }
+        let recurrence = RecurrenceKernel::all().into_iter().map(|k| Ok((k, gpu.function(&RECURRENCE, &k.name())?))).collect::<Result<_>>()?;
         let with_smem = |src: &KernelSource, name: &str, smem: usize| -> Result<CudaFunction> {
             let f = gpu.function(src, name)?;
             f.set_attribute(MAX_DYN_SMEM, smem as i32).map_err(driver_err(&format!("{name}: raising its shared memory to {smem} bytes")))?;
@@ -703,9 +726,6 @@ impl GatedDeltaCuda {
             gated_norm: gpu.function(&NORM, "tern_gdn_gated_rms_norm")?,
             conv,
             recurrence,
-            recurrence_fused,
-            recurrence_scatter,
-            recurrence_fused_b64,
             fused_bound64: std::env::var("TERN_GDN_FUSED_BOUND").is_ok_and(|v| v == "64"),
             direct_addressing: std::env::var("TERN_GDN_DIRECT").map_or(true, |v| v != "0"),
             scatter: match std::env::var("TERN_GDN_SCATTER").as_deref() {
@@ -982,23 +1002,23 @@ impl GatedDeltaCuda {
                 if decode && segs.n_seqs() >= MANY_DECODE_SEQS { RECURRENCE_VARIANT_MANY } else { RECURRENCE_VARIANT }
             }),
         };
-        let scatter = match self.scatter {
-            ScatterSums::Off => None,
-            _ => self.recurrence_scatter.iter().find(|(d, _, _)| *d == heads.d_k).map(|(_, fs, f64)| (fs, f64)),
+        if x.fused.is_some() && heads.d_v > FUSED_MAX_DV {
+            return Err(Error::Shape(format!("delta_rule fused on CUDA: d_v = {} (at most {FUSED_MAX_DV})", heads.d_v)));
+        }
+        // The scatter sums exist for the 8-row forms and the fused one; the 64-register bounds
+        // for the (8, 1) form with them and for the fused form, where d_k <= 128.
+        let scatter = self.scatter != ScatterSums::Off;
+        let small = heads.d_k <= 128;
+        let want = match x.fused {
+            Some(_) => RecurrenceKernel { d_k: heads.d_k, form: RecurrenceForm::Fused, scatter, bound64: self.fused_bound64 && small },
+            None => RecurrenceKernel {
+                d_k: heads.d_k,
+                form: RecurrenceForm::Rows(rows, per_warp),
+                scatter: scatter && rows == 8 && per_warp <= 2,
+                bound64: self.scatter == ScatterSums::Registers64 && (rows, per_warp) == (8, 1) && small,
+            },
         };
-        let fused_b64 = self.recurrence_fused_b64.iter().find(|(d, _)| self.fused_bound64 && *d == heads.d_k).map(|(_, fs)| fs);
-        let f = match (x.fused.is_some(), scatter) {
-            (true, _) if heads.d_v > FUSED_MAX_DV => {
-                return Err(Error::Shape(format!("delta_rule fused on CUDA: d_v = {} (at most {FUSED_MAX_DV})", heads.d_v)))
-            }
-            (true, s) if fused_b64.is_some() => fused_b64.map(|fs| &fs[s.is_some() as usize]),
-            (true, Some((fs, _))) => Some(&fs[2]),
-            (true, None) => self.recurrence_fused.iter().find(|(d, _)| *d == heads.d_k).map(|(_, f)| f),
-            (false, Some((_, Some(f64)))) if (rows, per_warp) == (8, 1) && self.scatter == ScatterSums::Registers64 => Some(f64),
-            (false, Some((fs, _))) if (rows, per_warp) == (8, 1) => Some(&fs[0]),
-            (false, Some((fs, _))) if (rows, per_warp) == (8, 2) => Some(&fs[1]),
-            (false, _) => self.recurrence.iter().find(|(d, v, _)| *d == heads.d_k && *v == (rows, per_warp)).map(|(_, _, f)| f),
-        };
+        let f = self.recurrence.iter().find(|(k, _)| *k == want).map(|(_, f)| f);
         let f = f.ok_or_else(|| Error::Shape(format!("delta_rule on CUDA: d_k = {} (supported: 32, 64, 128, 256)", heads.d_k)))?;
         if segs.n_seqs() == 0 {
             return Ok(());
