@@ -166,25 +166,36 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
             let norm = gpu.upload(&rng.vec(heads.d_v, 0.5, 1.5))?;
             let fused = FusedGatesNorm { dt_bias: &dt_bias, a: &a, z: Rows { buf: &z, offset: 0, stride: nv * heads.d_v }, norm: &norm, eps: 1e-6 };
             let x = GpuDeltaRuleInputs { fused: Some(fused), ..inputs(heads, &l) };
-            // Then the same with the rows' sums by butterflies (`fused_b`: the same bits), and
-            // both bounded to two blocks a multiprocessor (`fused_64`, `fused_b64`).
-            for (scatter, bound64, name) in [(ScatterSums::On, false, "fused"), (ScatterSums::Off, false, "fused_b"), (ScatterSums::On, true, "fused_64"), (ScatterSums::Off, true, "fused_b64")] {
+            // The default (scatter sums, bounded to two blocks a multiprocessor), then the same
+            // with the rows' sums by butterflies (`fused_b`: the same bits), and both unbounded
+            // (`fused_u`, `fused_bu`).
+            for (scatter, bound64, name) in [(ScatterSums::On, true, "fused"), (ScatterSums::Off, true, "fused_b"), (ScatterSums::On, false, "fused_u"), (ScatterSums::Off, false, "fused_bu")] {
                 k.set_scatter_sums(scatter);
                 k.set_fused_bound64(bound64);
                 let ms = steps_ms(gpu, k, heads, &x, &segs, &mut pool, &mut out, inner)?;
                 report(b, name, ms);
             }
             k.set_scatter_sums(ScatterSums::On);
-            k.set_fused_bound64(false);
+            k.set_fused_bound64(true);
         }
         // The default form replayed from a graph of `inner` steps, as fla's kernels are timed;
         // then with the butterflies' sums (`graph_b`), with each sequence's slot and row loaded
         // from the batch's tables (`graph_t`; each step's slots are consecutive, so by default
         // the kernel computes them), and the (8, 1) form with the scatter sums in 64 registers
-        // (`graph_s64`).
-        for (scatter, direct, name) in [(ScatterSums::On, true, "graph"), (ScatterSums::Off, true, "graph_b"), (ScatterSums::On, false, "graph_t"), (ScatterSums::Registers64, true, "graph_s64")] {
+        // (`graph_s64`); and the default in blocks of 1 and 2 warps (`graph_w1`, `graph_w2`: fla's
+        // recurrence runs one warp a block).
+        let default_warps = RECURRENCE_BLOCK_WARPS;
+        for (scatter, direct, warps, name) in [
+            (ScatterSums::On, true, default_warps, "graph"),
+            (ScatterSums::Off, true, default_warps, "graph_b"),
+            (ScatterSums::On, false, default_warps, "graph_t"),
+            (ScatterSums::On, true, 1, "graph_w1"),
+            (ScatterSums::On, true, 2, "graph_w2"),
+            (ScatterSums::Registers64, true, default_warps, "graph_s64"),
+        ] {
             k.set_scatter_sums(scatter);
             k.set_direct_addressing(direct);
+            k.set_recurrence_block_warps(warps)?;
             if scatter == ScatterSums::Registers64 {
                 k.set_recurrence_variant(Some((8, 1)))?;
             }
@@ -204,6 +215,7 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
         }
         k.set_scatter_sums(ScatterSums::On);
         k.set_direct_addressing(true);
+        k.set_recurrence_block_warps(default_warps)?;
         k.set_recurrence_variant(None)?;
         // The default (rows per warp chosen by batch), then every variant in every block size.
         let runs = std::iter::once((None, RECURRENCE_BLOCK_WARPS)).chain(RECURRENCE_VARIANTS.into_iter().flat_map(|r| RECURRENCE_BLOCK_WARP_CHOICES.map(|w| (Some(r), w))));

@@ -362,12 +362,12 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
     TERN_GDN_RECURRENCE_S(D, 8, 1) TERN_GDN_RECURRENCE_S(D, 8, 2) TERN_GDN_RECURRENCE_FUSED(D, FUSED_MIN_BLOCKS, true, _s)
 // The forms bounded to 64 registers: _s64 (above), and the fused form bounded to two blocks a
 // multiprocessor (64 registers at the 512 threads of d_v = 128), with the butterflies (_b64:
-// 16 bytes of spill at d_k = 128) and with the scatter sums (_s_b64: 32 bytes). Opt-in,
-// TERN_GDN_FUSED_BOUND=64: the unbounded fused form holds one block a multiprocessor (96 or 90
-// registers), which at many sequences (a server's decode rounds) runs at 0.65 of copy; bounded
-// by a source variant on the H200 it took 469 -> 334 µs at 256 sequences and 30.0 -> 26.4 at
-// 16, the same 7.0 at one (BENCHMARKS.md, fifteenth session). Not yet timed as built here, nor
-// with the scatter sums.
+// 16 bytes of spill at d_k = 128) and with the scatter sums (_s_b64: 32 bytes). The launcher's
+// default (TERN_GDN_FUSED_BOUND=0 takes the unbounded form): the unbounded fused form holds one
+// block a multiprocessor (96 or 90 registers), which at many sequences (a server's decode
+// rounds) runs at 0.68 of copy. Timed on an H100 with the scatter sums (BENCHMARKS.md,
+// eighteenth session): 530 -> 382 µs at 256 sequences, 33.2 -> 30.3 at 16, 7.28 -> 7.20 at one,
+// for 16 or 32 bytes of spill.
 #define TERN_GDN_RECURRENCE_64(D)                                              \
     TERN_GDN_RECURRENCE_KERNEL(D, 8, 1, __launch_bounds__(128, 8), true, _s64) \
     TERN_GDN_RECURRENCE_FUSED(D, 2, false, _b64) TERN_GDN_RECURRENCE_FUSED(D, 2, true, _s_b64)

@@ -749,9 +749,9 @@ fn cuda_fused_recurrence_equals_gates_recurrence_norm() {
         }
         let got = gpu.download(&out).unwrap();
         assert_bits_eq("fused recurrence vs three kernels (outputs)", &got, &three);
-        // The fused form with the scatter sums, and bounded to two blocks a multiprocessor with
-        // either sums (d_k <= 128; above it the bound is ignored): the same bits.
-        for (scatter, bound64) in [(ScatterSums::On, false), (ScatterSums::Off, true), (ScatterSums::On, true)] {
+        // The fused form with either sums, bounded to two blocks a multiprocessor or not (d_k <=
+        // 128; above it the bound is ignored): the same bits.
+        for (scatter, bound64) in [(ScatterSums::On, false), (ScatterSums::Off, false), (ScatterSums::Off, true), (ScatterSums::On, true)] {
             let mut ks = GatedDeltaCuda::new(gpu.clone()).unwrap();
             ks.set_scatter_sums(scatter);
             ks.set_fused_bound64(bound64);
