@@ -270,6 +270,9 @@ fn load_model(spec: &str, opts: &ServeOptions, state: &Arc<AppState>) -> Result<
         .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
         .unwrap_or_else(|| spec.to_string());
     let engine = if crate::runtime::generate::is_llm(&path)? {
+        // A server decodes its sequences in rounds: decode attention in the blocks that suit
+        // many sequences at once (the same for every sequence, alone or batched).
+        crate::kernels::attention::cuda::prefer_batched_decode(opts.max_sequences > 1);
         let placement = LoadOptions { threads: opts.threads, max_tokens: None, device: opts.device, dtype: opts.dtype }.placement()?;
         let llm = Llm::load_on(&path, opts.threads, &placement)?;
         Engine::Llm(generation::LlmModel::start(llm, opts, state.clone()))

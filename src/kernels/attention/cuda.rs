@@ -1,6 +1,7 @@
 //! Launchers of `attention.cu` (f32, CUDA cores) and `attention_tc.cu` (bf16 tensor cores,
 //! fast mode), with the shape checks of the CPU twin in this folder.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN_SMEM;
@@ -507,13 +508,19 @@ pub struct KvAttentionCuda {
 }
 
 /// How decode attention (tern_kv_attention) spreads a row's keys: over `splits` key ranges
-/// (blocks) of `warps` warps each. The defaults are [`KV_SPLITS`] and [`KV_WARPS_WIDE`];
-/// TERN_KV_SPLITS=16 takes 16 ranges, TERN_KV_WARPS=4 blocks of [`KV_WARPS`]. Other forms,
-/// other partial sums: all agree with the CPU to f32 rounding.
+/// (blocks) of `warps` warps each. [`KV_SPLITS`] ranges, of [`KV_WARPS_WIDE`] warps in a
+/// process that decodes one sequence at a time, of [`KV_WARPS`] in one that decodes rounds of
+/// many ([`prefer_batched_decode`]: the server); TERN_KV_SPLITS=16 takes 16 ranges,
+/// TERN_KV_WARPS=4 or 16 that many warps. Other forms, other partial sums: all agree with the
+/// CPU to f32 rounding. One form a process, so a sequence gets the same bits alone and in any
+/// batch of that process.
 ///
-/// Timed on an H100 (2026-12-05, random-weight Qwen3.5-0.8B, one sequence decoding after a
-/// 4096-token prompt, tok/s bf16 / f32 mode): 8 ranges of 4 warps 682.9 / 672.9, of 16 warps
-/// 819.2 / 807.7; 16 ranges of 4 warps 762.4 / 751.9. From an empty context all within 1.3%.
+/// Timed on an H100 (2026-12-05, random-weight Qwen3.5-0.8B, bf16 mode, tok/s): one sequence
+/// after a 4096-token prompt, 8 ranges of 4 warps 683.0, of 16 warps 814.8, 16 ranges of 16
+/// warps 841.0 (from an empty context all within 1%); rounds of 8 / 32 / 128 sequences, 4 warps
+/// 5 732 / 12 953 / 26 077, 16 warps 5 454 / 11 499 / 21 051, 16 ranges of 16 warps 5 165 /
+/// 10 240 / 16 820. A few blocks of many warps keep more keys in flight where one sequence's
+/// blocks cannot fill the machine; many sequences fill it with blocks of 4.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvForm {
     pub splits: usize,
@@ -532,14 +539,38 @@ impl KvForm {
         KvForm { splits: KV_MAX_SPLITS, warps: KV_WARPS_WIDE },
     ];
 
-    /// The default form, or what TERN_KV_SPLITS=16 / TERN_KV_WARPS=4 ask.
+    /// The form of a process that decodes rounds of many sequences.
+    pub const BATCHED: KvForm = KvForm { splits: KV_SPLITS, warps: KV_WARPS };
+
+    /// This process's form ([`KvForm::DEFAULT`], or [`KvForm::BATCHED`] after
+    /// [`prefer_batched_decode`]), or what TERN_KV_SPLITS=16 / TERN_KV_WARPS=4|16 ask.
     pub fn from_env() -> KvForm {
-        let asks = |name, value| std::env::var(name).is_ok_and(|v| v == value);
+        let var = |name| std::env::var(name).ok();
+        Self::chosen(BATCHED_DECODE.load(Ordering::Relaxed), var("TERN_KV_SPLITS").as_deref(), var("TERN_KV_WARPS").as_deref())
+    }
+
+    /// The form for a process that decodes in rounds (`batched`) or not, with the switches'
+    /// values.
+    fn chosen(batched: bool, splits: Option<&str>, warps: Option<&str>) -> KvForm {
+        let base = if batched { KvForm::BATCHED } else { KvForm::DEFAULT };
         KvForm {
-            splits: if asks("TERN_KV_SPLITS", "16") { KV_MAX_SPLITS } else { KvForm::DEFAULT.splits },
-            warps: if asks("TERN_KV_WARPS", "4") { KV_WARPS } else { KvForm::DEFAULT.warps },
+            splits: if splits == Some("16") { KV_MAX_SPLITS } else { base.splits },
+            warps: match warps {
+                Some("4") => KV_WARPS,
+                Some("16") => KV_WARPS_WIDE,
+                _ => base.warps,
+            },
         }
     }
+}
+
+/// Whether this process decodes rounds of many sequences (see [`KvForm`]).
+static BATCHED_DECODE: AtomicBool = AtomicBool::new(false);
+
+/// Tells decode attention that this process decodes rounds of many sequences (a server), so
+/// that models loaded after this call take [`KvForm::BATCHED`].
+pub fn prefer_batched_decode(on: bool) {
+    BATCHED_DECODE.store(on, Ordering::Relaxed);
 }
 
 /// Values of a head row each lane of tern_kv_attention holds, one kernel each: heads of up to
@@ -782,6 +813,23 @@ impl KvAttentionCuda {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One sequence at a time takes the wide blocks, rounds the narrow ones; the switches
+    /// override either, and every form chosen is one the kernels are built for.
+    #[test]
+    fn kv_form_follows_the_process_and_the_switches() {
+        assert_eq!(KvForm::chosen(false, None, None), KvForm { splits: KV_SPLITS, warps: KV_WARPS_WIDE });
+        assert_eq!(KvForm::chosen(true, None, None), KvForm { splits: KV_SPLITS, warps: KV_WARPS });
+        assert_eq!(KvForm::chosen(true, Some("16"), Some("16")), KvForm { splits: KV_MAX_SPLITS, warps: KV_WARPS_WIDE });
+        assert_eq!(KvForm::chosen(false, Some("8"), Some("4")), KvForm { splits: KV_SPLITS, warps: KV_WARPS });
+        for batched in [false, true] {
+            for splits in [None, Some("16"), Some("x")] {
+                for warps in [None, Some("4"), Some("16"), Some("2")] {
+                    assert!(KvForm::ALL.contains(&KvForm::chosen(batched, splits, warps)));
+                }
+            }
+        }
+    }
 
     /// The launcher's kernels and merge bound are the ones kv.cu defines, and its lane counts
     /// cover every head it accepts.
