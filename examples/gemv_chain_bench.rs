@@ -117,7 +117,8 @@ fn main() -> Result<()> {
     });
     let gpu: Arc<Gpu> = Gpu::new(0)?;
     let sms = gpu.multiprocessors()?;
-    let copy_bw = CudaOps::new(gpu.clone(), Precision::F32)?.measure_copy_bandwidth(1 << 30)?;
+    // Nothing is timed with reps=0, so nothing needs the copy rate.
+    let copy_bw = if reps == 0 { f64::NAN } else { CudaOps::new(gpu.clone(), Precision::F32)?.measure_copy_bandwidth(1 << 30)? };
     let blas = Blas::new(gpu.clone(), false)?;
     println!("# {} ({} SMs), copy bandwidth {:.0} GB/s, {layers} layers", gpu.name(), sms, copy_bw / 1e9);
 
