@@ -986,10 +986,6 @@ CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], u
         }
     }
     if (CUresult r = check_launch(f, grid, block, smem)) return r;
-    if (cooperative && !f->mod->launch_cooperative) {
-        report("cooperative launch of %s: its module has no tern_host_launch_cooperative", f->name.c_str());
-        return CUDA_ERROR_NOT_SUPPORTED;
-    }
     if (cooperative) {
         // As the driver does: a grid whose blocks cannot all be resident together is refused
         // (its grid barrier would never be met), by the occupancy cuOccupancy* reports.
@@ -999,6 +995,10 @@ CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], u
             report("cooperative launch of %s: %u x %u x %u blocks, but only %llu fit on the device at once", f->name.c_str(),
                    grid[0], grid[1], grid[2], fit);
             return CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;
+        }
+        if (!f->mod->launch_cooperative) {
+            report("cooperative launch of %s: its module has no tern_host_launch_cooperative", f->name.c_str());
+            return CUDA_ERROR_NOT_SUPPORTED;
         }
     }
     CUresult err;

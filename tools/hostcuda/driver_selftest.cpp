@@ -60,6 +60,15 @@ int tern_host_launch(const char* name, const unsigned grid[3], const unsigned bl
     return 0;
 }
 
+// A cooperative launch runs the kernel as a plain one does and, for add_one, also adds 100 to
+// p[0], so that the test sees which entry point the driver took.
+int tern_host_launch_cooperative(const char* name, const unsigned grid[3], const unsigned block[3], unsigned smem,
+                                 void** params, char* err, unsigned errlen) {
+    const int r = tern_host_launch(name, grid, block, smem, params, err, errlen);
+    if (r == 0 && !strcmp(name, "add_one")) (*static_cast<int**>(params[0]))[0] += 100;
+    return r;
+}
+
 }  // extern "C"
 
 #else
@@ -165,6 +174,8 @@ CUresult cuFuncGetAttribute(int*, int, CUfunction);
 CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                         void**, void**);
 CUresult cuLaunchKernelEx(const LaunchConfig*, CUfunction, void**, void**);
+CUresult cuLaunchCooperativeKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                                   void**);
 
 int cublasCreate_v2(cublasHandle_t*);
 int cublasDestroy_v2(cublasHandle_t);
@@ -311,7 +322,7 @@ int main(int argc, char** argv) {
     char name[128];
     OK(cuDeviceGetName(name, sizeof name, dev));
     CHECK(!strcmp(name, "hostcuda (CPU emulation of an sm_90 device)"));
-    const int attrs[][2] = {{75, 9}, {76, 0}, {16, 132}, {10, 32}, {1, 1024}, {8, 49152}, {97, 232448}, {81, 233472}, {115, 1}};
+    const int attrs[][2] = {{75, 9}, {76, 0}, {16, 132}, {10, 32}, {1, 1024}, {8, 49152}, {97, 232448}, {81, 233472}, {115, 1}, {95, 1}};
     for (auto& a : attrs) {
         OK(cuDeviceGetAttribute(&v, a[0], dev));
         CHECK(v == a[1]);
@@ -435,6 +446,19 @@ int main(int argc, char** argv) {
     unsigned dims[3] = {2, 1, 1};
     memcpy(attr.value.pad, dims, sizeof dims);
     CHECK(cuLaunchKernelEx(&cfg, add_one, args, nullptr) == 801);
+    // Cooperative: through the module's cooperative entry point (+100 on p[0]), by either call;
+    // a grid that cannot be resident at once is refused (720) and runs nothing.
+    memset(&attr, 0, sizeof attr);
+    attr.id = 2;
+    attr.value.i = 1;
+    OK(cuLaunchKernelEx(&cfg, add_one, args, nullptr));
+    OK(cuLaunchCooperativeKernel(add_one, 4, 1, 1, 256, 1, 1, 0, st, args));
+    LaunchConfig huge = {1u << 16, 1, 1, 1024, 1, 1, 0, st, &attr, 1};
+    CHECK(cuLaunchKernelEx(&huge, add_one, args, nullptr) == 720);
+    CHECK(cuLaunchCooperativeKernel(add_one, 1u << 16, 1, 1, 1024, 1, 1, 0, st, args) == 720);
+    OK(cuMemcpyDtoHAsync_v2(host.data(), d, N * sizeof(int), st));
+    OK(cuStreamSynchronize(st));
+    for (int i = 0; i < N; i++) CHECK(host[i] == i + 4 + (i == 0 ? 200 : 0));
 
     CHECK(cuLaunchKernel(fail, 1, 1, 1, 1, 1, 1, 0, st, nullptr, nullptr) == 719);
     OK(cuGetErrorString(719, &s));
@@ -552,6 +576,22 @@ int main(int argc, char** argv) {
         CHECK(cuGraphDestroy(g) == 1);
         OK(cuEventDestroy_v2(ev));
         OK(cuMemFreeAsync(other, st));
+    }
+    {
+        // A cooperative launch recorded into a graph stays cooperative when replayed.
+        OK(cuMemsetD32Async(d, 0, N, st));
+        OK(cuStreamBeginCapture_v2(st, 1));
+        OK(cuLaunchCooperativeKernel(add_one, 4, 1, 1, 256, 1, 1, 0, st, args));
+        CUgraph g;
+        OK(cuStreamEndCapture(st, &g));
+        CUgraphExec ge;
+        OK(cuGraphInstantiateWithFlags(&ge, g, 0));
+        OK(cuGraphLaunch(ge, st));
+        OK(cuGraphLaunch(ge, st));
+        std::vector<int> hd = download<int>(d, N);
+        for (int i = 0; i < N; i++) CHECK(hd[i] == 2 + (i == 0 ? 200 : 0));
+        OK(cuGraphExecDestroy(ge));
+        OK(cuGraphDestroy(g));
     }
 
     // ---- what invalidates a capture
