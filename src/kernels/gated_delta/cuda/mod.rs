@@ -104,8 +104,9 @@ pub struct GpuSegments {
 const DIRECT_SLOTS: i32 = 1;
 /// Every sequence is one token, row s of sequence s (a decode step): the recurrence takes the
 /// token's rows without loading its segment. With both, a decode step's first loads (state, k,
-/// q, v, gates) depend on nothing loaded; through the tables they wait for an L2 round trip,
-/// the larger part of a one-sequence step's latency beyond its state's bytes.
+/// q, v, gates) depend on nothing loaded; through the tables they wait for an L2 round trip
+/// first. Measured on an H100 (35B-A3B shapes, graph replays): 4.045 -> 3.984 µs a step of one
+/// sequence, 0.2-0.4% at 16-256.
 const DIRECT_DECODE: i32 = 2;
 
 impl GpuSegments {
