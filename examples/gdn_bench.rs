@@ -184,14 +184,13 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
         // the kernel computes them), and the (8, 1) form with the scatter sums in 64 registers
         // (`graph_s64`); and the default in blocks of 1 and 2 warps (`graph_w1`, `graph_w2`: fla's
         // recurrence runs one warp a block).
-        let default_warps = RECURRENCE_BLOCK_WARPS;
         for (scatter, direct, warps, name) in [
-            (ScatterSums::On, true, default_warps, "graph"),
-            (ScatterSums::Off, true, default_warps, "graph_b"),
-            (ScatterSums::On, false, default_warps, "graph_t"),
+            (ScatterSums::On, true, RECURRENCE_BLOCK_WARPS, "graph"),
+            (ScatterSums::Off, true, RECURRENCE_BLOCK_WARPS, "graph_b"),
+            (ScatterSums::On, false, RECURRENCE_BLOCK_WARPS, "graph_t"),
             (ScatterSums::On, true, 1, "graph_w1"),
             (ScatterSums::On, true, 2, "graph_w2"),
-            (ScatterSums::Registers64, true, default_warps, "graph_s64"),
+            (ScatterSums::Registers64, true, RECURRENCE_BLOCK_WARPS, "graph_s64"),
         ] {
             k.set_scatter_sums(scatter);
             k.set_direct_addressing(direct);
@@ -215,7 +214,7 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
         }
         k.set_scatter_sums(ScatterSums::On);
         k.set_direct_addressing(true);
-        k.set_recurrence_block_warps(default_warps)?;
+        k.set_recurrence_block_warps(RECURRENCE_BLOCK_WARPS)?;
         k.set_recurrence_variant(None)?;
         // The default (rows per warp chosen by batch), then every variant in every block size.
         let runs = std::iter::once((None, RECURRENCE_BLOCK_WARPS)).chain(RECURRENCE_VARIANTS.into_iter().flat_map(|r| RECURRENCE_BLOCK_WARP_CHOICES.map(|w| (Some(r), w))));

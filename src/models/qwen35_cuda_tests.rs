@@ -101,10 +101,12 @@ fn cuda_llm_ops_match_cpu() {
             let mut gpu_caches: Vec<_> = (0..3).map(|_| ops.kv_cache(kw).unwrap()).collect();
             let mut past = vec![0usize; 3];
             // The third call is a decode step (every sequence one row), whose own keys and values
-            // the attention kernel reads from the projection and appends itself. The forms other
-            // than the default differ only in the decode kernel (not the prefill's flash
+            // the attention kernel reads from the projection and appends itself. The long prompts
+            // go to the forms a process takes by default (one sequence at a time, and a server's
+            // rounds); the others differ only in the decode kernel (not the prefill's flash
             // kernels): shorter prompts, which still give each warp of 16 one to four keys at once.
-            let calls = if form == KvForm::DEFAULT { [[3usize, 270, 1], [1, 5, 300], [1, 1, 1]] } else { [[3, 160, 1], [1, 5, 120], [1, 1, 1]] };
+            let long = form == KvForm::DEFAULT || form == KvForm::BATCHED;
+            let calls = if long { [[3usize, 270, 1], [1, 5, 300], [1, 1, 1]] } else { [[3, 160, 1], [1, 5, 120], [1, 1, 1]] };
             for lens in calls {
                 let segs = pack(lens);
                 let n: usize = lens.iter().sum();

@@ -56,7 +56,8 @@ extern "C" __global__ void tern_kv_append(const float* __restrict__ k, long long
 // thousands of tokens is ~100 keys a warp) and the results are the same bits. The merge
 // reads each split's max and sum once.
 //
-// WARPS: the block's warps, 4 or 16 (kernels _w16, the launcher's default). Each walks keys warp, warp + WARPS, ...,
+// WARPS: the block's warps, 4 or 16 (kernels _w16: the launcher's where one sequence decodes at a
+// time, KvForm in cuda.rs). Each walks keys warp, warp + WARPS, ...,
 // so a split's keys are walked by four times the warps, each a quarter as many keys (a decode
 // step of one sequence has few blocks: Qwen3.5-0.8B's 8 query heads make 64 with 8 splits, and
 // after 4096 tokens each of their 4 warps walks 128 keys in turn). The 16-warp form also takes

@@ -1072,8 +1072,8 @@ impl GatedDeltaCuda {
             eps: L2_NORM_EPS,
             q_scale: (1.0 / (heads.d_k as f64).sqrt()) as f32,
             slot_base: segs.first_slot,
-            // Slots only address a pool: with an address table each state is its own buffer.
-            direct: if !self.direct_addressing { 0 } else if table.is_some() { segs.direct & DIRECT_DECODE } else { segs.direct },
+            // With an address table the kernel takes each state from it and ignores the slots.
+            direct: if self.direct_addressing { segs.direct } else { 0 },
         };
         let mut l = g.launch_builder(f);
         l.arg(&args);
