@@ -598,6 +598,64 @@ fn cuda_paired_q8_gemv_matches_cpu() {
     }
 }
 
+/// One-row GEMVs that request their first weights before awaiting the prior kernel (`early`,
+/// what dependent launch takes) give the bits of the plain order: every stored type; plain,
+/// silu-gated, ending in the residual norm, with a conv part; rows split over warps, rows
+/// shorter than the early steps and rows not of whole steps; the paired Q8_0 head. Outputs
+/// poisoned first.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_early_gemv_gives_the_plain_bits() {
+    use crate::kernels::matmul::cuda::{GemvOutput, Q8_PAIRED_MIN_FEATURES};
+    let gpu = gpu();
+    let mut rng = rng("cuda_early_gemv_gives_the_plain_bits");
+    let plain = Blas::new(gpu.clone(), false).unwrap().with_gemv_early(false);
+    let early = Blas::new(gpu.clone(), false).unwrap().with_gemv_early(true);
+    let eps = 1e-6f32;
+    // 1024 x 2048: split over 4 warps; 2048 x 1024: the wide form, a bf16 row in its early
+    // steps; 100 x 4096: the deepest split; 40 x 1056: a row not of whole steps; 96 x 64: rows
+    // shorter than the early steps.
+    for &(out_f, in_f) in &[(1024usize, 2048usize), (2048, 1024), (100, 4096), (40, 1056), (96, 64)] {
+        let forms = StoredForms::new(rng.vec(out_f * in_f, -0.1, 0.1), in_f);
+        let x = gpu.upload(&rng.vec(in_f, -1.0, 1.0)).unwrap();
+        let (nw, x0) = (gpu.upload(&rng.vec(out_f, 0.5, 1.5)).unwrap(), rng.vec(out_f, -2.0, 2.0));
+        let (conv_w, hist0) = (gpu.upload(&rng.vec(out_f * 4, -0.5, 0.5)).unwrap(), rng.vec(out_f * 3, -1.0, 1.0));
+        for (name, sw) in &forms.all() {
+            let run = |blas: &Blas| -> Vec<Vec<f32>> {
+                let m = blas.matrix(sw, out_f, in_f).unwrap();
+                let mut y = nan(&gpu, out_f);
+                blas.linear(&x, 1, &m, &mut y).unwrap();
+                let mut gated = nan(&gpu, out_f / 2);
+                blas.glu(&x, 1, &m, GemvOutput::Silu, &mut gated, |_, _| unreachable!("one row takes the GEMV")).unwrap();
+                let (mut h, mut a) = (gpu.upload(&x0).unwrap(), nan(&gpu, out_f));
+                assert!(blas.linear_residual_norm(&x, 1, &m, &mut h, &nw, eps, &mut a).unwrap(), "one row fuses the norm");
+                let (mut c, mut hist) = (nan(&gpu, out_f), gpu.upload(&hist0).unwrap());
+                assert!(blas.linears_conv(&x, 1, &mut [(&m, &mut c)], (&conv_w, 4), &mut hist).unwrap(), "one row takes the conv launch");
+                [&y, &gated, &h, &a, &c, &hist].iter().map(|b| gpu.download(b).unwrap()).collect()
+            };
+            let (want, got) = (run(&plain), run(&early));
+            for (i, what) in ["plain", "gated", "residual", "norm", "conv", "conv history"].iter().enumerate() {
+                assert!(want[i].iter().all(|v| v.is_finite()), "early gemv {name} {out_f}x{in_f}: {what} written");
+                assert_eq!(got[i], want[i], "early gemv {name} {out_f}x{in_f}: {what}");
+            }
+            eprintln!("early gemv {name} {out_f}x{in_f}: == the plain order (plain, gated, residual + norm, conv)");
+        }
+    }
+    // The paired Q8_0 head (two features a warp).
+    let (out_f, in_f) = (Q8_PAIRED_MIN_FEATURES + 24, 256);
+    let q = quantize_q8_0(&rng.vec(out_f * in_f, -0.1, 0.1));
+    let x = gpu.upload(&rng.vec(in_f, -1.0, 1.0)).unwrap();
+    let run = |blas: &Blas| -> Vec<f32> {
+        let m = blas.matrix(&Weights::Q8_0(&q), out_f, in_f).unwrap();
+        let mut y = nan(&gpu, out_f);
+        blas.linear(&x, 1, &m, &mut y).unwrap();
+        gpu.download(&y).unwrap()
+    };
+    let want = run(&plain);
+    assert!(want.iter().all(|v| v.is_finite()), "paired q8_0 head written");
+    assert_eq!(run(&early), want, "early gemv: the paired q8_0 head");
+}
+
 /// GEMVs over few output features and long rows split each row over several warps (the
 /// decode step's output projections): against the CPU for every stored type, plain and gated,
 /// and a row's result the same bits alone as among 8 rows (the split depends on the matrix only).

@@ -172,6 +172,9 @@ struct GemvParts {
     /// The kernel's up and up_ld (TERN_Y_GELU_BY): the view the product's gelu multiplies.
     up: u64,
     up_ld: i64,
+    /// One-row kernels: 1, each warp requests its first weights before awaiting the prior
+    /// kernel ([`Blas::gemv_early`]).
+    early: i32,
 }
 
 /// The causal conv1d + SiLU a one-row GEMV applies to one part's outputs as it writes them (the
@@ -320,6 +323,13 @@ pub struct Blas {
     /// Whether few-feature matrices split each row over several warps (see [`gemv_split`]);
     /// TERN_GEMV_SPLIT=0 turns it off, to measure the two forms on the same run.
     gemv_split: bool,
+    /// Whether one-row products request their first weights before awaiting the kernel before
+    /// them (`early` in gemv.cu): under dependent launch (TERN_DEPENDENT_LAUNCH=1) a decode
+    /// step's next product then has its first weights in flight while the kernel before it
+    /// still runs. Safe because no kernel writes a weight matrix (they are uploaded by copies,
+    /// [`Blas::matrix`]). On where dependent launch is; TERN_GEMV_EARLY=0 turns it off, to
+    /// measure the two on the same run. The same bits either way.
+    gemv_early: bool,
     /// Whether one-row Q8_0 products of many features take [`Blas::q8_paired_kernel`];
     /// TERN_GEMV_Q8_PAIRED=0 turns it off, to measure the two forms on the same run.
     q8_paired: bool,
@@ -400,6 +410,7 @@ impl Blas {
             gemv_max_rows: std::env::var("TERN_GEMV_MAX_ROWS").ok().and_then(|v| v.parse().ok()).map_or(GEMV_MAX_ROWS, |n: usize| n.min(GEMV_MAX_ROWS)),
             gemv_split: std::env::var("TERN_GEMV_SPLIT").map_or(true, |v| v != "0"),
             q8_paired: std::env::var("TERN_GEMV_Q8_PAIRED").map_or(true, |v| v != "0"),
+            gemv_early: gpu.dependent_launch() && std::env::var("TERN_GEMV_EARLY").map_or(true, |v| v != "0"),
             q8_paired_kernel: f("tern_gemv_q8_1x2")?,
             conv_kernels: CONV_KERNEL_WIDTHS
                 .iter()
@@ -759,6 +770,15 @@ impl Blas {
         rows <= self.gemv_max_rows && w.inp % 8 == 0
     }
 
+    /// This handle with one-row products requesting their first weights before awaiting the
+    /// prior kernel (`true`) or not, whatever dependent launch and TERN_GEMV_EARLY say: the
+    /// device test compares the two.
+    #[cfg(test)]
+    pub(crate) fn with_gemv_early(mut self, on: bool) -> Self {
+        self.gemv_early = on;
+        self
+    }
+
     /// This handle with one-row Q8_0 products of many features on the one-feature kernel
     /// (`false`) or the paired one: the device test compares the two.
     #[cfg(test)]
@@ -1004,6 +1024,7 @@ impl Blas {
         let wide_blocks: usize = parts.iter().map(|(w, _)| output.features(w).div_ceil(per_block(false))).sum();
         let narrow = !paired && wide_blocks < 2 * self.multiprocessors;
         let blocks = self.gemv_parts(&mut p, output, parts, per_block(narrow) as u32)?;
+        p.early = (self.gemv_early && rows == 1) as i32;
         let xp = g.ptr(x);
         let kernel = if paired {
             &self.q8_paired_kernel
@@ -1424,9 +1445,10 @@ mod tests {
         assert_eq!(std::mem::offset_of!(GemvParts, conv), 200);
         assert_eq!(std::mem::offset_of!(ConvTail, part), 16);
         assert_eq!(std::mem::offset_of!(GemvParts, up), 224);
-        assert_eq!(std::mem::size_of::<GemvParts>(), 240);
+        assert_eq!(std::mem::offset_of!(GemvParts, early), 240);
+        assert_eq!(std::mem::size_of::<GemvParts>(), 248);
         let code = include_str!("gemv.cu");
-        assert!(code.contains("static_assert(sizeof(tern_gemv_parts) == 240,"));
+        assert!(code.contains("static_assert(sizeof(tern_gemv_parts) == 248,"));
     }
 
     #[test]

@@ -65,10 +65,13 @@ struct tern_gemv_parts {
     // TERN_Y_GELU_BY only: the view the product's gelu multiplies, row r at up + r·up_ld.
     unsigned long long up;
     long long up_ld;
+    // One-row kernels only (R = 1): nonzero, each warp issues its first weight loads before it
+    // awaits the prior kernel (TernEarlySteps; tern_await_prior_kernel_unless, launch.cuh).
+    int early;
 };
 // The host's GemvParts mirrors this layout; its test (matmul/cuda.rs) checks the same size and
 // the field offsets this order gives.
-static_assert(sizeof(tern_gemv_parts) == 240, "tern_gemv_parts: 240 bytes, as GemvParts");
+static_assert(sizeof(tern_gemv_parts) == 248, "tern_gemv_parts: 248 bytes, as GemvParts");
 
 // The conv operands of a launch (from tern_gemv_parts, passed by value so that they stay kernel
 // parameters rather than loads through a pointer to them); `on` for the conv part's warps.
@@ -135,9 +138,11 @@ __device__ __forceinline__ float tern_i8_to_f32(unsigned word, int i) {
 // one 16-byte load, measured slower on the H200 twice: a 1024-weight row is then two steps a
 // warp, fewer than the loop's unroll, and the head product took 168 µs against 115.) The
 // host's split rule (gemv_split in matmul/cuda.rs) counts in these steps: GEMV_STEP_WEIGHTS
-// there is 32 * STEP.
+// there is 32 * STEP. EARLY_STEPS: the steps a one-row warp requests before it awaits the
+// prior kernel (tern_gemv_rows' `early`), 64 bytes of weights a lane and row at most (a bf16
+// row of 1024 weights whole).
 struct TernWeightsF32 {
-    static constexpr int STEP = 8;
+    static constexpr int STEP = 8, EARLY_STEPS = 2;
     struct Raw { float4 a, b; };
     const float* w;
     __device__ TernWeightsF32(unsigned long long wp, unsigned long long) : w((const float*)wp) {}
@@ -152,7 +157,7 @@ struct TernWeightsF32 {
 };
 
 struct TernWeightsBf16 {
-    static constexpr int STEP = 8;
+    static constexpr int STEP = 8, EARLY_STEPS = 4;
     typedef uint4 Raw;
     const tern_bf16* w;
     __device__ TernWeightsBf16(unsigned long long wp, unsigned long long) : w((const tern_bf16*)wp) {}
@@ -170,7 +175,7 @@ struct TernWeightsBf16 {
 
 // The 8 quants of a lane lie in one 32-weight block (at % 8 == 0), so they share one scale.
 struct TernWeightsQ8 {
-    static constexpr int STEP = 8;
+    static constexpr int STEP = 8, EARLY_STEPS = 4;
     const signed char* q;
     const unsigned short* d;
     __device__ TernWeightsQ8(unsigned long long wp, unsigned long long sp)
@@ -300,10 +305,16 @@ __device__ __forceinline__ void tern_gemv_rows_in_flight(const W& w, const float
 //
 // With ks > 1 (split), the warp is slice `slice` of ks and every warp of the block calls this
 // (the slices meet at a barrier), those past `out` included.
+//
+// `early` (R = 1; the kernel has not awaited the prior kernel): the warp requests its first
+// W::EARLY_STEPS steps of weights, then awaits the prior kernel, then reads x. Under dependent
+// launch the kernel's blocks start while the kernel before it runs, so the memory latency of
+// its first weights passes then rather than after. The steps are then taken in the same order:
+// the same bits.
 template <int R, int OPW, int OMODE, typename W, int CONV_K = 0>
 __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restrict__ x, int rows, int in, int o0, int out,
                                                float* __restrict__ y, int ks = 1, int slice = 0,
-                                               TernConvArgs conv = {nullptr, nullptr, false}) {
+                                               TernConvArgs conv = {nullptr, nullptr, false}, bool early = false) {
     constexpr bool GATED = OMODE == TERN_Y_SILU || OMODE == TERN_Y_GELU;
     constexpr int NW = GATED ? 2 * OPW : OPW;  // weight rows held
     constexpr int S = W::STEP;                 // weights a lane takes per step
@@ -313,19 +324,49 @@ __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restri
     for (int j = 0; j < NW; ++j)
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[j][r] = 0.0f;
-    const int c0 = o0 < out ? lane * S + 32 * S * slice : in;  // a warp past `out` loads nothing
+    const int stride = 32 * S * ks;
+    int c0 = o0 < out ? lane * S + 32 * S * slice : in;  // a warp past `out` loads nothing
+    constexpr int EARLY = R == 1 ? W::EARLY_STEPS : 1;
+    typename W::Raw first[EARLY][NW];
+    if constexpr (R == 1) {
+        if (early) {
+            // Gated: rows o (gate) for j < OPW, then o + out (up); a feature past `out` reads
+            // the matrix's last row in its place (never written).
+#pragma unroll
+            for (int u = 0; u < EARLY; ++u)
+#pragma unroll
+                for (int j = 0; j < NW; ++j) {
+                    const int o = min(o0 + j % OPW, out - 1);
+                    if (c0 + u * stride < in) first[u][j] = w.load_raw((size_t)(j < OPW ? o : o + out) * in + c0 + u * stride);
+                }
+            tern_await_prior_kernel();
+        }
+    }
     // CONV_K (one row, one feature a warp, plain): the convolving lane's operands, in flight
     // during the product.
     TernConvTaps<(CONV_K > 0 ? CONV_K : 1)> taps;
     if constexpr (CONV_K > 0) {
         if (conv.on && lane == 0 && slice == 0 && o0 < out) taps.load(conv, o0);
     }
+    if constexpr (R == 1) {
+        if (early) {
+#pragma unroll
+            for (int u = 0; u < EARLY; ++u)
+                if (c0 + u * stride < in) {
+                    float v[NW][S];
+#pragma unroll
+                    for (int j = 0; j < NW; ++j) W::expand(first[u][j], v[j]);
+                    tern_gemv_step<R, NW, S>(acc, v, x, rows, in, c0 + u * stride);
+                }
+            c0 = min(in, c0 + EARLY * stride);
+        }
+    }
     if constexpr (TernGemvSteps<W, R, OPW>::IN_FLIGHT > 1) {
-        tern_gemv_rows_in_flight<R, NW, TernGemvSteps<W, R, OPW>::IN_FLIGHT>(w, x, rows, in, c0, o0, OPW, out, 32 * S * ks, acc);
+        tern_gemv_rows_in_flight<R, NW, TernGemvSteps<W, R, OPW>::IN_FLIGHT>(w, x, rows, in, c0, o0, OPW, out, stride, acc);
     } else {
         // One step at a time; a feature past `out` loads nothing (zeros).
 #pragma unroll 4
-        for (int c = c0; c < in; c += 32 * S * ks) {
+        for (int c = c0; c < in; c += stride) {
             float v[NW][S];
 #pragma unroll
             for (int j = 0; j < NW; ++j) {
@@ -530,6 +571,13 @@ __device__ __forceinline__ void tern_gemv_norm_tail(const tern_gemv_parts& p, in
 // CONV_K: the kernel convolves its conv part's outputs (TernConvTaps<CONV_K>); only the
 // one-row plain kernels built for it do (tern_gemv_conv_*), so that the others keep their
 // registers (the vocabulary head's 1-row GEMV: 31).
+// Whether the launch's warps request their first weights before awaiting the prior kernel
+// (tern_gemv_rows' `early`): one-row kernels, where the host asks for it.
+template <int R>
+__device__ __forceinline__ bool tern_gemv_early(const tern_gemv_parts& p) {
+    return R == 1 && p.early != 0;
+}
+
 template <int R, int OPW, int OMODE, typename W, int CONV_K = 0>
 __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
     int part = 0;
@@ -542,7 +590,8 @@ __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float*
     if (ks == 1 && !tail && o0 >= p.out[part]) return;
     tern_gemv_rows<R, OPW, OMODE, W, CONV_K>(W(p.w[part], p.scales[part]), x, rows, in, o0, p.out[part], (float*)p.y[part], ks,
                                              warp % ks,
-                                             TernConvArgs{(const float*)p.conv_w, (float*)p.conv_at, CONV_K > 0 && part + 1 == p.conv_part});
+                                             TernConvArgs{(const float*)p.conv_w, (float*)p.conv_at, CONV_K > 0 && part + 1 == p.conv_part},
+                                             tern_gemv_early<R>(p));
     if constexpr (tail) tern_gemv_norm_tail<R, OMODE>(p, rows);
 }
 
@@ -836,7 +885,7 @@ __device__ __forceinline__ void tern_gemv_routed_residual(const tern_gemv_parts&
 #define TERN_GEMV_KERNEL(name, R, OPW, W, OMODE)                                                                \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, R, OPW>::MIN_BLOCKS)       \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
-        tern_await_prior_kernel();                                                                                \
+        tern_await_prior_kernel_unless(tern_gemv_early<R>(p));                                                    \
         tern_gemv<R, OPW, OMODE, W>(p, x, rows, in);                                                              \
     }
 // SUFFIX names the variant: R (the wide form, OPW and OPW_GATED as given) or Rn (the narrow
@@ -873,7 +922,7 @@ TERN_GEMV_KERNEL(tern_gemv_q8_1x2, 1, 2, TernWeightsQ8, TERN_Y_PLAIN)
 #define TERN_GEMV_CONV_KERNEL(name, W, K)                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)       \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
-        tern_await_prior_kernel();                                                                                \
+        tern_await_prior_kernel_unless(tern_gemv_early<1>(p));                                                    \
         tern_gemv<1, 1, TERN_Y_PLAIN, W, K>(p, x, rows, in);                                                      \
     }
 #define TERN_GEMV_CONV_KERNELS(K)                                                                                 \
