@@ -216,6 +216,21 @@ fn decode(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut L
         k.set_direct_addressing(true);
         k.set_recurrence_block_warps(RECURRENCE_BLOCK_WARPS)?;
         k.set_recurrence_variant(None)?;
+        // The default on one pool, not rotated (`graph_l2`): where the states fit in the L2 (one
+        // and 16 sequences) every step reads and writes them there, so its time is the kernel's
+        // latency without the memory's; scripts/bench_gdn_fla.py times fla's the same way.
+        {
+            let recorded = timing::record_graph(gpu, || {
+                for _ in 0..inner {
+                    k.delta_rule(heads, &x, &segs[0], GpuStates::Pool(&mut pool), &mut out)?;
+                }
+                Ok(())
+            });
+            match recorded {
+                Ok(graph) => report(b, "graph_l2", time_ms(gpu, 2, 15, |_| graph.launch().map_err(timing::err))? / inner as f64),
+                Err(e) => eprintln!("graph_l2: {e:?}"),
+            }
+        }
         // The default (rows per warp chosen by batch), then every variant in every block size.
         let runs = std::iter::once((None, RECURRENCE_BLOCK_WARPS)).chain(RECURRENCE_VARIANTS.into_iter().flat_map(|r| RECURRENCE_BLOCK_WARP_CHOICES.map(|w| (Some(r), w))));
         for (rows, warps) in runs {

@@ -3,7 +3,7 @@
 //! decides whether a decode step of Qwen3.5-0.8B (~130 launches, ~0.4 of its weight roofline)
 //! can reach 80% of it without one kernel for the whole step.
 //!
-//!   cargo run --release --example gemv_chain_bench [layers=N] [forms=WxP,...] [grid=N] [reps=N]   (on a machine with an NVIDIA GPU)
+//!   cargo run --release --example gemv_chain_bench [layers=N] [forms=WxP,...|none] [grid=N] [reps=N]   (on a machine with an NVIDIA GPU)
 //!
 //! `grid=N` launches N blocks plainly instead of as many as fit cooperatively (N = 1 needs no
 //! grid barrier to be met). `reps=0` checks the chain against the CPU and times nothing:
@@ -112,6 +112,7 @@ fn main() -> Result<()> {
     // (a 3584-wide row is 14 pieces a lane).
     let forms: Vec<(usize, usize)> = arg("forms").map_or(vec![(8, 16), (8, 24), (8, 48), (16, 14), (16, 24)], |v| {
         v.split(',')
+            .filter(|f| !f.is_empty() && *f != "none")
             .map(|f| f.split_once('x').and_then(|(w, r)| Some((w.parse().ok()?, r.parse().ok()?))).expect("forms=WxP,..."))
             .collect()
     });

@@ -59,6 +59,23 @@ for B in (1, 16, 64, 256) if "decode" in sections else ():
         print(f"RESULT fla_decode_graph batch={B} us={ms * 1e3 / inner:.3f}")
     except Exception as e:  # noqa: BLE001 - report and go on: the plain timing stands
         print(f"fla decode batch={B}: no CUDA graph ({type(e).__name__}: {e})")
+    # The same on one state, not rotated (tern's `graph_l2` row): where the state fits in the L2
+    # its reads come from there. (fla writes each step's final state to a new tensor, which the
+    # graph's allocator may give the same memory every step, its writes then staying in the L2
+    # in both forms; tern writes its states in place.)
+    try:
+        i[0] = 0
+        rot_kept = rot
+        rot = 1
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                step()
+        ms = triton.testing.do_bench(graph.replay, warmup=5, rep=100, return_mode="median")
+        print(f"RESULT fla_decode_graph_l2 batch={B} us={ms * 1e3 / inner:.3f}")
+        rot = rot_kept
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"fla decode batch={B}: no CUDA graph on one state ({type(e).__name__}: {e})")
 
 if "prefill" in sections:
     print("fla prefill (chunk_gated_delta_rule, one sequence, state f32 V-first)")
