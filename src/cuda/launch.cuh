@@ -1,7 +1,8 @@
 // Prepended to every CUDA program of tern (nvrtc.rs), before the family's own helpers.
 //
 // Kernels can be launched with programmatic dependent launch where the device has it (sm_90
-// and later, TERN_DEPENDENT_LAUNCH=1; Gpu::launch_builder): the next kernel on the stream is
+// and later: a decode step's launches by default, every launch with TERN_DEPENDENT_LAUNCH=1;
+// DependentLaunch, Gpu::launch_builder): the next kernel on the stream is
 // scheduled while this one still runs, so that a chain of small kernels need not pay a full
 // launch gap between each pair. The rule that makes this safe, kept by every kernel: its first statement
 // is tern_await_prior_kernel() (in the one-row GEMVs, tern_await_prior_kernel_unless below,
@@ -9,7 +10,7 @@
 // finished and its writes are visible (griddepcontrol.wait), and only then lets the kernel
 // after it be scheduled (griddepcontrol.launch_dependents). As every kernel waits before it
 // can end, a kernel's end implies the end of all kernels before it, and at most two grids are
-// in flight. In a plain launch (the default) both instructions do nothing. A CPU test checks
+// in flight. In a plain launch both instructions do nothing. A CPU test checks
 // the rule (cuda::tests::every_kernel_awaits_the_prior_kernel).
 __device__ __forceinline__ void tern_await_prior_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

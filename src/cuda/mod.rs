@@ -18,6 +18,7 @@ pub(crate) mod test_util;
 use std::collections::HashMap;
 use std::path::Path;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
@@ -171,10 +172,50 @@ pub struct Gpu {
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     /// Page-locked host memory that large downloads pass through (see [`Gpu::download_f32`]).
     staging: Mutex<Option<PinnedHostSlice<f32>>>,
-    /// Whether kernels are launched as dependent launches (see [`Gpu::launch_builder`]).
-    dependent_launch: bool,
+    /// Which kernels are launched as dependent launches (see [`Gpu::launch_builder`]).
+    dependent_launch: DependentLaunch,
+    /// Whether the launches queued now are a decode step's ([`Gpu::decode_step`]).
+    in_decode_step: AtomicBool,
     /// Device tables of addresses by their contents (see [`Gpu::address_table`]).
     tables: Mutex<AddressTables>,
+}
+
+/// Which launches are programmatic dependent launches (sm_90 and later; TERN_DEPENDENT_LAUNCH
+/// chooses). Under it a kernel's blocks start while the kernel before it runs, and the one-row
+/// GEMVs request their first weights before they await it (`early`, matmul/gemv.cu). Measured
+/// on an H100 (BENCHMARKS.md, 2026-12-05): a recorded Qwen3.5-0.8B decode step 897 -> 923 tok/s
+/// with both, 896 with dependent launch alone, and a chain of 96 GEMVs 565 -> 499 µs; but
+/// prompts ran slower under it (16 tokens 3 849 -> 3 282 tok/s; an f32-mode prefill 16% on the
+/// H200, 2026-12-03), where a kernel's waiting blocks hold multiprocessors that the many
+/// blocks of the kernel before it still need. Hence decode steps only, by default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DependentLaunch {
+    /// TERN_DEPENDENT_LAUNCH=0, and devices before sm_90.
+    Never,
+    /// The default: the launches of decode steps ([`Gpu::decode_step`]).
+    DecodeSteps,
+    /// TERN_DEPENDENT_LAUNCH=1: every launch.
+    Always,
+}
+
+impl DependentLaunch {
+    fn from_env(major: i32) -> Self {
+        match std::env::var("TERN_DEPENDENT_LAUNCH").as_deref() {
+            _ if major < 9 => DependentLaunch::Never,
+            Ok("0") => DependentLaunch::Never,
+            Ok("1") => DependentLaunch::Always,
+            _ => DependentLaunch::DecodeSteps,
+        }
+    }
+}
+
+/// While alive, the GPU's launches are a decode step's ([`Gpu::decode_step`]).
+pub struct DecodeStep<'a>(&'a Gpu);
+
+impl Drop for DecodeStep<'_> {
+    fn drop(&mut self) {
+        self.0.in_decode_step.store(false, Ordering::Relaxed);
+    }
 }
 
 /// Device copies of small address tables (each sequence's state, each row's KV cache), kept by
@@ -241,11 +282,8 @@ impl Gpu {
             name,
             modules: Mutex::new(HashMap::new()),
             staging: Mutex::new(None),
-            // Opt-in (TERN_DEPENDENT_LAUNCH=1, sm_90 and later): measured on the H200 it left
-            // graph-recorded decode steps and queries unchanged, gained 1-6% on back-to-back
-            // recurrence steps of 16-256 sequences, and cost 16% on an f32-mode prefill
-            // (BENCHMARKS.md, 2026-12-03).
-            dependent_launch: major >= 9 && std::env::var("TERN_DEPENDENT_LAUNCH").is_ok_and(|v| v == "1"),
+            dependent_launch: DependentLaunch::from_env(major),
+            in_decode_step: AtomicBool::new(false),
             tables: Mutex::new(AddressTables::default()),
         }))
     }
@@ -322,10 +360,24 @@ impl Gpu {
     pub fn ordinal(&self) -> usize {
         self.ordinal
     }
-    /// Whether kernels are launched as programmatic dependent launches (TERN_DEPENDENT_LAUNCH=1
-    /// on sm_90 and later; [`Gpu::launch_builder`]).
+    /// Whether any kernel is launched as a programmatic dependent launch ([`DependentLaunch`]).
     pub fn dependent_launch(&self) -> bool {
-        self.dependent_launch
+        self.dependent_launch != DependentLaunch::Never
+    }
+
+    /// Marks the launches queued until the guard drops as a decode step's, which take dependent
+    /// launch by default ([`DependentLaunch::DecodeSteps`]).
+    pub fn decode_step(&self) -> DecodeStep<'_> {
+        self.in_decode_step.store(true, Ordering::Relaxed);
+        DecodeStep(self)
+    }
+
+    fn launches_dependent(&self) -> bool {
+        match self.dependent_launch {
+            DependentLaunch::Never => false,
+            DependentLaunch::DecodeSteps => self.in_decode_step.load(Ordering::Relaxed),
+            DependentLaunch::Always => true,
+        }
     }
     /// Streaming multiprocessors on the device.
     pub fn multiprocessors(&self) -> Result<usize> {
@@ -358,11 +410,11 @@ impl Gpu {
     /// A launch of `func` on the GPU's stream; arguments are added with [`KernelLaunch::arg`]
     /// in the kernel's parameter order, then [`KernelLaunch::launch`] queues it.
     ///
-    /// With TERN_DEPENDENT_LAUNCH=1 on sm_90 and later the launch is a programmatic dependent
-    /// launch: the kernel may be scheduled while the kernel before it on the stream still
-    /// runs, and waits for it on the device (every kernel of tern starts with
-    /// `tern_await_prior_kernel()`, launch.cuh); recorded graphs keep the relation as
-    /// programmatic edges. Otherwise a plain launch.
+    /// On sm_90 and later, inside a decode step (or everywhere with TERN_DEPENDENT_LAUNCH=1;
+    /// [`DependentLaunch`]) the launch is a programmatic dependent launch: the kernel may be
+    /// scheduled while the kernel before it on the stream still runs, and waits for it on the
+    /// device (every kernel of tern starts with `tern_await_prior_kernel()`, launch.cuh);
+    /// recorded graphs keep the relation as programmatic edges. Otherwise a plain launch.
     pub fn launch_builder<'a>(&'a self, func: &'a CudaFunction) -> KernelLaunch<'a> {
         KernelLaunch { gpu: self, func, args: Vec::new(), addresses: Vec::new() }
     }
@@ -566,7 +618,7 @@ impl<'a> KernelLaunch<'a> {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.gpu.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: self.gpu.dependent_launch as std::ffi::c_uint,
+            numAttrs: self.gpu.launches_dependent() as std::ffi::c_uint,
         };
         // SAFETY: the caller vouches for the arguments (see above); `args` points at values
         // borrowed for 'a, alive during the call, which copies them.

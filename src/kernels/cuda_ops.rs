@@ -727,6 +727,9 @@ impl Ops for CudaOps {
     ) -> Result<R> {
         // Between steps: a plain run and the recording after it must see the same tables.
         self.gpu.trim_address_tables();
+        // One token a sequence: a decode step, whose launches take dependent launch by default
+        // (DependentLaunch in cuda/mod.rs), recorded or not.
+        let _decode = (key.is_some() && segments.iter().all(|s| s.len == 1)).then(|| self.gpu.decode_step());
         let mut plain = || -> Result<R> {
             let batch = self.batch_at(segments, ids, past)?;
             let y = f(&batch)?;

@@ -324,11 +324,13 @@ pub struct Blas {
     /// TERN_GEMV_SPLIT=0 turns it off, to measure the two forms on the same run.
     gemv_split: bool,
     /// Whether one-row products request their first weights before awaiting the kernel before
-    /// them (`early` in gemv.cu): under dependent launch (TERN_DEPENDENT_LAUNCH=1) a decode
-    /// step's next product then has its first weights in flight while the kernel before it
-    /// still runs. Safe because no kernel writes a weight matrix (they are uploaded by copies,
-    /// [`Blas::matrix`]). On where dependent launch is; TERN_GEMV_EARLY=0 turns it off, to
-    /// measure the two on the same run. The same bits either way.
+    /// them (`early` in gemv.cu): under dependent launch (a decode step's launches by
+    /// default, `DependentLaunch` in cuda/mod.rs) the step's next product then has its first
+    /// weights in flight while the kernel before it still runs. Safe because no kernel writes
+    /// a weight matrix (they are uploaded by copies, [`Blas::matrix`]). On where dependent
+    /// launch can be (without it the order changes nothing); TERN_GEMV_EARLY=0 turns it off, to
+    /// measure the two on the same run. The same bits either way. H100, Qwen3.5-0.8B bf16
+    /// decode: 896 -> 923 tok/s (BENCHMARKS.md, 2026-12-05).
     gemv_early: bool,
     /// Whether one-row Q8_0 products of many features take [`Blas::q8_paired_kernel`];
     /// TERN_GEMV_Q8_PAIRED=0 turns it off, to measure the two forms on the same run.
