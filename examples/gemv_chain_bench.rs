@@ -245,5 +245,21 @@ fn main() -> Result<()> {
         Ok(())
     })?;
     report("graph of launches", ms);
+    // The same with each 1024-feature product (a layer's output projection and FFN down
+    // projection) ending in the residual step and the next norm, as a decode step runs them
+    // (Blas::linear_residual_norm: the last block to finish forms the norm): what that tail
+    // costs on the step's critical path.
+    let norm_w = gpu.upload(&vec![1.0f32; 1024])?;
+    let mut normed = gpu.zeros::<f32>(1024)?;
+    let ms = time_graph_ms(&gpu, reps, || {
+        for ((m, x), y) in mats.iter().zip(&xs).zip(ys.iter_mut()) {
+            if m.out == 1024 && blas.linear_residual_norm(x, 1, m, y, &norm_w, 1e-6, &mut normed)? {
+                continue;
+            }
+            blas.linear(x, 1, m, y)?;
+        }
+        Ok(())
+    })?;
+    report("graph, norm tails", ms);
     Ok(())
 }

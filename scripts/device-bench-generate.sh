@@ -13,7 +13,7 @@
 # decode from an empty context and after a prompt of TERN_BENCH_DEPTH tokens (default 4096),
 # decode rounds of 1, 8, 32 and 128 sequences, each with the rooflines measured in the run) and
 # llama-bench on the GGUFs (pp16, pp128, pp512, pp4096, tg128, and tg128 @ d4096), plus one profiled
-# run per precision (TERN_CUDA_PROFILE). TERN_BENCH_DTYPES (default "f32 bf16"), TERN_BENCH_MODELS, TERN_BENCH_CONCURRENT and
+# run per precision (TERN_CUDA_PROFILE; TERN_BENCH_PROFILE=0 skips it). TERN_BENCH_DTYPES (default "f32 bf16"), TERN_BENCH_MODELS, TERN_BENCH_CONCURRENT and
 # TERN_BENCH_VARIANTS (device-env.sh) narrow or repeat the tern runs. TERN_BENCH_35B=1 also makes
 # Qwen3.5-35B-A3B's random-weight GGUFs (its checkpoint in /dev/shm, removed after the conversion;
 # about 70 GB of memory, 107 GB of disk: a machine of the x2 kind or larger) and runs them after
@@ -71,13 +71,16 @@ for model in "${models[@]}"; do
 done
 
 # Where the device time goes, op by op (TERN_CUDA_PROFILE: every op drained and timed, no
-# graphs), for the BF16 GGUF in both precisions.
-for dtype in f32 bf16; do
-  [ -e $bench/qwen35-0.8b-bf16.gguf ] && [ "${TERN_BENCH_PROFILE:-1}" != 0 ] || continue
-  TERN_CUDA_PROFILE=1 "$tern" bench generate --model $bench/qwen35-0.8b-bf16.gguf --device cuda --dtype $dtype \
+# graphs), for the BF16 GGUF (the bf16 safetensors where no converter came) in the precisions
+# of TERN_BENCH_DTYPES.
+profiled=$bench/qwen35-0.8b-bf16.gguf
+[ -e $profiled ] || profiled=$bench/qwen35-0.8b
+for dtype in ${TERN_BENCH_DTYPES:-f32 bf16}; do
+  [ -e $profiled ] && [ "${TERN_BENCH_PROFILE:-1}" != 0 ] || continue
+  TERN_CUDA_PROFILE=1 "$tern" bench generate --model $profiled --device cuda --dtype $dtype \
     --prompt-tokens 4096 --gen-tokens 32 --iters 1 --concurrent 8 | tee -a "${OUT:-$bench}/profile.jsonl"
   # The same decode inside its recorded graphs (event nodes around each op; prefill untimed).
-  TERN_CUDA_PROFILE=graph "$tern" bench generate --model $bench/qwen35-0.8b-bf16.gguf --device cuda --dtype $dtype \
+  TERN_CUDA_PROFILE=graph "$tern" bench generate --model $profiled --device cuda --dtype $dtype \
     --prompt-tokens 16 --gen-tokens 64 --iters 1 --concurrent 1,8 | tee -a "${OUT:-$bench}/profile-graph.jsonl"
 done
 
