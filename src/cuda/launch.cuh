@@ -5,8 +5,8 @@
 // DependentLaunch, Gpu::launch_builder): the next kernel on the stream is
 // scheduled while this one still runs, so that a chain of small kernels need not pay a full
 // launch gap between each pair. The rule that makes this safe, kept by every kernel: its first statement
-// is tern_await_prior_kernel() (in the one-row GEMVs, tern_await_prior_kernel_unless below,
-// which may let weight loads come first), which blocks until the kernel before it on the stream has
+// is tern_await_prior_kernel() (in the one-row GEMVs and the gated-delta recurrence,
+// tern_await_prior_kernel_unless below, which may let weight or state loads come first), which blocks until the kernel before it on the stream has
 // finished and its writes are visible (griddepcontrol.wait), and only then lets the kernel
 // after it be scheduled (griddepcontrol.launch_dependents). As every kernel waits before it
 // can end, a kernel's end implies the end of all kernels before it, and at most two grids are
@@ -19,12 +19,16 @@ __device__ __forceinline__ void tern_await_prior_kernel() {
 #endif
 }
 
-// The same rule for a kernel that first requests operands no kernel ever writes (a matrix's
-// weights: every weight buffer is filled by a copy from the host, and a copy on the stream is a
-// full dependency): with `later` set, the kernel issues those loads and then calls
-// tern_await_prior_kernel() itself, before it touches anything else in device memory, so a
-// decode step's next product has its first weights in flight while the kernel before it still
-// runs. Without dependent launch (`later` or not) the order changes nothing.
+// The same rule for a kernel that first requests operands the kernel before it cannot have
+// written: a matrix's weights (every weight buffer is filled by a copy from the host, and a
+// copy on the stream is a full dependency), or recurrent states where the host knows that
+// kernel writes none (Gpu::state_reads_may_lead). A kernel that starts must find every kernel
+// but the one before it finished (each awaited its own predecessor before letting the next be
+// scheduled), so only that one matters. With `later` set, the kernel issues those loads and
+// then calls tern_await_prior_kernel() itself, before it touches anything else in device
+// memory, so a decode step's next product (or recurrence) has its first bytes in flight while
+// the kernel before it still runs. Without dependent launch (`later` or not) the order changes
+// nothing.
 __device__ __forceinline__ void tern_await_prior_kernel_unless(bool later) {
     if (!later) tern_await_prior_kernel();
 }

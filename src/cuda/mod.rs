@@ -18,7 +18,7 @@ pub(crate) mod test_util;
 use std::collections::HashMap;
 use std::path::Path;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
@@ -176,6 +176,10 @@ pub struct Gpu {
     dependent_launch: DependentLaunch,
     /// Whether the launches queued now are a decode step's ([`Gpu::decode_step`]).
     in_decode_step: AtomicBool,
+    /// Kernels launched so far, and the count when the last kernel that writes recurrent
+    /// states was launched ([`Gpu::note_state_writer`]).
+    launches: AtomicU64,
+    state_writer_at: AtomicU64,
     /// Device tables of addresses by their contents (see [`Gpu::address_table`]).
     tables: Mutex<AddressTables>,
 }
@@ -284,6 +288,8 @@ impl Gpu {
             staging: Mutex::new(None),
             dependent_launch: DependentLaunch::from_env(major),
             in_decode_step: AtomicBool::new(false),
+            launches: AtomicU64::new(0),
+            state_writer_at: AtomicU64::new(u64::MAX),
             tables: Mutex::new(AddressTables::default()),
         }))
     }
@@ -370,6 +376,20 @@ impl Gpu {
     pub fn decode_step(&self) -> DecodeStep<'_> {
         self.in_decode_step.store(true, Ordering::Relaxed);
         DecodeStep(self)
+    }
+
+    /// Records that the kernel just launched writes recurrent states (the gated-delta
+    /// recurrence and the chunked prefill's state pass), for [`Gpu::state_reads_may_lead`].
+    pub fn note_state_writer(&self) {
+        self.state_writer_at.store(self.launches.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
+    /// Whether a kernel launched next may read recurrent states before it awaits the kernel
+    /// before it: it is a dependent launch and that kernel writes no state (every kernel that
+    /// does calls [`Gpu::note_state_writer`]; copies and fills of states are not kernels, and a
+    /// copy on the stream is a full dependency).
+    pub fn state_reads_may_lead(&self) -> bool {
+        self.launches_dependent() && self.state_writer_at.load(Ordering::Relaxed) != self.launches.load(Ordering::Relaxed)
     }
 
     fn launches_dependent(&self) -> bool {
@@ -622,7 +642,9 @@ impl<'a> KernelLaunch<'a> {
         };
         // SAFETY: the caller vouches for the arguments (see above); `args` points at values
         // borrowed for 'a, alive during the call, which copies them.
-        sys::cuLaunchKernelEx(&config, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()).result()
+        let launched = sys::cuLaunchKernelEx(&config, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()).result();
+        self.gpu.launches.fetch_add(1, Ordering::Relaxed);
+        launched
     }
 }
 
@@ -710,8 +732,10 @@ mod tests {
                 let first = body[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
                 let head = &body[..open];
                 // tern_await_prior_kernel_unless: the GEMVs that may request their weights first
-                // (launch.cuh), which then await the prior kernel themselves.
-                let awaits = first.starts_with("tern_await_prior_kernel();") || (src.name == "tern_matmul" && first.starts_with("tern_await_prior_kernel_unless(tern_gemv_early<"));
+                // and the recurrence its states (launch.cuh), which then await the prior kernel
+                // themselves.
+                let early = [("tern_matmul", "tern_await_prior_kernel_unless(tern_gemv_early<"), ("tern_gdn_recurrence", "tern_await_prior_kernel_unless(tern_gdn_early_state(a));")];
+                let awaits = first.starts_with("tern_await_prior_kernel();") || early.iter().any(|(name, call)| src.name == *name && first.starts_with(call));
                 assert!(awaits, "{}: kernel `{}` does not start with tern_await_prior_kernel()", src.name, head.trim());
                 kernels += 1;
                 rest = &body[open..];

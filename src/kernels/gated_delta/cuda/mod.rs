@@ -108,6 +108,12 @@ const DIRECT_SLOTS: i32 = 1;
 /// first. Measured on an H100 (35B-A3B shapes, graph replays): 4.045 -> 3.984 µs a step of one
 /// sequence, 0.2-0.4% at 16-256.
 const DIRECT_DECODE: i32 = 2;
+/// The kernel before this launch writes no state (`Gpu::state_reads_may_lead`: a dependent
+/// launch, whose blocks start while that kernel runs): each warp requests its first state rows
+/// before it awaits that kernel, as the one-row GEMVs request their weights. In a decode step
+/// the recurrence follows the layer's input products and conv, so a layer's state streams in
+/// while they end. The same bits.
+const EARLY_STATE: i32 = 4;
 
 impl GpuSegments {
     /// Validates that the segments lie inside `tokens` rows without overlapping and that no
@@ -337,6 +343,10 @@ pub struct GatedDeltaCuda {
     /// Whether the recurrence computes what a batch lets it (`GpuSegments::direct`) rather than
     /// loading it from the tables: the same bits. On by default; TERN_GDN_DIRECT=0 turns it off.
     direct_addressing: bool,
+    /// EARLY_STATE on every launch (`Some(true)`: the device tests, [`Self::set_early_state`]),
+    /// never (`Some(false)`: TERN_GDN_EARLY_STATE=0, to measure the two on the same run), or
+    /// where `Gpu::state_reads_may_lead` allows (`None`, the default). The same bits.
+    early_state: Option<bool>,
     /// Whether the forms that have them take the scatter sums (the same bits with fewer
     /// shuffles; the default, TERN_GDN_SCATTER=0 turns them off), and the (8, 1) form its
     /// 64-register kernel (TERN_GDN_SCATTER=64). Timed on an H100 (2026-12-05, graph replays,
@@ -732,6 +742,7 @@ impl GatedDeltaCuda {
             recurrence,
             fused_bound64: std::env::var("TERN_GDN_FUSED_BOUND").map_or(true, |v| v != "0"),
             direct_addressing: std::env::var("TERN_GDN_DIRECT").map_or(true, |v| v != "0"),
+            early_state: (std::env::var("TERN_GDN_EARLY_STATE").as_deref() == Ok("0")).then_some(false),
             scatter: match std::env::var("TERN_GDN_SCATTER").as_deref() {
                 Ok("0") => ScatterSums::Off,
                 Ok("64") => ScatterSums::Registers64,
@@ -796,6 +807,14 @@ impl GatedDeltaCuda {
     /// same bits, with the butterflies or the scatter sums as [`Self::set_scatter_sums`] says).
     pub fn set_fused_bound64(&mut self, on: bool) {
         self.fused_bound64 = on;
+    }
+
+    /// Whether every recurrence launch requests its first state rows before it awaits the
+    /// kernel before it (EARLY_STATE), whatever `Gpu::state_reads_may_lead` says: the device
+    /// tests check that path's bits. Without dependent launch it changes only the order.
+    #[cfg(test)]
+    pub(crate) fn set_early_state(&mut self, on: bool) {
+        self.early_state = Some(on);
     }
 
     /// Whether the recurrence computes a state's address and a decode token's row where the
@@ -1073,7 +1092,7 @@ impl GatedDeltaCuda {
             q_scale: (1.0 / (heads.d_k as f64).sqrt()) as f32,
             slot_base: segs.first_slot,
             // With an address table the kernel takes each state from it and ignores the slots.
-            direct: if self.direct_addressing { segs.direct } else { 0 },
+            direct: if self.direct_addressing { segs.direct } else { 0 } | if self.early_state.unwrap_or_else(|| g.state_reads_may_lead()) { EARLY_STATE } else { 0 },
         };
         let mut l = g.launch_builder(f);
         l.arg(&args);
@@ -1081,6 +1100,7 @@ impl GatedDeltaCuda {
         // lies inside its buffer and each sequence's state has its length (checked above); the
         // address table stays alive in the device table cache after this returns.
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_recurrence"))?;
+        g.note_state_writer();
         Ok(())
     }
 }
@@ -1198,6 +1218,7 @@ impl GatedDeltaCuda {
         l.arg(&args);
         // SAFETY: as above; slots lie inside the state pool (checked).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_chunk_state"))?;
+        gpu.note_state_writer();
         // The chunk tables are freed when this returns; the stream orders that free after the
         // launches that read them.
         Ok(())
@@ -1333,6 +1354,7 @@ impl GatedDeltaCuda {
         l.arg(&args);
         // SAFETY: as above; slots lie inside the state pool (checked).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_tc_state"))?;
+        self.gpu.note_state_writer();
         Ok(())
     }
 }

@@ -120,7 +120,9 @@ struct tern_gdn_recurrence_args {
     float eps, q_scale;
     // What the batch lets the kernel compute instead of load (DIRECT_* in mod.rs): bit 0, the
     // slots are consecutive from slot_base (pool states only); bit 1, sequence s is the one
-    // token of row s. Then a decode step's first loads wait for no table.
+    // token of row s. Then a decode step's first loads wait for no table. Bit 2 (EARLY_STATE):
+    // the kernel before this one writes no state, so the first state rows are requested before
+    // awaiting it (tern_gdn_early_state).
     unsigned slot_base;
     int direct;
 };
@@ -230,6 +232,11 @@ __device__ __forceinline__ float tern_gdn_rows_token(float (&r)[ROWS][DK / 32], 
 // block meets in shared memory once per token; the sum of squares runs in that kernel's
 // order), so a decode step's gates, recurrence and norm are one launch with the same bits as
 // three.
+// Whether the kernel requests its first state rows before it awaits the prior kernel
+// (EARLY_STATE): it then awaits it in tern_gdn_recurrence_body, after those loads and before it
+// reads anything else a kernel writes (the batch's tables are copies from the host).
+__device__ __forceinline__ bool tern_gdn_early_state(const tern_gdn_recurrence_args& a) { return (a.direct & 4) != 0; }
+
 template <int DK, int ROWS, int GPW, bool FUSED, bool SCATTER>
 __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, float* o_smem) {
     constexpr int E = DK / 32;
@@ -255,6 +262,7 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
         for (int m = 0; m < ROWS; m++)
             if (j0 + m < dv) tern_gdn_load_state_row<DK>(seq_state + ((size_t)h * dv + j0 + m) * DK + lane * E, r[m]);
     }
+    if (tern_gdn_early_state(a)) tern_await_prior_kernel();
 #pragma unroll
     for (int p = 0; p < GPW; p++) {
         const int grp = first + p;
@@ -341,7 +349,7 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
 // warps, the occupancy of fla's recurrence), TERN_GDN_SCATTER=64.
 #define TERN_GDN_RECURRENCE_KERNEL(D, R, P, BOUNDS, SCATTER, SUFFIX)                                     \
     extern "C" __global__ void BOUNDS tern_gdn_recurrence_dk##D##_r##R##_g##P##SUFFIX(const tern_gdn_recurrence_args a) { \
-        tern_await_prior_kernel();                                                                       \
+        tern_await_prior_kernel_unless(tern_gdn_early_state(a));                                         \
         tern_gdn_recurrence_body<D, R, P, false, SCATTER>(a, nullptr);                                   \
     }
 #define TERN_GDN_RECURRENCE(D, R, P) TERN_GDN_RECURRENCE_KERNEL(D, R, P, __launch_bounds__(128), false, )
@@ -351,7 +359,7 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
 #define TERN_GDN_RECURRENCE_FUSED(D, MIN_BLOCKS, SCATTER, SUFFIX)                                        \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GDN_FUSED_MAX_DV / 8, MIN_BLOCKS)             \
         tern_gdn_recurrence_fused_dk##D##SUFFIX(const tern_gdn_recurrence_args a) {                      \
-        tern_await_prior_kernel();                                                                       \
+        tern_await_prior_kernel_unless(tern_gdn_early_state(a));                                         \
         __shared__ float o_smem[2 * TERN_GDN_FUSED_MAX_DV];                                              \
         tern_gdn_recurrence_body<D, 8, 1, true, SCATTER>(a, o_smem);                                     \
     }

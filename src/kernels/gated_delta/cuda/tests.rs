@@ -378,8 +378,13 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
         let mut kt = GatedDeltaCuda::new(gpu.clone()).unwrap();
         kt.set_scatter_sums(ScatterSums::Off);
         kt.set_direct_addressing(false);
+        // And with each step's first state rows requested before it awaits the kernel before
+        // it (`ke`, EARLY_STATE), on per-sequence buffers and on the pool.
+        let mut ke = GatedDeltaCuda::new(gpu.clone()).unwrap();
+        ke.set_scatter_sums(ScatterSums::Off);
+        ke.set_early_state(true);
         let dense_pool: Vec<f32> = slots.iter().flat_map(|&s| pool[s * sl..(s + 1) * sl].iter().copied()).collect();
-        for (own_buffers, dense, kd) in [(false, false, &k), (true, false, &k), (false, false, &ks), (false, true, &k), (false, false, &kt)] {
+        for (own_buffers, dense, kd) in [(false, false, &k), (true, false, &k), (false, false, &ks), (false, true, &k), (false, false, &kt), (true, false, &ke), (false, false, &ke)] {
             let mut step_pool = up(if dense { &dense_pool } else { &pool });
             let mut own: Vec<CudaSlice<f32>> = slots.iter().map(|&s| up(&pool[s * sl..(s + 1) * sl])).collect();
             let mut step_out = vec![f32::NAN; tokens * v_row];
@@ -409,7 +414,7 @@ fn cuda_recurrence_scan_equals_decode_steps_bit_for_bit() {
                 if own_buffers { " (own buffers)" } else { "" },
                 if dense { " (dense pool)" } else { "" },
                 if std::ptr::eq(kd, &ks) { " with scatter sums" } else { "" },
-                if std::ptr::eq(kd, &kt) { " (tables loaded)" } else { "" }
+                if std::ptr::eq(kd, &kt) { " (tables loaded)" } else if std::ptr::eq(kd, &ke) { " (early state)" } else { "" }
             );
             assert_bits_eq(&format!("{how} (outputs)"), &step_out, &scan_out);
             if own_buffers {
@@ -751,14 +756,17 @@ fn cuda_fused_recurrence_equals_gates_recurrence_norm() {
         assert_bits_eq("fused recurrence vs three kernels (outputs)", &got, &three);
         // The fused form with either sums, bounded to two blocks a multiprocessor or not (d_k <=
         // 128; above it the bound is ignored): the same bits.
-        for (scatter, bound64) in [(ScatterSums::On, false), (ScatterSums::Off, false), (ScatterSums::Off, true), (ScatterSums::On, true)] {
+        // Last, the default requesting its first state rows before it awaits the kernel before
+        // it (EARLY_STATE, what a decode step's dependent launch takes).
+        for (scatter, bound64, early) in [(ScatterSums::On, false, false), (ScatterSums::Off, false, false), (ScatterSums::Off, true, false), (ScatterSums::On, true, false), (ScatterSums::On, true, true)] {
             let mut ks = GatedDeltaCuda::new(gpu.clone()).unwrap();
             ks.set_scatter_sums(scatter);
             ks.set_fused_bound64(bound64);
+            ks.set_early_state(early);
             let mut p = gpu.upload(&pool).unwrap();
             let mut o = nan(&gpu, tokens * v_row);
             ks.delta_rule(&heads, &x, &segs, GpuStates::Pool(&mut p), &mut o).unwrap();
-            let form = format!("fused recurrence, sums {scatter:?}, bounded to 64 registers {bound64}, vs three kernels");
+            let form = format!("fused recurrence, sums {scatter:?}, bounded to 64 registers {bound64}, early state {early}, vs three kernels");
             assert_bits_eq(&format!("{form} (outputs)"), &gpu.download(&o).unwrap(), &three);
             assert_bits_eq(&format!("{form} (states)"), &gpu.download(&p).unwrap(), &three_pool);
         }
