@@ -33,7 +33,7 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 use tern::cuda::{CudaSlice, Gpu, KernelSource};
 use tern::kernels::cuda_ops::{CudaOps, Precision};
-use tern::kernels::matmul::cuda::Blas;
+use tern::kernels::matmul::cuda::{Blas, GemvOutput};
 use tern::kernels::matmul::Weights;
 use tern::Result;
 
@@ -261,5 +261,30 @@ fn main() -> Result<()> {
         Ok(())
     })?;
     report("graph, norm tails", ms);
+    // The same with each layer's first norm formed in the blocks of the gated product after it
+    // (Blas::linear_residual_norm_glu, as a dense FFN's decode step runs it): the output
+    // projection has no tail; the gate|up product (its 7168 rows as a gate over an up) forms
+    // rms(stream)·w itself.
+    let mut gated = gpu.zeros::<f32>(7168 / 2)?;
+    let ms = time_graph_ms(&gpu, reps, || {
+        let mut i = 0;
+        while i < mats.len() {
+            let (m, x) = (&mats[i], &xs[i]);
+            if m.out == 1024 && i + 1 < mats.len() && mats[i + 1].out == 7168 {
+                if blas.linear_residual_norm_glu(x, m, &mut ys[i], &norm_w, 1e-6, &mut normed, &mats[i + 1], GemvOutput::Silu, &mut gated)? {
+                    i += 2;
+                    continue;
+                }
+            }
+            if m.out == 1024 && blas.linear_residual_norm(x, 1, m, &mut ys[i], &norm_w, 1e-6, &mut normed)? {
+                i += 1;
+                continue;
+            }
+            blas.linear(x, 1, m, &mut ys[i])?;
+            i += 1;
+        }
+        Ok(())
+    })?;
+    report("graph, norms in the gated products", ms);
     Ok(())
 }

@@ -360,6 +360,27 @@ pub trait Ops: Send + Sync + Sized {
         let y = self.linear(v, rows, w, None)?;
         self.residual_norm(x, &y, norm, d, eps, out)
     }
+    /// [`Ops::linear_residual_norm`], then [`Ops::glu`] of its output `out` (a dense FFN after
+    /// its sublayer's residual step); `out` is written too. A backend may form the norm inside
+    /// the gated product instead of after the first product, with the same results.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_residual_norm_glu(
+        &self,
+        v: &Self::Buf,
+        rows: usize,
+        w: &Self::Mat,
+        x: &mut Self::Buf,
+        norm: &Self::Vector,
+        d: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+        gate_up: &Self::Mat,
+        width: usize,
+        act: GatedActivation,
+    ) -> Result<Self::Buf> {
+        self.linear_residual_norm(v, rows, w, x, norm, d, eps, out)?;
+        self.glu(out, rows, gate_up, width, act)
+    }
     /// `silu(g)·u` over `rows × width`, contiguous out.
     fn silu_mul(&self, g: View<Self::Buf>, u: View<Self::Buf>, rows: usize, width: usize) -> Result<Self::Buf>;
     /// Each sequence's last row of `x` (rows of `d`), [sequences][d].

@@ -1088,6 +1088,36 @@ impl Ops for CudaOps {
         self.residual_norm(x, &y, norm, d, eps, out)
     }
 
+    fn linear_residual_norm_glu(
+        &self,
+        v: &CudaSlice<f32>,
+        rows: usize,
+        w: &GpuMatrix,
+        x: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        d: usize,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+        gate_up: &GpuMatrix,
+        width: usize,
+        act: GatedActivation,
+    ) -> Result<CudaSlice<f32>> {
+        // One row: the gated product's blocks form the norm (Blas::linear_residual_norm_glu).
+        if rows == 1 && w.out == d && gate_up.out == 2 * width {
+            let _timer = self.op_timer("linear_residual_norm_glu (gemv)");
+            let output = match act {
+                GatedActivation::Silu => GemvOutput::Silu,
+                GatedActivation::GeluTanh => GemvOutput::GeluTanh,
+            };
+            let mut y = self.gpu.alloc::<f32>(width)?;
+            if self.blas.linear_residual_norm_glu(v, w, x, norm, eps, out, gate_up, output, &mut y)? {
+                return Ok(y);
+            }
+        }
+        self.linear_residual_norm(v, rows, w, x, norm, d, eps, out)?;
+        self.glu(out, rows, gate_up, width, act)
+    }
+
     fn silu_mul(&self, g: View<CudaSlice<f32>>, u: View<CudaSlice<f32>>, rows: usize, width: usize) -> Result<CudaSlice<f32>> {
         let _timer = self.op_timer("silu_mul");
         let mut out = self.gpu.alloc::<f32>(rows * width)?;

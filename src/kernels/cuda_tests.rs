@@ -656,6 +656,57 @@ fn cuda_early_gemv_gives_the_plain_bits() {
     assert_eq!(run(&early), want, "early gemv: the paired q8_0 head");
 }
 
+/// A residual product and the gated product of its normed stream with the norm formed in the
+/// gated product's blocks (`Blas::linear_residual_norm_glu`: no norm tail between the two)
+/// give the bits of `linear_residual_norm` then `glu`: the stream, the normed row (written by
+/// block 0) and the gated output; every stored type (each pair of one type), streams of 1024,
+/// 2048, 768 and 288 values, with and without the early weight loads. A stream wider than the
+/// held norm, or more rows, are left to the caller with nothing queued.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_normed_glu_equals_residual_norm_then_glu() {
+    use crate::kernels::matmul::cuda::{GemvOutput, NORMED_MAX};
+    let gpu = gpu();
+    let mut rng = rng("cuda_normed_glu_equals_residual_norm_then_glu");
+    let eps = 1e-6f32;
+    for early in [false, true] {
+        let blas = Blas::new(gpu.clone(), false).unwrap().with_gemv_early(early);
+        // (stream d, the residual product's input, the gated product's width)
+        for &(d, in_f, width) in &[(1024usize, 2048usize, 3584usize), (2048, 512, 300), (768, 256, 100), (288, 1056, 40)] {
+            let (w_forms, gu_forms) = (StoredForms::new(rng.vec(d * in_f, -0.1, 0.1), in_f), StoredForms::new(rng.vec(2 * width * d, -0.1, 0.1), d));
+            let v = gpu.upload(&rng.vec(in_f, -1.0, 1.0)).unwrap();
+            let (x0, norm) = (rng.vec(d, -2.0, 2.0), gpu.upload(&rng.vec(d, 0.5, 1.5)).unwrap());
+            for ((name, sw), (_, sg)) in w_forms.all().into_iter().zip(gu_forms.all()) {
+                let (m, gu) = (blas.matrix(&sw, d, in_f).unwrap(), blas.matrix(&sg, 2 * width, d).unwrap());
+                let what = format!("normed glu {name} d {d} in {in_f} width {width} early {early}");
+                // Composed: the residual product ending in the norm, then the gated product.
+                let (mut x, mut a, mut y) = (gpu.upload(&x0).unwrap(), nan(&gpu, d), nan(&gpu, width));
+                assert!(blas.linear_residual_norm(&v, 1, &m, &mut x, &norm, eps, &mut a).unwrap());
+                blas.glu(&a, 1, &gu, GemvOutput::Silu, &mut y, |_, _| unreachable!("one row takes the GEMV")).unwrap();
+                let want: Vec<Vec<f32>> = [&x, &a, &y].iter().map(|b| gpu.download(b).unwrap()).collect();
+                // The norm formed in the gated product.
+                let (mut x, mut a, mut y) = (gpu.upload(&x0).unwrap(), nan(&gpu, d), nan(&gpu, width));
+                assert!(blas.linear_residual_norm_glu(&v, &m, &mut x, &norm, eps, &mut a, &gu, GemvOutput::Silu, &mut y).unwrap(), "{what}: taken");
+                let got: Vec<Vec<f32>> = [&x, &a, &y].iter().map(|b| gpu.download(b).unwrap()).collect();
+                for (i, part) in ["stream", "normed row", "gated output"].iter().enumerate() {
+                    assert!(want[i].iter().all(|v| v.is_finite()), "{what}: {part} written");
+                    assert_eq!(got[i], want[i], "{what}: {part}");
+                }
+                eprintln!("{what}: == linear_residual_norm, then glu");
+            }
+        }
+        // Wider than the held norm: left to the caller, the stream untouched.
+        let d = NORMED_MAX + 32;
+        let m = blas.matrix(&Weights::F32(&rng.vec(d * 64, -0.1, 0.1)), d, 64).unwrap();
+        let gu = blas.matrix(&Weights::F32(&rng.vec(2 * 16 * d, -0.1, 0.1)), 32, d).unwrap();
+        let x0 = rng.vec(d, -2.0, 2.0);
+        let (v, norm) = (gpu.upload(&rng.vec(64, -1.0, 1.0)).unwrap(), gpu.upload(&vec![1.0f32; d]).unwrap());
+        let (mut x, mut a, mut y) = (gpu.upload(&x0).unwrap(), nan(&gpu, d), nan(&gpu, 16));
+        assert!(!blas.linear_residual_norm_glu(&v, &m, &mut x, &norm, eps, &mut a, &gu, GemvOutput::Silu, &mut y).unwrap(), "a stream of {d}");
+        assert_eq!(gpu.download(&x).unwrap(), x0, "a refused call leaves the stream as it was");
+    }
+}
+
 /// GEMVs over few output features and long rows split each row over several warps (the
 /// decode step's output projections): against the CPU for every stored type, plain and gated,
 /// and a row's result the same bits alone as among 8 rows (the split depends on the matrix only).

@@ -772,10 +772,9 @@ impl<O: Ops> Qwen35<O> {
                     (self.full_attention(m, &a, n, b, &mut caches)?, &m.o)
                 }
             };
-            ops.linear_residual_norm(&mixed, n, out, &mut x, &layer.post_norm, h, c.eps, &mut a)?;
             // The next layer's pre-norm, or after the last layer the final norm.
             let next = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
-            self.ffn_residual(&layer.ffn, &mut a, n, &mut x, next)?;
+            self.residual_ffn(layer, (&mixed, out), &mut a, n, &mut x, next)?;
         }
         // A decode step's rows are already each sequence's last (one row a sequence): no copy.
         if ops.segments(b).iter().all(|s| s.len == 1) {
@@ -785,17 +784,20 @@ impl<O: Ops> Qwen35<O> {
         ops.linear(&last, batch.len(), &self.head, None)
     }
 
-    /// A layer's FFN and the residual step after it: `x += ffn(a)`, then `a = rms(x)·next`.
-    /// The dense FFN's down projection and that step are one op (fused for a decode step).
-    fn ffn_residual(&self, f: &Ffn<O>, a: &mut O::Buf, n: usize, x: &mut O::Buf, next: &O::Vector) -> Result<()> {
+    /// A layer's mixer output projection and the residual step after it, `x += out(mixed)`
+    /// and `a = rms(x)·post_norm`, then its FFN and the residual step after that: `x +=
+    /// ffn(a)`, then `a = rms(x)·next`. The dense FFN's gated product forms its input's norm
+    /// itself and its down projection ends in the next norm (fused for a decode step).
+    fn residual_ffn(&self, layer: &Layer<O>, (mixed, out): (&O::Buf, &O::Mat), a: &mut O::Buf, n: usize, x: &mut O::Buf, next: &O::Vector) -> Result<()> {
         let (c, ops) = (&self.cfg, &self.ops);
         let h = c.hidden;
-        match f {
+        match &layer.ffn {
             Ffn::Dense(m) => {
-                let act = ops.glu(a, n, &m.gate_up, m.width, GatedActivation::Silu)?;
+                let act = ops.linear_residual_norm_glu(mixed, n, out, x, &layer.post_norm, h, c.eps, a, &m.gate_up, m.width, GatedActivation::Silu)?;
                 ops.linear_residual_norm(&act, n, &m.down, x, next, h, c.eps, a)
             }
             Ffn::Moe { router, experts, top_k } => {
+                ops.linear_residual_norm(mixed, n, out, x, &layer.post_norm, h, c.eps, a)?;
                 let logits = ops.linear(a, n, router, None)?;
                 ops.moe_residual_norm(a, h, &logits, experts, *top_k, x, next, c.eps)
             }

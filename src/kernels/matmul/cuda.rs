@@ -175,6 +175,12 @@ struct GemvParts {
     /// One-row kernels: 1, each warp requests its first weights before awaiting the prior
     /// kernel ([`Blas::gemv_early`]).
     early: i32,
+    /// One-row kernels: the product's input formed as rms(in_h)·in_w by every block, block 0
+    /// also writing it to in_a ([`Blas::linear_residual_norm_glu`]); in_h 0: the input is x.
+    in_eps: f32,
+    in_h: u64,
+    in_w: u64,
+    in_a: u64,
 }
 
 /// The causal conv1d + SiLU a one-row GEMV applies to one part's outputs as it writes them (the
@@ -191,6 +197,28 @@ struct ConvTail {
 }
 // SAFETY: plain integers in the kernel's C layout.
 unsafe impl DeviceRepr for GemvParts {}
+
+/// What a GEMV launch adds to its products ([`Blas::gemv_with`]): the norm after a residual
+/// product ([`GemvOutput::Residual`], [`GemvOutput::AddNorm`]: one part); the causal conv1d +
+/// SiLU of one part's outputs as they are written (one row, plain outputs, the CUDA-core form);
+/// the input formed as a norm of the residual stream (one row, the CUDA-core form). The callers
+/// check the conditions.
+#[derive(Clone, Copy, Default)]
+struct GemvExtras {
+    tail: Option<NormTail>,
+    conv: Option<(ConvTail, usize)>,
+    normed: Option<NormedIn>,
+}
+
+/// The residual stream h [in], the norm's weight w [in], epsilon, and where block 0 writes
+/// rms(h)·w (device addresses).
+#[derive(Clone, Copy)]
+struct NormedIn {
+    h: u64,
+    w: u64,
+    a: u64,
+    eps: f32,
+}
 
 /// The GEMV kernels: [output kind][weight type: f32, bf16, Q8_0][row bound R: 1, 2, 4, 8]
 /// [wide, narrow] (see [`gemv_outputs_per_warp`]).
@@ -283,6 +311,10 @@ const CONV_KERNEL_WIDTHS: [usize; 3] = [2, 3, 4];
 /// Rows up to which a product fuses the norm after it (see [`Blas::norm_tail_fits`]).
 pub const NORM_TAIL_MAX_ROWS: usize = 1;
 
+/// The widest stream whose norm a one-row GEMV forms in its blocks ([`Blas::linear_residual_norm_glu`]):
+/// TERN_NORM_TAIL_SLOTS values a thread of a block of 256 (gemv.cu).
+pub const NORMED_MAX: usize = 8 * 32 * GEMV_WARPS;
+
 /// Features from which a one-row Q8_0 product takes two features a warp (`tern_gemv_q8_1x2`):
 /// the vocabulary head (Qwen3.5's 248 320 rows), whose one-feature warps each hold a
 /// 1024-weight row of quants, 1 KiB, too few bytes in flight for the blocks' turnover.
@@ -332,6 +364,10 @@ pub struct Blas {
     /// measure the two on the same run. The same bits either way. H100, Qwen3.5-0.8B bf16
     /// decode: 896 -> 923 tok/s (BENCHMARKS.md, 2026-12-05).
     gemv_early: bool,
+    /// Whether [`Blas::linear_residual_norm_glu`] forms the norm in the gated product's blocks
+    /// (TERN_GEMV_NORMED=0: it declines, and the caller runs the product ending in the norm,
+    /// then the gated product; to measure the two on the same run). The same bits either way.
+    gemv_normed: bool,
     /// Whether one-row Q8_0 products of many features take [`Blas::q8_paired_kernel`];
     /// TERN_GEMV_Q8_PAIRED=0 turns it off, to measure the two forms on the same run.
     q8_paired: bool,
@@ -413,6 +449,7 @@ impl Blas {
             gemv_split: std::env::var("TERN_GEMV_SPLIT").map_or(true, |v| v != "0"),
             q8_paired: std::env::var("TERN_GEMV_Q8_PAIRED").map_or(true, |v| v != "0"),
             gemv_early: gpu.dependent_launch() && std::env::var("TERN_GEMV_EARLY").map_or(true, |v| v != "0"),
+            gemv_normed: std::env::var("TERN_GEMV_NORMED").map_or(true, |v| v != "0"),
             q8_paired_kernel: f("tern_gemv_q8_1x2")?,
             conv_kernels: CONV_KERNEL_WIDTHS
                 .iter()
@@ -852,7 +889,7 @@ impl Blas {
         check_len("linears_conv conv history", history.len(), channels * (kernel - 1))?;
         let g = &self.gpu;
         let conv = ConvTail { w: g.ptr(weight), at: g.ptr(&*history), part: 1 };
-        self.gemv_with(x, GemvOutput::Plain, rows, parts, None, Some((conv, width_at)))?;
+        self.gemv_with(x, GemvOutput::Plain, rows, parts, GemvExtras { conv: Some((conv, width_at)), ..Default::default() })?;
         Ok(true)
     }
 
@@ -909,6 +946,45 @@ impl Blas {
         activate(&gu, y)
     }
 
+    /// [`Blas::linear_residual_norm`] of one row, then [`Blas::glu`] of its `a`, in two
+    /// launches with no norm tail between them: the first adds its product to the stream `x`,
+    /// and every block of the gated product forms `a = rms(x)·norm` itself, as the tail would
+    /// (the same slots, sums and order: the same bits), block 0 also writing `a`. The tail's
+    /// last block no longer holds up the launch after it (~2 µs a product on an H100,
+    /// BENCHMARKS.md 2026-12-05). `Ok(false)`, nothing queued, where it does not apply: more
+    /// rows, a stream of more than [`NORMED_MAX`] values, products that do not take the GEMV.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_residual_norm_glu(
+        &self,
+        v: &CudaSlice<f32>,
+        w: &GpuMatrix,
+        x: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        a: &mut CudaSlice<f32>,
+        gate_up: &GpuMatrix,
+        output: GemvOutput,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<bool> {
+        let d = w.out;
+        if !(self.gemv_normed && self.norm_tail_fits(1, w) && self.gemv_fits(1, gate_up) && output.gated() && d <= NORMED_MAX && gate_up.inp == d && gate_up.out % 2 == 0) {
+            return Ok(false);
+        }
+        check_len("linear_residual_norm_glu input", v.len(), w.inp)?;
+        check_len("linear_residual_norm_glu residual", x.len(), d)?;
+        check_len("linear_residual_norm_glu weight", norm.len(), d)?;
+        check_len("linear_residual_norm_glu normed", a.len(), d)?;
+        check_len("linear_residual_norm_glu output", y.len(), gate_up.out / 2)?;
+        let g = &self.gpu;
+        // The residual product with no norm (norm_out 0: the kernel skips its tail).
+        let tail = NormTail { norm_w: g.ptr(norm), norm_out: 0, counter: g.ptr(&self.residual_counter), eps, stream: 0, next_w: 0, post: 1.0 };
+        self.gemv_with(v, GemvOutput::Residual, 1, &mut [(w, &mut *x)], GemvExtras { tail: Some(tail), ..Default::default() })?;
+        let normed = NormedIn { h: g.ptr(&*x), w: g.ptr(norm), a: g.ptr(&*a), eps };
+        // (The launch's x is not read: its input is the one it forms.)
+        self.gemv_with(x, output, 1, &mut [(gate_up, y)], GemvExtras { normed: Some(normed), ..Default::default() })?;
+        Ok(true)
+    }
+
     /// A pre-norm residual step after a product: `x += V·Wᵀ`, then `a = rms(x)·norm` per row
     /// of `w.out` — one GEMV launch (the last block normalises) for one row, the same bits as
     /// [`Blas::linear`] and the residual norm kernel; `Ok(false)` for more rows (the caller
@@ -935,7 +1011,7 @@ impl Blas {
         if rows > 0 {
             let g = &self.gpu;
             let tail = NormTail { norm_w: g.ptr(norm), norm_out: g.ptr(a), counter: g.ptr(&self.residual_counter), eps, stream: 0, next_w: 0, post: 1.0 };
-            self.gemv_with(v, GemvOutput::Residual, rows, &mut [(w, x)], Some(tail), None)?;
+            self.gemv_with(v, GemvOutput::Residual, rows, &mut [(w, x)], GemvExtras { tail: Some(tail), ..Default::default() })?;
         }
         Ok(true)
     }
@@ -972,7 +1048,7 @@ impl Blas {
             let g = &self.gpu;
             let counter = g.ptr(&self.residual_counter);
             let tail = NormTail { norm_w: g.ptr(norm), norm_out: g.ptr(a), counter, eps, stream: g.ptr(h), next_w: g.ptr(next), post };
-            self.gemv_with(v, GemvOutput::AddNorm, rows, &mut [(w, y)], Some(tail), None)?;
+            self.gemv_with(v, GemvOutput::AddNorm, rows, &mut [(w, y)], GemvExtras { tail: Some(tail), ..Default::default() })?;
         }
         Ok(true)
     }
@@ -980,22 +1056,12 @@ impl Blas {
     /// One GEMV launch over `parts` (at most [`GEMV_PARTS`], one stored type, shapes checked
     /// by the caller), for at most [`GEMV_MAX_ROWS`] rows; `in` % 8 == 0.
     fn gemv(&self, x: &CudaSlice<f32>, output: GemvOutput, rows: usize, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)]) -> Result<()> {
-        self.gemv_with(x, output, rows, parts, None, None)
+        self.gemv_with(x, output, rows, parts, GemvExtras::default())
     }
 
-    /// [`Blas::gemv`], with the norm's operands for [`GemvOutput::Residual`] and
-    /// [`GemvOutput::AddNorm`] (one part), and with `conv` the causal conv1d + SiLU of one
-    /// part's outputs as they are written (one row, plain outputs, the CUDA-core form: the
-    /// caller checks).
-    fn gemv_with(
-        &self,
-        x: &CudaSlice<f32>,
-        output: GemvOutput,
-        rows: usize,
-        parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)],
-        tail: Option<NormTail>,
-        conv: Option<(ConvTail, usize)>,
-    ) -> Result<()> {
+    /// [`Blas::gemv`], with what [`GemvExtras`] adds.
+    fn gemv_with(&self, x: &CudaSlice<f32>, output: GemvOutput, rows: usize, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)], extras: GemvExtras) -> Result<()> {
+        let GemvExtras { tail, conv, normed } = extras;
         let tailed = matches!(output, GemvOutput::Residual | GemvOutput::AddNorm);
         if tailed != (tail.is_some() && parts.len() == 1) {
             return Err(Error::Shape("gemv: a norm after the product takes one product and its operands".into()));
@@ -1003,7 +1069,7 @@ impl Blas {
         let g = &self.gpu;
         let first = parts.first().map(|(w, _)| *w).ok_or_else(|| Error::Shape("gemv: no product".into()))?;
         let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", first.inp)?);
-        if tail.is_none() && conv.is_none() && self.gemv_mma_fits(rows, output, parts.iter().map(|(w, _)| *w)) {
+        if tail.is_none() && conv.is_none() && normed.is_none() && self.gemv_mma_fits(rows, output, parts.iter().map(|(w, _)| *w)) {
             return self.gemv_mma(x, output, r, inp, parts, None);
         }
         let features: usize = parts.iter().map(|(w, _)| output.features(w)).sum();
@@ -1015,6 +1081,7 @@ impl Blas {
         // two features a warp ([`Q8_PAIRED_MIN_FEATURES`]).
         let paired = self.q8_paired
             && conv.is_none()
+            && normed.is_none()
             && ks == 1
             && rows == 1
             && output == GemvOutput::Plain
@@ -1027,6 +1094,9 @@ impl Blas {
         let narrow = !paired && wide_blocks < 2 * self.multiprocessors;
         let blocks = self.gemv_parts(&mut p, output, parts, per_block(narrow) as u32)?;
         p.early = (self.gemv_early && rows == 1) as i32;
+        if let Some(n) = normed {
+            (p.in_h, p.in_w, p.in_a, p.in_eps) = (n.h, n.w, n.a, n.eps);
+        }
         let xp = g.ptr(x);
         let kernel = if paired {
             &self.q8_paired_kernel
@@ -1037,7 +1107,9 @@ impl Blas {
         };
         let mut l = g.launch_builder(kernel);
         l.arg(&p).arg(&xp).arg(&r).arg(&inp);
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
+        // A normed input lives in the block's dynamic shared memory (4 bytes a value).
+        let shared_mem_bytes = if normed.is_some() { 4 * first.inp as u32 } else { 0 };
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes };
         // SAFETY: argument types match tern_gemv_*; the kernel (R >= rows) reads each part's
         // out × in weights of the one type it is compiled for and writes rows × features
         // outputs (out, or out / 2 gated; lengths checked by the callers); x holds rows × in
@@ -1448,9 +1520,12 @@ mod tests {
         assert_eq!(std::mem::offset_of!(ConvTail, part), 16);
         assert_eq!(std::mem::offset_of!(GemvParts, up), 224);
         assert_eq!(std::mem::offset_of!(GemvParts, early), 240);
-        assert_eq!(std::mem::size_of::<GemvParts>(), 248);
+        assert_eq!(std::mem::offset_of!(GemvParts, in_eps), 244);
+        assert_eq!(std::mem::offset_of!(GemvParts, in_h), 248);
+        assert_eq!(std::mem::offset_of!(GemvParts, in_a), 264);
+        assert_eq!(std::mem::size_of::<GemvParts>(), 272);
         let code = include_str!("gemv.cu");
-        assert!(code.contains("static_assert(sizeof(tern_gemv_parts) == 248,"));
+        assert!(code.contains("static_assert(sizeof(tern_gemv_parts) == 272,"));
     }
 
     #[test]

@@ -68,10 +68,17 @@ struct tern_gemv_parts {
     // One-row kernels only (R = 1): nonzero, each warp issues its first weight loads before it
     // awaits the prior kernel (TernEarlySteps; tern_await_prior_kernel_unless, launch.cuh).
     int early;
+    // One-row kernels only: with in_h set, the product's input is rms(h)·w (h = in_h, w = in_w,
+    // epsilon in_eps; `in` values) rather than x, formed by every block (TernNormedInput), and
+    // block 0 also writes it to in_a.
+    float in_eps;
+    unsigned long long in_h;
+    unsigned long long in_w;
+    unsigned long long in_a;
 };
 // The host's GemvParts mirrors this layout; its test (matmul/cuda.rs) checks the same size and
 // the field offsets this order gives.
-static_assert(sizeof(tern_gemv_parts) == 248, "tern_gemv_parts: 248 bytes, as GemvParts");
+static_assert(sizeof(tern_gemv_parts) == 272, "tern_gemv_parts: 272 bytes, as GemvParts");
 
 // The conv operands of a launch (from tern_gemv_parts, passed by value so that they stay kernel
 // parameters rather than loads through a pointer to them); `on` for the conv part's warps.
@@ -235,6 +242,48 @@ template <> struct TernGemvSteps<TernWeightsQ8, 1, 2> { static constexpr int IN_
 // (activation.cu: act(g) · u), so the same bits as the product and that kernel.
 #define TERN_Y_GELU_BY 5
 
+// A one-row product whose input is the pre-norm residual stream's norm, a = rms(h)·w (the
+// operands of tern_gemv_parts' in_* fields, passed by value like TernConvArgs). Every block forms
+// a itself, as the norm tail of the GEMV before it would have (tern_gemv_norm_tail_held: the
+// same slots, sums and order, so the same bits), into its dynamic shared memory, and block 0
+// also writes it out for whatever reads it later. So the product before needs no tail, on
+// which every block of this one would wait: TERN_Y_RESIDUAL's tail costs ~2 µs a product on a
+// decode step's critical path (H100, gemv_chain_bench). Every thread of the block must call
+// it: it meets the block's barriers. h comes through L2 (__ldcg), as the tail reads it.
+// Values a thread holds in the norm of one row: the tail's held form below, and this.
+#define TERN_NORM_TAIL_SLOTS 8
+struct TernNormedInput {
+    const float* h;
+    const float* w;
+    float* a;
+    float eps;
+    bool on;
+};
+__device__ __forceinline__ const float* tern_gemv_normed_input(const TernNormedInput& n, int d) {
+    extern __shared__ float tern_gemv_normed[];
+    __shared__ double scratch[32];
+    constexpr int S = TERN_NORM_TAIL_SLOTS;
+    const int t = threadIdx.x, nt = blockDim.x;
+    float hv[S], wv[S];
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+        const int i = t + j * nt;
+        hv[j] = i < d ? __ldcg(n.h + i) : 0.0f;
+        wv[j] = i < d ? n.w[i] : 0.0f;
+    }
+    const float inv = tern_inv_rms_of(tern_block_sum_d(tern_held_sum_squares(hv, t, nt, d), scratch), d, n.eps);
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+        const int i = t + j * nt;
+        if (i >= d) continue;
+        const float v = (hv[j] * inv) * wv[j];
+        tern_gemv_normed[i] = v;
+        if (blockIdx.x == 0) n.a[i] = v;
+    }
+    __syncthreads();
+    return tern_gemv_normed;
+}
+
 // One step of a warp: the lane's S weights of each of the NW rows it holds times the same S
 // values of each row r < rows of x, added to acc in the order of the weights.
 template <int R, int NW, int S>
@@ -314,7 +363,8 @@ __device__ __forceinline__ void tern_gemv_rows_in_flight(const W& w, const float
 template <int R, int OPW, int OMODE, typename W, int CONV_K = 0>
 __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restrict__ x, int rows, int in, int o0, int out,
                                                float* __restrict__ y, int ks = 1, int slice = 0,
-                                               TernConvArgs conv = {nullptr, nullptr, false}, bool early = false) {
+                                               TernConvArgs conv = {nullptr, nullptr, false}, bool early = false,
+                                               TernNormedInput normed = {nullptr, nullptr, nullptr, 0.0f, false}) {
     constexpr bool GATED = OMODE == TERN_Y_SILU || OMODE == TERN_Y_GELU;
     constexpr int NW = GATED ? 2 * OPW : OPW;  // weight rows held
     constexpr int S = W::STEP;                 // weights a lane takes per step
@@ -341,6 +391,8 @@ __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restri
                 }
             tern_await_prior_kernel();
         }
+        // (normed: after the prior kernel, whose output h is; every warp of the block is here.)
+        if (normed.on) x = tern_gemv_normed_input(normed, in);
     }
     // CONV_K (one row, one feature a warp, plain): the convolving lane's operands, in flight
     // during the product.
@@ -450,8 +502,7 @@ __device__ __forceinline__ double tern_gemv_sum_squares(const float* v, int d, d
 // thread: every operand (h, w, and for ADD_NORM y and the next norm's weight) loaded at once,
 // so the tail waits for L2 once; the loop form below waits once per pass (h for the sum, then h
 // and w again for the output). Same values, products and sums in the same order: the same
-// bits. (Qwen3.5's rows of 1024 and 2048, EmbeddingGemma's of 768.)
-#define TERN_NORM_TAIL_SLOTS 8
+// bits. (Qwen3.5's rows of 1024 and 2048, EmbeddingGemma's of 768.) TERN_NORM_TAIL_SLOTS: above.
 template <int OMODE>
 __device__ __forceinline__ void tern_gemv_norm_tail_held(const tern_gemv_parts& p, double* scratch) {
     constexpr int S = TERN_NORM_TAIL_SLOTS;
@@ -502,6 +553,9 @@ template <int R, int OMODE>
 __device__ __forceinline__ void tern_gemv_norm_tail(const tern_gemv_parts& p, int rows) {
     __shared__ int last;
     __shared__ double scratch[32];
+    // No norm asked for (TERN_Y_RESIDUAL with norm_out 0): the product after this one forms it
+    // from the stream itself (TernNormedInput).
+    if (OMODE == TERN_Y_RESIDUAL && !p.norm_out) return;
     // Every writer fences its own writes before the block signals.
     __threadfence();
     __syncthreads();
@@ -584,14 +638,15 @@ __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float*
     while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
     const int ks = p.ks, warp = threadIdx.x / 32;
     const int o0 = (((int)blockIdx.x - p.block0[part]) * (TERN_GEMV_WARPS / ks) + warp / ks) * OPW;
-    // Unsplit, a warp past the features leaves; split (or ending in the residual norm), it
-    // still meets its block's barriers.
+    const TernNormedInput normed{(const float*)p.in_h, (const float*)p.in_w, (float*)p.in_a, p.in_eps, R == 1 && p.in_h != 0};
+    // Unsplit, a warp past the features leaves; split (or ending in the residual norm, or
+    // forming its input's norm), it still meets its block's barriers.
     constexpr bool tail = OMODE == TERN_Y_RESIDUAL || OMODE == TERN_Y_ADD_NORM;
-    if (ks == 1 && !tail && o0 >= p.out[part]) return;
+    if (ks == 1 && !tail && !normed.on && o0 >= p.out[part]) return;
     tern_gemv_rows<R, OPW, OMODE, W, CONV_K>(W(p.w[part], p.scales[part]), x, rows, in, o0, p.out[part], (float*)p.y[part], ks,
                                              warp % ks,
                                              TernConvArgs{(const float*)p.conv_w, (float*)p.conv_at, CONV_K > 0 && part + 1 == p.conv_part},
-                                             tern_gemv_early<R>(p));
+                                             tern_gemv_early<R>(p), normed);
     if constexpr (tail) tern_gemv_norm_tail<R, OMODE>(p, rows);
 }
 
