@@ -261,11 +261,27 @@ fn main() -> Result<()> {
         Ok(())
     })?;
     report("graph, norm tails", ms);
+    // The same with the gate|up products gated (Blas::glu: act(gate)·up written, 3584
+    // features), as a decode step runs them: the row to compare the next one with.
+    let mut gated = gpu.zeros::<f32>(7168 / 2)?;
+    let ms = time_graph_ms(&gpu, reps, || {
+        for ((m, x), y) in mats.iter().zip(&xs).zip(ys.iter_mut()) {
+            if m.out == 1024 && blas.linear_residual_norm(x, 1, m, y, &norm_w, 1e-6, &mut normed)? {
+                continue;
+            }
+            if m.out == 7168 {
+                blas.glu(x, 1, m, GemvOutput::Silu, &mut gated, |_, _| unreachable!("one row takes the GEMV"))?;
+                continue;
+            }
+            blas.linear(x, 1, m, y)?;
+        }
+        Ok(())
+    })?;
+    report("graph, norm tails, gated", ms);
     // The same with each layer's first norm formed in the blocks of the gated product after it
     // (Blas::linear_residual_norm_glu, as a dense FFN's decode step runs it): the output
     // projection has no tail; the gate|up product (its 7168 rows as a gate over an up) forms
     // rms(stream)·w itself.
-    let mut gated = gpu.zeros::<f32>(7168 / 2)?;
     let ms = time_graph_ms(&gpu, reps, || {
         let mut i = 0;
         while i < mats.len() {
