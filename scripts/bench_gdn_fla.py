@@ -49,49 +49,37 @@ for B in (1, 16, 64, 256) if "decode" in sections else ():
     print(f"RESULT fla_decode batch={B} us={ms * 1e3:.3f}")
     # Its kernel without the host: 50 steps (rotating the pools as above) captured in one CUDA
     # graph, replayed, the time over 50 (tern's gdn_bench times 50 launches back to back).
-    try:
-        inner = 50
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                step()
-        ms = triton.testing.do_bench(graph.replay, warmup=5, rep=100, return_mode="median")
-        print(f"RESULT fla_decode_graph batch={B} us={ms * 1e3 / inner:.3f}")
-    except Exception as e:  # noqa: BLE001 - report and go on: the plain timing stands
-        print(f"fla decode batch={B}: no CUDA graph ({type(e).__name__}: {e})")
+    inner = 50
+
+    def graph_row(name, one):
+        """Times `inner` calls of `one` recorded in a graph, as row `name`; reports and goes on
+        where the capture fails (the plain timing stands)."""
+        i[0] = 0
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(inner):
+                    one()
+            ms = triton.testing.do_bench(graph.replay, warmup=5, rep=100, return_mode="median")
+            print(f"RESULT fla_decode_{name} batch={B} us={ms * 1e3 / inner:.3f}")
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"fla decode batch={B}: no CUDA graph for {name} ({type(e).__name__}: {e})")
+
+    graph_row("graph", step)
     # The same with every step's final state kept (`graph_kept`): without that, the graph's
     # allocator may give each step's new final-state tensor the memory of the one before, so the
     # steps overwrite one buffer that stays in the L2, where a decode must keep each new state
     # (tern writes its states in place, rotating through the pools like the reads).
-    try:
-        i[0] = 0
-        kept = []
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                kept.append(step()[1])
-        ms = triton.testing.do_bench(graph.replay, warmup=5, rep=100, return_mode="median")
-        print(f"RESULT fla_decode_graph_kept batch={B} us={ms * 1e3 / inner:.3f}")
-        del kept, graph
-    except Exception as e:  # noqa: BLE001 - report and go on
-        print(f"fla decode batch={B}: no CUDA graph keeping the states ({type(e).__name__}: {e})")
+    kept = []
+    graph_row("graph_kept", lambda: kept.append(step()[1]))
+    del kept
     # The same on one state, not rotated (tern's `graph_l2` row): where the state fits in the L2
     # its reads come from there. (fla writes each step's final state to a new tensor, which the
     # graph's allocator may give the same memory every step, its writes then staying in the L2
     # in both forms; tern writes its states in place.)
-    try:
-        i[0] = 0
-        rot_kept = rot
-        rot = 1
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                step()
-        ms = triton.testing.do_bench(graph.replay, warmup=5, rep=100, return_mode="median")
-        print(f"RESULT fla_decode_graph_l2 batch={B} us={ms * 1e3 / inner:.3f}")
-        rot = rot_kept
-    except Exception as e:  # noqa: BLE001 - report and go on
-        print(f"fla decode batch={B}: no CUDA graph on one state ({type(e).__name__}: {e})")
+    rot_kept, rot = rot, 1
+    graph_row("graph_l2", step)
+    rot = rot_kept
 
 if "prefill" in sections:
     print("fla prefill (chunk_gated_delta_rule, one sequence, state f32 V-first)")

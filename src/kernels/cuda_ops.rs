@@ -576,6 +576,14 @@ fn delta_rule_inputs<'a>(
     Ok(GpuDeltaRuleInputs { q: at(0), k: at(kd), v: at(2 * kd), g, beta, normalize_qk: true, fused })
 }
 
+/// The GEMV output form that applies `act` to a gate|up product's halves.
+fn gated_output(act: GatedActivation) -> GemvOutput {
+    match act {
+        GatedActivation::Silu => GemvOutput::Silu,
+        GatedActivation::GeluTanh => GemvOutput::GeluTanh,
+    }
+}
+
 /// Each row's position: sequence s's rows follow its `past[s]`.
 fn positions(segments: &[Segment], past: &[usize]) -> Vec<u32> {
     segments.iter().zip(past).flat_map(|(s, &p)| (p..p + s.len).map(|v| v as u32)).collect()
@@ -876,11 +884,7 @@ impl Ops for CudaOps {
             return Err(Error::Shape(format!("glu: halves of {width} from a matrix of {} rows", gate_up.out)));
         }
         let mut y = self.gpu.alloc::<f32>(rows * width)?;
-        let output = match act {
-            GatedActivation::Silu => GemvOutput::Silu,
-            GatedActivation::GeluTanh => GemvOutput::GeluTanh,
-        };
-        self.blas.glu(x, rows, gate_up, output, &mut y, |gu, y| {
+        self.blas.glu(x, rows, gate_up, gated_output(act), &mut y, |gu, y| {
             self.activation.gated_mul(act, View::new(gu, 0, 2 * width), View::new(gu, width, 2 * width), rows, width, Self::out(y))
         })?;
         Ok(y)
@@ -1105,12 +1109,8 @@ impl Ops for CudaOps {
         // One row: the gated product's blocks form the norm (Blas::linear_residual_norm_glu).
         if rows == 1 && w.out == d && gate_up.out == 2 * width {
             let _timer = self.op_timer("linear_residual_norm_glu (gemv)");
-            let output = match act {
-                GatedActivation::Silu => GemvOutput::Silu,
-                GatedActivation::GeluTanh => GemvOutput::GeluTanh,
-            };
             let mut y = self.gpu.alloc::<f32>(width)?;
-            if self.blas.linear_residual_norm_glu(v, w, x, norm, eps, out, gate_up, output, &mut y)? {
+            if self.blas.linear_residual_norm_glu(v, w, x, norm, eps, out, gate_up, gated_output(act), &mut y)? {
                 return Ok(y);
             }
         }
