@@ -387,7 +387,9 @@ impl Gpu {
     /// Whether a kernel launched next may read recurrent states before it awaits the kernel
     /// before it: it is a dependent launch and that kernel writes no state (every kernel that
     /// does calls [`Gpu::note_state_writer`]; copies and fills of states are not kernels, and a
-    /// copy on the stream is a full dependency).
+    /// copy on the stream is a full dependency). The count orders launches as the stream does
+    /// because a Gpu's kernels are queued by one thread at a time: every model opens its own
+    /// Gpu, and its ops serialise their forward passes (`Ops::serialize`).
     pub fn state_reads_may_lead(&self) -> bool {
         self.launches_dependent() && self.state_writer_at.load(Ordering::Relaxed) != self.launches.load(Ordering::Relaxed)
     }
