@@ -670,7 +670,7 @@ fn cuda_normed_glu_equals_residual_norm_then_glu() {
     let mut rng = rng("cuda_normed_glu_equals_residual_norm_then_glu");
     let eps = 1e-6f32;
     for early in [false, true] {
-        let blas = Blas::new(gpu.clone(), false).unwrap().with_gemv_early(early);
+        let blas = Blas::new(gpu.clone(), false).unwrap().with_gemv_early(early).with_gemv_normed(true);
         // (stream d, the residual product's input, the gated product's width)
         for &(d, in_f, width) in &[(1024usize, 2048usize, 3584usize), (2048, 512, 300), (768, 256, 100), (288, 1056, 40)] {
             let (w_forms, gu_forms) = (StoredForms::new(rng.vec(d * in_f, -0.1, 0.1), in_f), StoredForms::new(rng.vec(2 * width * d, -0.1, 0.1), d));

@@ -365,9 +365,17 @@ pub struct Blas {
     /// decode: 896 -> 923 tok/s (BENCHMARKS.md, 2026-12-05).
     gemv_early: bool,
     /// Whether [`Blas::linear_residual_norm_glu`] forms the norm in the gated product's blocks
-    /// (TERN_GEMV_NORMED=0: it declines, and the caller runs the product ending in the norm,
-    /// then the gated product; to measure the two on the same run). The same bits either way.
+    /// (TERN_GEMV_NORMED=1) or declines, so that the caller runs the product ending in the
+    /// norm, then the gated product (the default). The same bits either way. Opt-in until the
+    /// build with its own kernels is timed: the first build, in which every one-row GEMV carried
+    /// the normed path's registers (70 instead of 32) and generic loads of x, measured it
+    /// 1.7-2.9% faster than the tail in the model and 0.7-1% on the chain, but that whole build
+    /// ran ~10% slower (BENCHMARKS.md, 2026-12-05, calls 7-9).
     gemv_normed: bool,
+    /// `tern_gemv_{silu,gelu}_{f32,bf16,q8}_1_normed`: the one-row gated products that form
+    /// their input's norm ([`Blas::linear_residual_norm_glu`]), kernels of their own so that
+    /// the others keep their registers and global loads: [silu, gelu][weight type].
+    normed_kernels: [[CudaFunction; 3]; 2],
     /// Whether one-row Q8_0 products of many features take [`Blas::q8_paired_kernel`];
     /// TERN_GEMV_Q8_PAIRED=0 turns it off, to measure the two forms on the same run.
     q8_paired: bool,
@@ -449,7 +457,11 @@ impl Blas {
             gemv_split: std::env::var("TERN_GEMV_SPLIT").map_or(true, |v| v != "0"),
             q8_paired: std::env::var("TERN_GEMV_Q8_PAIRED").map_or(true, |v| v != "0"),
             gemv_early: gpu.dependent_launch() && std::env::var("TERN_GEMV_EARLY").map_or(true, |v| v != "0"),
-            gemv_normed: std::env::var("TERN_GEMV_NORMED").map_or(true, |v| v != "0"),
+            gemv_normed: std::env::var("TERN_GEMV_NORMED").is_ok_and(|v| v == "1"),
+            normed_kernels: [
+                [f("tern_gemv_silu_f32_1_normed")?, f("tern_gemv_silu_bf16_1_normed")?, f("tern_gemv_silu_q8_1_normed")?],
+                [f("tern_gemv_gelu_f32_1_normed")?, f("tern_gemv_gelu_bf16_1_normed")?, f("tern_gemv_gelu_q8_1_normed")?],
+            ],
             q8_paired_kernel: f("tern_gemv_q8_1x2")?,
             conv_kernels: CONV_KERNEL_WIDTHS
                 .iter()
@@ -809,6 +821,14 @@ impl Blas {
         rows <= self.gemv_max_rows && w.inp % 8 == 0
     }
 
+    /// This handle with [`Blas::linear_residual_norm_glu`] taken (`true`) or declined, whatever
+    /// TERN_GEMV_NORMED says: the device test runs it.
+    #[cfg(test)]
+    pub(crate) fn with_gemv_normed(mut self, on: bool) -> Self {
+        self.gemv_normed = on;
+        self
+    }
+
     /// This handle with one-row products requesting their first weights before awaiting the
     /// prior kernel (`true`) or not, whatever dependent launch and TERN_GEMV_EARLY say: the
     /// device test compares the two.
@@ -951,8 +971,9 @@ impl Blas {
     /// and every block of the gated product forms `a = rms(x)·norm` itself, as the tail would
     /// (the same slots, sums and order: the same bits), block 0 also writing `a`. The tail's
     /// last block no longer holds up the launch after it (~2 µs a product on an H100,
-    /// BENCHMARKS.md 2026-12-05). `Ok(false)`, nothing queued, where it does not apply: more
-    /// rows, a stream of more than [`NORMED_MAX`] values, products that do not take the GEMV.
+    /// BENCHMARKS.md 2026-12-05). `Ok(false)`, nothing queued, where it is off (opt-in,
+    /// TERN_GEMV_NORMED=1: [`Blas::gemv_normed`]) or does not apply: more rows, a stream of
+    /// more than [`NORMED_MAX`] values, products that do not take the GEMV.
     #[allow(clippy::too_many_arguments)]
     pub fn linear_residual_norm_glu(
         &self,
@@ -1062,6 +1083,9 @@ impl Blas {
     /// [`Blas::gemv`], with what [`GemvExtras`] adds.
     fn gemv_with(&self, x: &CudaSlice<f32>, output: GemvOutput, rows: usize, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)], extras: GemvExtras) -> Result<()> {
         let GemvExtras { tail, conv, normed } = extras;
+        if normed.is_some() && !(rows == 1 && output.gated() && parts.len() == 1) {
+            return Err(Error::Shape("gemv: a normed input takes one row of one gated product".into()));
+        }
         let tailed = matches!(output, GemvOutput::Residual | GemvOutput::AddNorm);
         if tailed != (tail.is_some() && parts.len() == 1) {
             return Err(Error::Shape("gemv: a norm after the product takes one product and its operands".into()));
@@ -1100,6 +1124,8 @@ impl Blas {
         let xp = g.ptr(x);
         let kernel = if paired {
             &self.q8_paired_kernel
+        } else if normed.is_some() {
+            &self.normed_kernels[(output == GemvOutput::GeluTanh) as usize][first.kind()]
         } else if let Some((_, width_at)) = conv {
             &self.conv_kernels[width_at][first.kind()]
         } else {

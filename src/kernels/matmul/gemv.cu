@@ -264,19 +264,27 @@ __device__ __forceinline__ const float* tern_gemv_normed_input(const TernNormedI
     __shared__ double scratch[32];
     constexpr int S = TERN_NORM_TAIL_SLOTS;
     const int t = threadIdx.x, nt = blockDim.x;
-    float hv[S], wv[S];
+    // The stream's values pass through this thread's own slots of shared memory rather than
+    // registers held across the block's sum (a kernel's registers are its worst point's):
+    // the same values, squares and sums in the same order as tern_held_sum_squares.
+    float hv[S];
 #pragma unroll
     for (int j = 0; j < S; ++j) {
         const int i = t + j * nt;
         hv[j] = i < d ? __ldcg(n.h + i) : 0.0f;
-        wv[j] = i < d ? n.w[i] : 0.0f;
     }
-    const float inv = tern_inv_rms_of(tern_block_sum_d(tern_held_sum_squares(hv, t, nt, d), scratch), d, n.eps);
+    const double ss = tern_held_sum_squares(hv, t, nt, d);
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+        const int i = t + j * nt;
+        if (i < d) tern_gemv_normed[i] = hv[j];
+    }
+    const float inv = tern_inv_rms_of(tern_block_sum_d(ss, scratch), d, n.eps);
 #pragma unroll
     for (int j = 0; j < S; ++j) {
         const int i = t + j * nt;
         if (i >= d) continue;
-        const float v = (hv[j] * inv) * wv[j];
+        const float v = (tern_gemv_normed[i] * inv) * n.w[i];
         tern_gemv_normed[i] = v;
         if (blockIdx.x == 0) n.a[i] = v;
     }
@@ -632,13 +640,16 @@ __device__ __forceinline__ bool tern_gemv_early(const tern_gemv_parts& p) {
     return R == 1 && p.early != 0;
 }
 
-template <int R, int OPW, int OMODE, typename W, int CONV_K = 0>
+template <int R, int OPW, int OMODE, typename W, int CONV_K = 0, bool NORMED = false>
 __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
     int part = 0;
     while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
     const int ks = p.ks, warp = threadIdx.x / 32;
     const int o0 = (((int)blockIdx.x - p.block0[part]) * (TERN_GEMV_WARPS / ks) + warp / ks) * OPW;
-    const TernNormedInput normed{(const float*)p.in_h, (const float*)p.in_w, (float*)p.in_a, p.in_eps, R == 1 && p.in_h != 0};
+    // Only the kernels built for it (NORMED: tern_gemv_*_1_normed) form their input: in the
+    // others the path compiles away, and with it its registers and the shared-memory x (whose
+    // generic loads would replace the global ones).
+    const TernNormedInput normed{(const float*)p.in_h, (const float*)p.in_w, (float*)p.in_a, p.in_eps, NORMED && R == 1 && p.in_h != 0};
     // Unsplit, a warp past the features leaves; split (or ending in the residual norm, or
     // forming its input's norm), it still meets its block's barriers.
     constexpr bool tail = OMODE == TERN_Y_RESIDUAL || OMODE == TERN_Y_ADD_NORM;
@@ -972,6 +983,20 @@ TERN_GEMV_KERNELS(8n, 8, 1, 1)
 // A one-row Q8_0 product of many features (the head), two features a warp (see
 // Q8_PAIRED_MIN_FEATURES in matmul/cuda.rs).
 TERN_GEMV_KERNEL(tern_gemv_q8_1x2, 1, 2, TernWeightsQ8, TERN_Y_PLAIN)
+// One-row gated products whose input is the residual stream's norm, formed in every block
+// (TernNormedInput; Blas::linear_residual_norm_glu), by weight type.
+#define TERN_GEMV_NORMED_KERNEL(name, W, OMODE)                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)       \
+        name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
+        tern_await_prior_kernel_unless(tern_gemv_early<1>(p));                                                    \
+        tern_gemv<1, 1, OMODE, W, 0, true>(p, x, rows, in);                                                       \
+    }
+TERN_GEMV_NORMED_KERNEL(tern_gemv_silu_f32_1_normed, TernWeightsF32, TERN_Y_SILU)
+TERN_GEMV_NORMED_KERNEL(tern_gemv_silu_bf16_1_normed, TernWeightsBf16, TERN_Y_SILU)
+TERN_GEMV_NORMED_KERNEL(tern_gemv_silu_q8_1_normed, TernWeightsQ8, TERN_Y_SILU)
+TERN_GEMV_NORMED_KERNEL(tern_gemv_gelu_f32_1_normed, TernWeightsF32, TERN_Y_GELU)
+TERN_GEMV_NORMED_KERNEL(tern_gemv_gelu_bf16_1_normed, TernWeightsBf16, TERN_Y_GELU)
+TERN_GEMV_NORMED_KERNEL(tern_gemv_gelu_q8_1_normed, TernWeightsQ8, TERN_Y_GELU)
 // One-row plain products whose conv part goes through a conv of width K (Blas::linears_conv;
 // Qwen3.5's is 4), by weight type.
 #define TERN_GEMV_CONV_KERNEL(name, W, K)                                                                        \
