@@ -988,7 +988,7 @@ impl Blas {
         y: &mut CudaSlice<f32>,
     ) -> Result<bool> {
         let d = w.out;
-        if !(self.gemv_normed && self.norm_tail_fits(1, w) && self.gemv_fits(1, gate_up) && output.gated() && d <= NORMED_MAX && gate_up.inp == d && gate_up.out % 2 == 0) {
+        if !self.takes_normed_glu(w, gate_up, output) {
             return Ok(false);
         }
         check_len("linear_residual_norm_glu input", v.len(), w.inp)?;
@@ -1004,6 +1004,17 @@ impl Blas {
         // (The launch's x is not read: its input is the one it forms.)
         self.gemv_with(x, output, 1, &mut [(gate_up, y)], GemvExtras { normed: Some(normed), ..Default::default() })?;
         Ok(true)
+    }
+
+    /// Whether [`Blas::linear_residual_norm_glu`] takes these products (one row).
+    pub fn takes_normed_glu(&self, w: &GpuMatrix, gate_up: &GpuMatrix, output: GemvOutput) -> bool {
+        self.gemv_normed
+            && self.norm_tail_fits(1, w)
+            && self.gemv_fits(1, gate_up)
+            && output.gated()
+            && w.out <= NORMED_MAX
+            && gate_up.inp == w.out
+            && gate_up.out % 2 == 0
     }
 
     /// A pre-norm residual step after a product: `x += V·Wᵀ`, then `a = rms(x)·norm` per row
