@@ -1107,10 +1107,11 @@ impl Ops for CudaOps {
         act: GatedActivation,
     ) -> Result<CudaSlice<f32>> {
         // One row: the gated product's blocks form the norm (Blas::linear_residual_norm_glu).
-        if rows == 1 && w.out == d && gate_up.out == 2 * width && self.blas.takes_normed_glu(w, gate_up, gated_output(act)) {
+        let output = gated_output(act);
+        if rows == 1 && w.out == d && gate_up.out == 2 * width && self.blas.takes_normed_glu(w, gate_up, output) {
             let _timer = self.op_timer("linear_residual_norm_glu (gemv)");
             let mut y = self.gpu.alloc::<f32>(width)?;
-            if self.blas.linear_residual_norm_glu(v, w, x, norm, eps, out, gate_up, gated_output(act), &mut y)? {
+            if self.blas.linear_residual_norm_glu(v, w, x, norm, eps, out, gate_up, output, &mut y)? {
                 return Ok(y);
             }
         }

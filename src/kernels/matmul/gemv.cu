@@ -66,7 +66,7 @@ struct tern_gemv_parts {
     unsigned long long up;
     long long up_ld;
     // One-row kernels only (R = 1): nonzero, each warp issues its first weight loads before it
-    // awaits the prior kernel (TernEarlySteps; tern_await_prior_kernel_unless, launch.cuh).
+    // awaits the prior kernel (W::EARLY_STEPS; tern_await_prior_kernel_unless, launch.cuh).
     int early;
     // One-row kernels only: with in_h set, the product's input is rms(h)·w (h = in_h, w = in_w,
     // epsilon in_eps; `in` values) rather than x, formed by every block (TernNormedInput), and
