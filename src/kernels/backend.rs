@@ -381,6 +381,46 @@ pub trait Ops: Send + Sync + Sized {
         self.linear_residual_norm(v, rows, w, x, norm, d, eps, out)?;
         self.glu(out, rows, gate_up, width, act)
     }
+    /// [`Ops::linear_residual_norm`], then [`Ops::linear`] of its output `out` through `next`
+    /// (a dense FFN's down projection, then the next attention layer's input product); `out`
+    /// is written too. A backend may form the norm inside the second product instead of after
+    /// the first, with the same results.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_residual_norm_linear(
+        &self,
+        (v, rows, w): (&Self::Buf, usize, &Self::Mat),
+        x: &mut Self::Buf,
+        norm: &Self::Vector,
+        d: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+        next: &Self::Mat,
+    ) -> Result<Self::Buf> {
+        self.linear_residual_norm(v, rows, w, x, norm, d, eps, out)?;
+        self.linear(out, rows, next, None)
+    }
+    /// [`Ops::linear_residual_norm`], then [`Ops::linears_conv`] of its output `out` (a dense
+    /// FFN's down projection, then the next gated-delta layer's input projections and conv);
+    /// `out` is written too. A backend may form the norm inside the second products instead of
+    /// after the first, with the same results.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_residual_norm_linears_conv(
+        &self,
+        (v, rows, w): (&Self::Buf, usize, &Self::Mat),
+        x: &mut Self::Buf,
+        norm: &Self::Vector,
+        d: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+        ws: &[&Self::Mat],
+        conv: (&Self::Vector, usize),
+        channels: usize,
+        batch: &Self::Batch,
+        states: &mut [&mut Self::Buf],
+    ) -> Result<Vec<Self::Buf>> {
+        self.linear_residual_norm(v, rows, w, x, norm, d, eps, out)?;
+        self.linears_conv(out, rows, ws, conv, channels, batch, states)
+    }
     /// `silu(g)·u` over `rows × width`, contiguous out.
     fn silu_mul(&self, g: View<Self::Buf>, u: View<Self::Buf>, rows: usize, width: usize) -> Result<Self::Buf>;
     /// Each sequence's last row of `x` (rows of `d`), [sequences][d].

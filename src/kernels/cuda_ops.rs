@@ -1119,6 +1119,57 @@ impl Ops for CudaOps {
         self.glu(out, rows, gate_up, width, act)
     }
 
+    fn linear_residual_norm_linear(
+        &self,
+        (v, rows, w): (&CudaSlice<f32>, usize, &GpuMatrix),
+        x: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        d: usize,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+        next: &GpuMatrix,
+    ) -> Result<CudaSlice<f32>> {
+        // One row: the second product's blocks form the norm (Blas::linear_residual_norm_linear).
+        if rows == 1 && w.out == d && self.blas.takes_normed_linear(w, next) {
+            let _timer = self.op_timer("linear_residual_norm_linear (gemv)");
+            let mut y = self.gpu.alloc::<f32>(next.out)?;
+            if self.blas.linear_residual_norm_linear(v, w, x, norm, eps, out, next, &mut y)? {
+                return Ok(y);
+            }
+        }
+        self.linear_residual_norm(v, rows, w, x, norm, d, eps, out)?;
+        self.linear(out, rows, next, None)
+    }
+
+    fn linear_residual_norm_linears_conv(
+        &self,
+        (v, rows, w): (&CudaSlice<f32>, usize, &GpuMatrix),
+        x: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        d: usize,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+        ws: &[&GpuMatrix],
+        conv: (&CudaSlice<f32>, usize),
+        channels: usize,
+        batch: &CudaBatch,
+        states: &mut [&mut CudaSlice<f32>],
+    ) -> Result<Vec<CudaSlice<f32>>> {
+        // A decode step of one sequence: the input products' blocks form the norm
+        // (Blas::linear_residual_norm_conv), their outputs allocated only where it is taken.
+        let one_token = matches!(self.segments(batch), [s] if s.len == 1) && rows == 1 && states.len() == 1;
+        if one_token && w.out == d && ws.first().is_some_and(|f| f.out == channels) && self.blas.takes_normed_conv(w, ws, conv.1).is_some() {
+            let _timer = self.op_timer("linear_residual_norm_linears_conv (gemv)");
+            let mut ys = ws.iter().map(|w| self.gpu.alloc::<f32>(w.out)).collect::<Result<Vec<_>>>()?;
+            let mut parts: Vec<(&GpuMatrix, &mut CudaSlice<f32>)> = ws.iter().copied().zip(ys.iter_mut()).collect();
+            if self.blas.linear_residual_norm_conv(v, w, x, norm, eps, out, &mut parts, conv, &mut *states[0])? {
+                return Ok(ys);
+            }
+        }
+        self.linear_residual_norm(v, rows, w, x, norm, d, eps, out)?;
+        self.linears_conv(out, rows, ws, conv, channels, batch, states)
+    }
+
     fn silu_mul(&self, g: View<CudaSlice<f32>>, u: View<CudaSlice<f32>>, rows: usize, width: usize) -> Result<CudaSlice<f32>> {
         let _timer = self.op_timer("silu_mul");
         let mut out = self.gpu.alloc::<f32>(rows * width)?;

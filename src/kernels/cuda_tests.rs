@@ -658,10 +658,12 @@ fn cuda_early_gemv_gives_the_plain_bits() {
 
 /// A residual product and the gated product of its normed stream with the norm formed in the
 /// gated product's blocks (`Blas::linear_residual_norm_glu`: no norm tail between the two)
-/// give the bits of `linear_residual_norm` then `glu`: the stream, the normed row (written by
-/// block 0) and the gated output; every stored type (each pair of one type), streams of 1024,
-/// 2048, 768 and 288 values, with and without the early weight loads. A stream wider than the
-/// held norm, or more rows, are left to the caller with nothing queued.
+/// give the bits of `linear_residual_norm` then `glu`, and with a plain product after it
+/// (`Blas::linear_residual_norm_linear`) those of `linear_residual_norm` then `linear`: the
+/// stream, the normed row (written by block 0) and the output; every stored type (each pair of
+/// one type), streams of 1024, 2048, 768 and 288 values, with and without the early weight
+/// loads. A stream wider than the held norm, or more rows, are left to the caller with nothing
+/// queued.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_normed_glu_equals_residual_norm_then_glu() {
@@ -692,7 +694,19 @@ fn cuda_normed_glu_equals_residual_norm_then_glu() {
                     assert!(want[i].iter().all(|v| v.is_finite()), "{what}: {part} written");
                     assert_eq!(got[i], want[i], "{what}: {part}");
                 }
-                eprintln!("{what}: == linear_residual_norm, then glu");
+                // The same matrix as one plain product of 2·width features.
+                let (mut x, mut a, mut y) = (gpu.upload(&x0).unwrap(), nan(&gpu, d), nan(&gpu, 2 * width));
+                assert!(blas.linear_residual_norm(&v, 1, &m, &mut x, &norm, eps, &mut a).unwrap());
+                blas.linear(&a, 1, &gu, &mut y).unwrap();
+                let want: Vec<Vec<f32>> = [&x, &a, &y].iter().map(|b| gpu.download(b).unwrap()).collect();
+                let (mut x, mut a, mut y) = (gpu.upload(&x0).unwrap(), nan(&gpu, d), nan(&gpu, 2 * width));
+                assert!(blas.linear_residual_norm_linear(&v, &m, &mut x, &norm, eps, &mut a, &gu, &mut y).unwrap(), "{what} plain: taken");
+                let got: Vec<Vec<f32>> = [&x, &a, &y].iter().map(|b| gpu.download(b).unwrap()).collect();
+                for (i, part) in ["stream", "normed row", "plain output"].iter().enumerate() {
+                    assert!(want[i].iter().all(|v| v.is_finite()), "{what} plain: {part} written");
+                    assert_eq!(got[i], want[i], "{what} plain: {part}");
+                }
+                eprintln!("{what}: == linear_residual_norm, then glu (and then linear)");
             }
         }
         // Wider than the held norm: left to the caller, the stream untouched.
@@ -703,6 +717,88 @@ fn cuda_normed_glu_equals_residual_norm_then_glu() {
         let (v, norm) = (gpu.upload(&rng.vec(64, -1.0, 1.0)).unwrap(), gpu.upload(&vec![1.0f32; d]).unwrap());
         let (mut x, mut a, mut y) = (gpu.upload(&x0).unwrap(), nan(&gpu, d), nan(&gpu, 16));
         assert!(!blas.linear_residual_norm_glu(&v, &m, &mut x, &norm, eps, &mut a, &gu, GemvOutput::Silu, &mut y).unwrap(), "a stream of {d}");
+        let mut y = nan(&gpu, 32);
+        assert!(!blas.linear_residual_norm_linear(&v, &m, &mut x, &norm, eps, &mut a, &gu, &mut y).unwrap(), "a stream of {d}");
+        assert_eq!(gpu.download(&x).unwrap(), x0, "a refused call leaves the stream as it was");
+    }
+}
+
+/// A residual product and the next gated-delta layer's input products of its normed stream,
+/// the norm formed in their blocks (`Blas::linear_residual_norm_conv`: no norm tail between the
+/// two), give the bits of `linear_residual_norm` then `linears_conv`: the stream, the normed row
+/// (written by block 0), every product, the convolved channels and the conv history, over three
+/// steps; every stored type, conv widths 2, 3 and 4, streams of 1024, 768 and 288 values, with
+/// and without the early weight loads. Products of mixed types, or a stream wider than the held
+/// norm, are left to the caller with nothing queued.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_normed_conv_equals_residual_norm_then_linears_conv() {
+    use crate::kernels::matmul::cuda::NORMED_MAX;
+    let gpu = gpu();
+    let mut rng = rng("cuda_normed_conv_equals_residual_norm_then_linears_conv");
+    let eps = 1e-6f32;
+    for early in [false, true] {
+        let blas = Blas::new(gpu.clone(), false).unwrap().with_gemv_early(early).with_gemv_normed(true);
+        // (stream d, the residual product's input, conv channels, conv width)
+        for &(d, in_f, channels, kernel) in &[(1024usize, 3584usize, 768usize, 4usize), (768, 256, 96, 3), (288, 1056, 40, 2)] {
+            let widths = [channels, 64, 16, 16];
+            let w_forms = StoredForms::new(rng.vec(d * in_f, -0.1, 0.1), in_f);
+            let p_forms: Vec<StoredForms> = widths.iter().map(|&o| StoredForms::new(rng.vec(o * d, -0.1, 0.1), d)).collect();
+            let conv_w = gpu.upload(&rng.vec(channels * kernel, -0.5, 0.5)).unwrap();
+            let (x0, norm) = (rng.vec(d, -2.0, 2.0), gpu.upload(&rng.vec(d, 0.5, 1.5)).unwrap());
+            let hist0 = rng.vec(channels * (kernel - 1), -1.0, 1.0);
+            let kinds = w_forms.all().len().min(p_forms[0].all().len());
+            for kind in 0..kinds {
+                let (name, sw) = w_forms.all()[kind];
+                let m = blas.matrix(&sw, d, in_f).unwrap();
+                let ms: Vec<_> = p_forms.iter().zip(widths).map(|(f, o)| blas.matrix(&f.all()[kind].1, o, d).unwrap()).collect();
+                let what = format!("normed conv {name} d {d} in {in_f} channels {channels} width {kernel} early {early}");
+                let (mut x_two, mut x_one) = (gpu.upload(&x0).unwrap(), gpu.upload(&x0).unwrap());
+                let (mut h_two, mut h_one) = (gpu.upload(&hist0).unwrap(), gpu.upload(&hist0).unwrap());
+                for step in 0..3 {
+                    let v = gpu.upload(&rng.vec(in_f, -1.0, 1.0)).unwrap();
+                    // Composed: the residual product ending in the norm, then the conv products.
+                    let (mut a, mut ys) = (nan(&gpu, d), widths.iter().map(|&o| nan(&gpu, o)).collect::<Vec<_>>());
+                    assert!(blas.linear_residual_norm(&v, 1, &m, &mut x_two, &norm, eps, &mut a).unwrap());
+                    let mut parts: Vec<_> = ms.iter().zip(ys.iter_mut()).collect();
+                    assert!(blas.linears_conv(&a, 1, &mut parts, (&conv_w, kernel), &mut h_two).unwrap());
+                    let mut want = vec![gpu.download(&x_two).unwrap(), gpu.download(&a).unwrap(), gpu.download(&h_two).unwrap()];
+                    want.extend(ys.iter().map(|y| gpu.download(y).unwrap()));
+                    // The norm formed in the conv products' blocks.
+                    let (mut a, mut zs) = (nan(&gpu, d), widths.iter().map(|&o| nan(&gpu, o)).collect::<Vec<_>>());
+                    let mut parts: Vec<_> = ms.iter().zip(zs.iter_mut()).collect();
+                    let taken = blas.linear_residual_norm_conv(&v, &m, &mut x_one, &norm, eps, &mut a, &mut parts, (&conv_w, kernel), &mut h_one).unwrap();
+                    assert!(taken, "{what}: taken");
+                    let mut got = vec![gpu.download(&x_one).unwrap(), gpu.download(&a).unwrap(), gpu.download(&h_one).unwrap()];
+                    got.extend(zs.iter().map(|y| gpu.download(y).unwrap()));
+                    for (i, part) in ["stream", "normed row", "conv history", "convolved channels", "part 1", "part 2", "part 3"].iter().enumerate() {
+                        assert!(want[i].iter().all(|v| v.is_finite()), "{what} step {step}: {part} written");
+                        assert_eq!(got[i], want[i], "{what} step {step}: {part}");
+                    }
+                }
+                eprintln!("{what}: == linear_residual_norm, then linears_conv (3 steps)");
+            }
+        }
+        // Products of two weight types (not one launch), and a stream wider than the held norm:
+        // left to the caller, the stream untouched.
+        let (d, in_f) = (256usize, 64usize);
+        let m = blas.matrix(&Weights::F32(&rng.vec(d * in_f, -0.1, 0.1)), d, in_f).unwrap();
+        let bf: Vec<u16> = rng.vec(16 * d, -0.1, 0.1).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let (p0, p1) = (blas.matrix(&Weights::F32(&rng.vec(32 * d, -0.1, 0.1)), 32, d).unwrap(), blas.matrix(&Weights::Bf16(&bf), 16, d).unwrap());
+        let (conv_w, mut hist) = (gpu.upload(&rng.vec(32 * 4, -0.5, 0.5)).unwrap(), gpu.upload(&rng.vec(32 * 3, -1.0, 1.0)).unwrap());
+        let x0 = rng.vec(d, -2.0, 2.0);
+        let (v, norm) = (gpu.upload(&rng.vec(in_f, -1.0, 1.0)).unwrap(), gpu.upload(&vec![1.0f32; d]).unwrap());
+        let (mut x, mut a, mut y0, mut y1) = (gpu.upload(&x0).unwrap(), nan(&gpu, d), nan(&gpu, 32), nan(&gpu, 16));
+        let taken = blas.linear_residual_norm_conv(&v, &m, &mut x, &norm, eps, &mut a, &mut [(&p0, &mut y0), (&p1, &mut y1)], (&conv_w, 4), &mut hist).unwrap();
+        assert!(!taken, "products of two weight types");
+        assert_eq!(gpu.download(&x).unwrap(), x0, "a refused call leaves the stream as it was");
+        let d = NORMED_MAX + 32;
+        let m = blas.matrix(&Weights::F32(&rng.vec(d * in_f, -0.1, 0.1)), d, in_f).unwrap();
+        let p0 = blas.matrix(&Weights::F32(&rng.vec(32 * d, -0.1, 0.1)), 32, d).unwrap();
+        let x0 = rng.vec(d, -2.0, 2.0);
+        let (mut x, mut a, norm) = (gpu.upload(&x0).unwrap(), nan(&gpu, d), gpu.upload(&vec![1.0f32; d]).unwrap());
+        let taken = blas.linear_residual_norm_conv(&v, &m, &mut x, &norm, eps, &mut a, &mut [(&p0, &mut y0)], (&conv_w, 4), &mut hist).unwrap();
+        assert!(!taken, "a stream of {d}");
         assert_eq!(gpu.download(&x).unwrap(), x0, "a refused call leaves the stream as it was");
     }
 }

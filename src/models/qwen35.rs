@@ -429,6 +429,16 @@ enum Ffn<O: Ops> {
     Moe { router: O::Mat, experts: O::Experts, top_k: usize },
 }
 
+/// A layer's input: the residual stream `x` and its norm `a = rms(x)·norm`, which the layer
+/// before left either formed (`pending` None) or, with `pending`, the previous FFN's gated
+/// output and down projection whose residual step `x += act·downᵀ` and norm remain to run.
+struct Residual<'r, O: Ops> {
+    x: &'r mut O::Buf,
+    a: &'r mut O::Buf,
+    norm: &'r O::Vector,
+    pending: Option<(O::Buf, &'r O::Mat)>,
+}
+
 /// Per-sequence state: conv and recurrent state of each linear layer, KV cache of each full
 /// one, on the model's backend.
 pub struct Qwen35State<O: Ops = CpuOps> {
@@ -752,7 +762,11 @@ impl<O: Ops> Qwen35<O> {
         let first_norm = self.layers.first().map_or(&self.final_norm, |l| &l.input_norm);
         let mut a = ops.rms_norm(&x, h, Some(first_norm), 1.0, c.eps)?;
         let (mut lin_i, mut full_i) = (0, 0);
+        // A dense FFN's gated output and its down projection, left to the layer after it: that
+        // layer's input products run with the residual step and its norm.
+        let mut pending: Option<(O::Buf, &O::Mat)> = None;
         for (i, layer) in self.layers.iter().enumerate() {
+            let mut residual = Residual { x: &mut x, a: &mut a, norm: &layer.input_norm, pending: pending.take() };
             // The mixer's output before its projection, and that projection.
             let (mixed, out) = match &layer.mixer {
                 Mixer::Linear(m) => {
@@ -764,18 +778,20 @@ impl<O: Ops> Qwen35<O> {
                         })
                         .unzip();
                     lin_i += 1;
-                    (self.linear_attention(m, &a, n, b, &mut convs, &mut recs)?, &m.out)
+                    (self.linear_attention(m, &mut residual, n, b, &mut convs, &mut recs)?, &m.out)
                 }
                 Mixer::Full(m) => {
                     let mut caches: Vec<&mut O::Kv> = batch.iter_mut().map(|(_, s)| &mut s.kv[full_i]).collect();
                     full_i += 1;
-                    (self.full_attention(m, &a, n, b, &mut caches)?, &m.o)
+                    (self.full_attention(m, &mut residual, n, b, &mut caches)?, &m.o)
                 }
             };
-            // The next layer's pre-norm, or after the last layer the final norm.
+            // The next layer's pre-norm, or after the last layer the final norm; a next layer
+            // takes the FFN's down projection with its input products.
             let next = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
-            self.residual_ffn(layer, (&mixed, out), &mut a, n, &mut x, next)?;
+            pending = self.residual_ffn(layer, (&mixed, out), &mut a, n, &mut x, next, i + 1 < self.layers.len())?;
         }
+        // (The last layer leaves nothing pending: no layer follows it.)
         // A decode step's rows are already each sequence's last (one row a sequence): no copy.
         if ops.segments(b).iter().all(|s| s.len == 1) {
             return ops.linear(&a, batch.len(), &self.head, None);
@@ -787,21 +803,36 @@ impl<O: Ops> Qwen35<O> {
     /// A layer's mixer output projection and the residual step after it, `x += out(mixed)`
     /// and `a = rms(x)·post_norm`, then its FFN and the residual step after that: `x +=
     /// ffn(a)`, then `a = rms(x)·next`. The dense FFN's gated product forms its input's norm
-    /// itself and its down projection ends in the next norm (fused for a decode step).
-    fn residual_ffn(&self, layer: &Layer<O>, (mixed, out): (&O::Buf, &O::Mat), a: &mut O::Buf, n: usize, x: &mut O::Buf, next: &O::Vector) -> Result<()> {
+    /// itself (fused for a decode step); its down projection ends in the next norm, or where
+    /// `leave_down` (the next layer's input products take it) is returned with its input.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_ffn<'m>(
+        &'m self,
+        layer: &'m Layer<O>,
+        (mixed, out): (&O::Buf, &O::Mat),
+        a: &mut O::Buf,
+        n: usize,
+        x: &mut O::Buf,
+        next: &O::Vector,
+        leave_down: bool,
+    ) -> Result<Option<(O::Buf, &'m O::Mat)>> {
         let (c, ops) = (&self.cfg, &self.ops);
         let h = c.hidden;
         match &layer.ffn {
             Ffn::Dense(m) => {
                 let act = ops.linear_residual_norm_glu(mixed, n, out, x, &layer.post_norm, h, c.eps, a, &m.gate_up, m.width, GatedActivation::Silu)?;
-                ops.linear_residual_norm(&act, n, &m.down, x, next, h, c.eps, a)
+                if leave_down {
+                    return Ok(Some((act, &m.down)));
+                }
+                ops.linear_residual_norm(&act, n, &m.down, x, next, h, c.eps, a)?;
             }
             Ffn::Moe { router, experts, top_k } => {
                 ops.linear_residual_norm(mixed, n, out, x, &layer.post_norm, h, c.eps, a)?;
                 let logits = ops.linear(a, n, router, None)?;
-                ops.moe_residual_norm(a, h, &logits, experts, *top_k, x, next, c.eps)
+                ops.moe_residual_norm(a, h, &logits, experts, *top_k, x, next, c.eps)?;
             }
         }
+        Ok(None)
     }
 
     /// The gated delta rule of the packed rows, each sequence on its own conv and recurrent
@@ -810,7 +841,7 @@ impl<O: Ops> Qwen35<O> {
     fn linear_attention(
         &self,
         m: &LinearAttention<O>,
-        a: &O::Buf,
+        input: &mut Residual<'_, O>,
         n: usize,
         b: &O::Batch,
         conv_states: &mut [&mut O::Buf],
@@ -819,8 +850,12 @@ impl<O: Ops> Qwen35<O> {
         let (c, ops) = (&self.cfg, &self.ops);
         let (kd, vd) = (c.lin_k_heads * c.lin_k_dim, c.lin_v_heads * c.lin_v_dim);
         let conv_dim = 2 * kd + vd;
-        let [qkv, z, beta_in, alpha]: [O::Buf; 4] = ops
-            .linears_conv(a, n, &[&m.in_qkv, &m.in_z, &m.in_b, &m.in_a], (&m.conv, c.conv_kernel), conv_dim, b, conv_states)?
+        let (ws, conv) = ([&m.in_qkv, &m.in_z, &m.in_b, &m.in_a], (&m.conv, c.conv_kernel));
+        let projections = match input.pending.take() {
+            Some((act, down)) => ops.linear_residual_norm_linears_conv((&act, n, down), input.x, input.norm, c.hidden, c.eps, input.a, &ws, conv, conv_dim, b, conv_states)?,
+            None => ops.linears_conv(input.a, n, &ws, conv, conv_dim, b, conv_states)?,
+        };
+        let [qkv, z, beta_in, alpha]: [O::Buf; 4] = projections
             .try_into()
             .map_err(|_| Error::Shape("linear attention: four input projections expected".into()))?;
         let heads = DeltaRuleHeads {
@@ -836,12 +871,15 @@ impl<O: Ops> Qwen35<O> {
 
     /// Gated attention for the packed rows of every sequence, each attending to its own cache:
     /// the output before the o projection (which `step` fuses with the residual step).
-    fn full_attention(&self, m: &FullAttention<O>, a: &O::Buf, n: usize, b: &O::Batch, caches: &mut [&mut O::Kv]) -> Result<O::Buf> {
+    fn full_attention(&self, m: &FullAttention<O>, input: &mut Residual<'_, O>, n: usize, b: &O::Batch, caches: &mut [&mut O::Kv]) -> Result<O::Buf> {
         let (c, ops) = (&self.cfg, &self.ops);
         let hd = c.head_dim;
         let (qw, kw) = (c.q_heads * hd, c.kv_heads * hd);
         let stride = 2 * qw + 2 * kw;
-        let mut y = ops.linear(a, n, &m.qgkv, None)?;
+        let mut y = match input.pending.take() {
+            Some((act, down)) => ops.linear_residual_norm_linear((&act, n, down), input.x, input.norm, c.hidden, c.eps, input.a, &m.qgkv)?,
+            None => ops.linear(input.a, n, &m.qgkv, None)?,
+        };
         let q_prep = HeadOps::<O> { heads: c.q_heads, hd, norm: Some(Some(&m.q_norm)), eps: c.eps, rope: Some(&self.rope) };
         let k_prep = HeadOps { heads: c.kv_heads, norm: Some(Some(&m.k_norm)), ..q_prep };
         ops.head_prep(&mut y, stride, b, &[(0, q_prep), (2 * qw, k_prep)])?;

@@ -364,18 +364,17 @@ pub struct Blas {
     /// measure the two on the same run. The same bits either way. H100, Qwen3.5-0.8B bf16
     /// decode: 896 -> 923 tok/s (BENCHMARKS.md, 2026-12-05).
     gemv_early: bool,
-    /// Whether [`Blas::linear_residual_norm_glu`] forms the norm in the gated product's blocks
-    /// (TERN_GEMV_NORMED=1) or declines, so that the caller runs the product ending in the
-    /// norm, then the gated product (the default). The same bits either way. Opt-in until the
-    /// build with its own kernels is timed: the first build, in which every one-row GEMV carried
-    /// the normed path's registers (70 instead of 32) and generic loads of x, measured it
-    /// 1.7-2.9% faster than the tail in the model and 0.7-1% on the chain, but that whole build
-    /// ran ~10% slower (BENCHMARKS.md, 2026-12-05, calls 7-9).
+    /// Whether [`Blas::linear_residual_norm_glu`] and [`Blas::linear_residual_norm_conv`] form
+    /// the norm in the next product's blocks (the default) or decline, so that the caller runs
+    /// the product ending in the norm, then the next one (TERN_GEMV_NORMED=0, to measure the
+    /// two on the same run). The same bits either way. H100, Qwen3.5-0.8B bf16 decode, the
+    /// gated products forming theirs: 927.6 -> 948.1 tok/s (BENCHMARKS.md, 2026-12-05).
     gemv_normed: bool,
-    /// `tern_gemv_{silu,gelu}_{f32,bf16,q8}_1_normed`: the one-row gated products that form
-    /// their input's norm ([`Blas::linear_residual_norm_glu`]), kernels of their own so that
-    /// the others keep their registers and global loads: [silu, gelu][weight type].
-    normed_kernels: [[CudaFunction; 3]; 2],
+    /// `tern_gemv_{,silu_,gelu_}{f32,bf16,q8}_1_normed`: the one-row products that form their
+    /// input's norm ([`Blas::linear_residual_norm_linear`], [`Blas::linear_residual_norm_glu`]),
+    /// kernels of their own so that the others keep their registers and global loads: [plain,
+    /// silu, gelu][weight type].
+    normed_kernels: [[CudaFunction; 3]; 3],
     /// Whether one-row Q8_0 products of many features take [`Blas::q8_paired_kernel`];
     /// TERN_GEMV_Q8_PAIRED=0 turns it off, to measure the two forms on the same run.
     q8_paired: bool,
@@ -384,6 +383,9 @@ pub struct Blas {
     /// `tern_gemv_conv_{f32,bf16,q8}_1_k{K}`: one-row plain products with a conv part
     /// ([`Blas::linears_conv`]), by conv width ([`CONV_KERNEL_WIDTHS`]) and weight type.
     conv_kernels: Vec<[CudaFunction; 3]>,
+    /// `tern_gemv_conv_{f32,bf16,q8}_1_k{K}_normed`: the same forming their input's norm
+    /// ([`Blas::linear_residual_norm_conv`]).
+    conv_normed_kernels: Vec<[CudaFunction; 3]>,
     /// Whether fast mode's products of several rows with bf16 weights take the tensor-core
     /// GEMV ([`Blas::gemv_mma_fits`]); TERN_GEMV_MMA=0 turns it off, to measure the two forms
     /// on the same run.
@@ -428,6 +430,11 @@ pub struct Blas {
     expand_q8_bf16_many: CudaFunction,
 }
 
+/// The matrices of a launch's parts.
+fn matrices<'m>(parts: &[(&'m GpuMatrix, &mut CudaSlice<f32>)]) -> Vec<&'m GpuMatrix> {
+    parts.iter().map(|(w, _)| *w).collect()
+}
+
 fn blas_err(what: &str) -> impl FnOnce(cudarc::cublas::result::CublasError) -> Error + '_ {
     move |e| Error::Cuda(format!("{what}: {e:?}"))
 }
@@ -457,8 +464,9 @@ impl Blas {
             gemv_split: std::env::var("TERN_GEMV_SPLIT").map_or(true, |v| v != "0"),
             q8_paired: std::env::var("TERN_GEMV_Q8_PAIRED").map_or(true, |v| v != "0"),
             gemv_early: gpu.dependent_launch() && std::env::var("TERN_GEMV_EARLY").map_or(true, |v| v != "0"),
-            gemv_normed: std::env::var("TERN_GEMV_NORMED").is_ok_and(|v| v == "1"),
+            gemv_normed: std::env::var("TERN_GEMV_NORMED").map_or(true, |v| v != "0"),
             normed_kernels: [
+                [f("tern_gemv_f32_1_normed")?, f("tern_gemv_bf16_1_normed")?, f("tern_gemv_q8_1_normed")?],
                 [f("tern_gemv_silu_f32_1_normed")?, f("tern_gemv_silu_bf16_1_normed")?, f("tern_gemv_silu_q8_1_normed")?],
                 [f("tern_gemv_gelu_f32_1_normed")?, f("tern_gemv_gelu_bf16_1_normed")?, f("tern_gemv_gelu_q8_1_normed")?],
             ],
@@ -466,6 +474,13 @@ impl Blas {
             conv_kernels: CONV_KERNEL_WIDTHS
                 .iter()
                 .map(|k| Ok([f(&format!("tern_gemv_conv_f32_1_k{k}"))?, f(&format!("tern_gemv_conv_bf16_1_k{k}"))?, f(&format!("tern_gemv_conv_q8_1_k{k}"))?]))
+                .collect::<Result<_>>()?,
+            conv_normed_kernels: CONV_KERNEL_WIDTHS
+                .iter()
+                .map(|k| {
+                    let name = |kind: &str| format!("tern_gemv_conv_{kind}_1_k{k}_normed");
+                    Ok([f(&name("f32"))?, f(&name("bf16"))?, f(&name("q8"))?])
+                })
                 .collect::<Result<_>>()?,
             gemv_mma: std::env::var("TERN_GEMV_MMA").map_or(true, |v| v != "0"),
             gemv_mma_q8: std::env::var("TERN_GEMV_MMA_Q8").map_or(true, |v| v != "0"),
@@ -859,7 +874,7 @@ impl Blas {
     /// one GEMV launch when they fit it (few rows, at most [`GEMV_PARTS`] matrices of one
     /// stored type), else one [`Blas::linear`] each. CPU twin: [`super::linear_w`] per matrix.
     pub fn linears(&self, x: &CudaSlice<f32>, rows: usize, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)]) -> Result<()> {
-        if self.one_gemv(rows, parts) {
+        if self.one_gemv(rows, &matrices(parts)) {
             check_len("linears input", x.len(), rows * parts[0].0.inp)?;
             for (w, y) in parts.iter() {
                 check_len("linears output", y.len(), rows * w.out)?;
@@ -874,10 +889,10 @@ impl Blas {
 
     /// Whether products of `rows` rows through `parts` run as one GEMV launch: at most
     /// [`GEMV_PARTS`] of them, each taking the GEMV, all of one stored type and input width.
-    fn one_gemv(&self, rows: usize, parts: &[(&GpuMatrix, &mut CudaSlice<f32>)]) -> bool {
-        let Some((first, _)) = parts.first() else { return false };
-        parts.len() <= GEMV_PARTS
-            && parts.iter().all(|(w, _)| self.gemv_fits(rows, w) && std::mem::discriminant(&w.w) == std::mem::discriminant(&first.w) && w.inp == first.inp)
+    fn one_gemv(&self, rows: usize, ws: &[&GpuMatrix]) -> bool {
+        let Some(first) = ws.first() else { return false };
+        ws.len() <= GEMV_PARTS
+            && ws.iter().all(|w| self.gemv_fits(rows, w) && std::mem::discriminant(&w.w) == std::mem::discriminant(&first.w) && w.inp == first.inp)
     }
 
     /// A gated-delta layer's input projections of one row (a decode step of one sequence) in
@@ -893,15 +908,35 @@ impl Blas {
         x: &CudaSlice<f32>,
         rows: usize,
         parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)],
-        (weight, kernel): (&CudaSlice<f32>, usize),
+        conv: (&CudaSlice<f32>, usize),
         history: &mut CudaSlice<f32>,
     ) -> Result<bool> {
-        let one_launch = rows == 1 && self.one_gemv(rows, parts);
-        let Some(width_at) = CONV_KERNEL_WIDTHS.iter().position(|&k| k == kernel).filter(|_| one_launch) else {
+        let Some(width_at) = self.conv_launch(rows, &matrices(parts), conv.1) else {
             return Ok(false);
         };
-        let channels = parts[0].0.out;
         check_len("linears_conv input", x.len(), parts[0].0.inp)?;
+        self.linears_conv_launch(x, parts, conv, width_at, history, None)?;
+        Ok(true)
+    }
+
+    /// Where products of `rows` rows through `parts` with a conv of width `kernel` on the first
+    /// take one launch ([`Blas::linears_conv`]): the conv kernels' index of the width.
+    fn conv_launch(&self, rows: usize, ws: &[&GpuMatrix], kernel: usize) -> Option<usize> {
+        CONV_KERNEL_WIDTHS.iter().position(|&k| k == kernel).filter(|_| rows == 1 && self.one_gemv(rows, ws))
+    }
+
+    /// Queues [`Blas::linears_conv`]'s launch (its input checked by the caller), its input the
+    /// norm it forms where `normed` is given.
+    fn linears_conv_launch(
+        &self,
+        x: &CudaSlice<f32>,
+        parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)],
+        (weight, kernel): (&CudaSlice<f32>, usize),
+        width_at: usize,
+        history: &mut CudaSlice<f32>,
+        normed: Option<NormedIn>,
+    ) -> Result<()> {
+        let channels = parts[0].0.out;
         for (w, y) in parts.iter() {
             check_len("linears_conv output", y.len(), w.out)?;
         }
@@ -909,8 +944,62 @@ impl Blas {
         check_len("linears_conv conv history", history.len(), channels * (kernel - 1))?;
         let g = &self.gpu;
         let conv = ConvTail { w: g.ptr(weight), at: g.ptr(&*history), part: 1 };
-        self.gemv_with(x, GemvOutput::Plain, rows, parts, GemvExtras { conv: Some((conv, width_at)), ..Default::default() })?;
+        self.gemv_with(x, GemvOutput::Plain, 1, parts, GemvExtras { conv: Some((conv, width_at)), normed, ..Default::default() })
+    }
+
+    /// [`Blas::linear_residual_norm`] of one row, then [`Blas::linears_conv`] of its `a`, in two
+    /// launches with no norm tail between them (a dense FFN's down projection, then the next
+    /// gated-delta layer's input projections): every block of the second forms `a` itself, as
+    /// [`Blas::linear_residual_norm_glu`]'s gated product does (the same bits), block 0 also
+    /// writing it. `Ok(false)`, nothing queued, where it is off ([`Blas::gemv_normed`]) or does
+    /// not apply: the conv products not one launch, a stream of more than [`NORMED_MAX`] values.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_residual_norm_conv(
+        &self,
+        v: &CudaSlice<f32>,
+        w: &GpuMatrix,
+        x: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        a: &mut CudaSlice<f32>,
+        parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)],
+        conv: (&CudaSlice<f32>, usize),
+        history: &mut CudaSlice<f32>,
+    ) -> Result<bool> {
+        let Some(width_at) = self.takes_normed_conv(w, &matrices(parts), conv.1) else {
+            return Ok(false);
+        };
+        let normed = self.residual_leaving_norm(v, w, x, norm, eps, a)?;
+        self.linears_conv_launch(x, parts, conv, width_at, history, Some(normed))?;
         Ok(true)
+    }
+
+    /// Where [`Blas::linear_residual_norm_conv`] takes these products: the conv kernels' index
+    /// of the width.
+    pub fn takes_normed_conv(&self, w: &GpuMatrix, ws: &[&GpuMatrix], kernel: usize) -> Option<usize> {
+        let fits = self.takes_normed_input(w) && ws.first().is_some_and(|m| m.inp == w.out);
+        self.conv_launch(1, ws, kernel).filter(|_| fits)
+    }
+
+    /// Whether a one-row residual product through `w` may leave its norm to the product after
+    /// it (the normed kernels; [`Blas::gemv_normed`]).
+    fn takes_normed_input(&self, w: &GpuMatrix) -> bool {
+        self.gemv_normed && self.norm_tail_fits(1, w) && w.out <= NORMED_MAX
+    }
+
+    /// The first launch of the normed forms: `x += v·wᵀ` with no norm tail (checked lengths),
+    /// and the operands with which the next launch forms `a = rms(x)·norm` and writes it.
+    fn residual_leaving_norm(&self, v: &CudaSlice<f32>, w: &GpuMatrix, x: &mut CudaSlice<f32>, norm: &CudaSlice<f32>, eps: f32, a: &CudaSlice<f32>) -> Result<NormedIn> {
+        let d = w.out;
+        check_len("normed input's residual product input", v.len(), w.inp)?;
+        check_len("normed input's residual", x.len(), d)?;
+        check_len("normed input's norm weight", norm.len(), d)?;
+        check_len("normed input's normed row", a.len(), d)?;
+        let g = &self.gpu;
+        // The residual product with no norm (norm_out 0: the kernel skips its tail).
+        let tail = NormTail { norm_w: g.ptr(norm), norm_out: 0, counter: g.ptr(&self.residual_counter), eps, stream: 0, next_w: 0, post: 1.0 };
+        self.gemv_with(v, GemvOutput::Residual, 1, &mut [(w, &mut *x)], GemvExtras { tail: Some(tail), ..Default::default() })?;
+        Ok(NormedIn { h: g.ptr(&*x), w: g.ptr(norm), a: g.ptr(a), eps })
     }
 
     /// `y = gelu_tanh(x·Wᵀ) · up` over `rows` rows, `up` row r at `up.offset + r·up.stride` of
@@ -971,8 +1060,8 @@ impl Blas {
     /// and every block of the gated product forms `a = rms(x)·norm` itself, as the tail would
     /// (the same slots, sums and order: the same bits), block 0 also writing `a`. The tail's
     /// last block no longer holds up the launch after it (~2 µs a product on an H100,
-    /// BENCHMARKS.md 2026-12-05). `Ok(false)`, nothing queued, where it is off (opt-in,
-    /// TERN_GEMV_NORMED=1: [`Blas::gemv_normed`]) or does not apply: more rows, a stream of
+    /// BENCHMARKS.md 2026-12-05). `Ok(false)`, nothing queued, where it is off
+    /// (TERN_GEMV_NORMED=0: [`Blas::gemv_normed`]) or does not apply: more rows, a stream of
     /// more than [`NORMED_MAX`] values, products that do not take the GEMV.
     #[allow(clippy::too_many_arguments)]
     pub fn linear_residual_norm_glu(
@@ -987,32 +1076,57 @@ impl Blas {
         output: GemvOutput,
         y: &mut CudaSlice<f32>,
     ) -> Result<bool> {
-        let d = w.out;
         if !self.takes_normed_glu(w, gate_up, output) {
             return Ok(false);
         }
-        check_len("linear_residual_norm_glu input", v.len(), w.inp)?;
-        check_len("linear_residual_norm_glu residual", x.len(), d)?;
-        check_len("linear_residual_norm_glu weight", norm.len(), d)?;
-        check_len("linear_residual_norm_glu normed", a.len(), d)?;
         check_len("linear_residual_norm_glu output", y.len(), gate_up.out / 2)?;
-        let g = &self.gpu;
-        // The residual product with no norm (norm_out 0: the kernel skips its tail).
-        let tail = NormTail { norm_w: g.ptr(norm), norm_out: 0, counter: g.ptr(&self.residual_counter), eps, stream: 0, next_w: 0, post: 1.0 };
-        self.gemv_with(v, GemvOutput::Residual, 1, &mut [(w, &mut *x)], GemvExtras { tail: Some(tail), ..Default::default() })?;
-        let normed = NormedIn { h: g.ptr(&*x), w: g.ptr(norm), a: g.ptr(&*a), eps };
+        let normed = self.residual_leaving_norm(v, w, x, norm, eps, a)?;
         // (The launch's x is not read: its input is the one it forms.)
         self.gemv_with(x, output, 1, &mut [(gate_up, y)], GemvExtras { normed: Some(normed), ..Default::default() })?;
         Ok(true)
     }
 
+    /// [`Blas::linear_residual_norm`] of one row, then [`Blas::linear`] of its `a` (a dense
+    /// FFN's down projection, then the next attention layer's q|gate|k|v product), in two
+    /// launches with no norm tail between them, the second forming `a` in its blocks as
+    /// [`Blas::linear_residual_norm_glu`]'s gated product does (the same bits), block 0 also
+    /// writing it. `Ok(false)`, nothing queued, where it is off ([`Blas::gemv_normed`]) or does
+    /// not apply ([`Blas::takes_normed_linear`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_residual_norm_linear(
+        &self,
+        v: &CudaSlice<f32>,
+        w: &GpuMatrix,
+        x: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        a: &mut CudaSlice<f32>,
+        next: &GpuMatrix,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<bool> {
+        if !self.takes_normed_linear(w, next) {
+            return Ok(false);
+        }
+        check_len("linear_residual_norm_linear output", y.len(), next.out)?;
+        let normed = self.residual_leaving_norm(v, w, x, norm, eps, a)?;
+        // (The launch's x is not read: its input is the one it forms.)
+        self.gemv_with(x, GemvOutput::Plain, 1, &mut [(next, y)], GemvExtras { normed: Some(normed), ..Default::default() })?;
+        Ok(true)
+    }
+
+    /// Whether [`Blas::linear_residual_norm_linear`] takes these products: not a product that
+    /// takes the paired Q8_0 kernel (a vocabulary head: its many blocks would each form the
+    /// norm for one tail's worth of time).
+    pub fn takes_normed_linear(&self, w: &GpuMatrix, next: &GpuMatrix) -> bool {
+        let paired = self.q8_paired && next.out >= Q8_PAIRED_MIN_FEATURES && matches!(next.w, GpuWeights::Q8 { .. });
+        self.takes_normed_input(w) && self.gemv_fits(1, next) && next.inp == w.out && !paired
+    }
+
     /// Whether [`Blas::linear_residual_norm_glu`] takes these products (one row).
     pub fn takes_normed_glu(&self, w: &GpuMatrix, gate_up: &GpuMatrix, output: GemvOutput) -> bool {
-        self.gemv_normed
-            && self.norm_tail_fits(1, w)
+        self.takes_normed_input(w)
             && self.gemv_fits(1, gate_up)
             && output.gated()
-            && w.out <= NORMED_MAX
             && gate_up.inp == w.out
             && gate_up.out % 2 == 0
     }
@@ -1094,8 +1208,9 @@ impl Blas {
     /// [`Blas::gemv`], with what [`GemvExtras`] adds.
     fn gemv_with(&self, x: &CudaSlice<f32>, output: GemvOutput, rows: usize, parts: &mut [(&GpuMatrix, &mut CudaSlice<f32>)], extras: GemvExtras) -> Result<()> {
         let GemvExtras { tail, conv, normed } = extras;
-        if normed.is_some() && !(rows == 1 && output.gated() && parts.len() == 1) {
-            return Err(Error::Shape("gemv: a normed input takes one row of one gated product".into()));
+        let one_product = parts.len() == 1 && (output == GemvOutput::Plain || output.gated());
+        if normed.is_some() && !(rows == 1 && (one_product || (output == GemvOutput::Plain && conv.is_some()))) {
+            return Err(Error::Shape("gemv: a normed input takes one row of one plain or gated product, or of products with a conv part".into()));
         }
         let tailed = matches!(output, GemvOutput::Residual | GemvOutput::AddNorm);
         if tailed != (tail.is_some() && parts.len() == 1) {
@@ -1135,10 +1250,10 @@ impl Blas {
         let xp = g.ptr(x);
         let kernel = if paired {
             &self.q8_paired_kernel
-        } else if normed.is_some() {
-            &self.normed_kernels[(output == GemvOutput::GeluTanh) as usize][first.kind()]
         } else if let Some((_, width_at)) = conv {
-            &self.conv_kernels[width_at][first.kind()]
+            &(if normed.is_some() { &self.conv_normed_kernels } else { &self.conv_kernels })[width_at][first.kind()]
+        } else if normed.is_some() {
+            &self.normed_kernels[output.index()][first.kind()]
         } else {
             self.gemv.get(output, first, rows, narrow)
         };

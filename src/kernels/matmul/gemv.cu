@@ -983,14 +983,17 @@ TERN_GEMV_KERNELS(8n, 8, 1, 1)
 // A one-row Q8_0 product of many features (the head), two features a warp (see
 // Q8_PAIRED_MIN_FEATURES in matmul/cuda.rs).
 TERN_GEMV_KERNEL(tern_gemv_q8_1x2, 1, 2, TernWeightsQ8, TERN_Y_PLAIN)
-// One-row gated products whose input is the residual stream's norm, formed in every block
-// (TernNormedInput; Blas::linear_residual_norm_glu), by weight type.
+// One-row plain and gated products whose input is the residual stream's norm, formed in every
+// block (TernNormedInput; Blas::linear_residual_norm_linear and _glu), by weight type.
 #define TERN_GEMV_NORMED_KERNEL(name, W, OMODE)                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)       \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
         tern_await_prior_kernel_unless(tern_gemv_early<1>(p));                                                    \
         tern_gemv<1, 1, OMODE, W, 0, true>(p, x, rows, in);                                                       \
     }
+TERN_GEMV_NORMED_KERNEL(tern_gemv_f32_1_normed, TernWeightsF32, TERN_Y_PLAIN)
+TERN_GEMV_NORMED_KERNEL(tern_gemv_bf16_1_normed, TernWeightsBf16, TERN_Y_PLAIN)
+TERN_GEMV_NORMED_KERNEL(tern_gemv_q8_1_normed, TernWeightsQ8, TERN_Y_PLAIN)
 TERN_GEMV_NORMED_KERNEL(tern_gemv_silu_f32_1_normed, TernWeightsF32, TERN_Y_SILU)
 TERN_GEMV_NORMED_KERNEL(tern_gemv_silu_bf16_1_normed, TernWeightsBf16, TERN_Y_SILU)
 TERN_GEMV_NORMED_KERNEL(tern_gemv_silu_q8_1_normed, TernWeightsQ8, TERN_Y_SILU)
@@ -1012,6 +1015,22 @@ TERN_GEMV_NORMED_KERNEL(tern_gemv_gelu_q8_1_normed, TernWeightsQ8, TERN_Y_GELU)
 TERN_GEMV_CONV_KERNELS(2)
 TERN_GEMV_CONV_KERNELS(3)
 TERN_GEMV_CONV_KERNELS(4)
+// The same whose input is the residual stream's norm, formed in every block (TernNormedInput;
+// Blas::linear_residual_norm_conv: a dense FFN's down projection, then the next gated-delta
+// layer's input projections with no norm tail between them).
+#define TERN_GEMV_CONV_NORMED_KERNEL(name, W, K)                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)       \
+        name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
+        tern_await_prior_kernel_unless(tern_gemv_early<1>(p));                                                    \
+        tern_gemv<1, 1, TERN_Y_PLAIN, W, K, true>(p, x, rows, in);                                                \
+    }
+#define TERN_GEMV_CONV_NORMED_KERNELS(K)                                                                          \
+    TERN_GEMV_CONV_NORMED_KERNEL(tern_gemv_conv_f32_1_k##K##_normed, TernWeightsF32, K)                           \
+    TERN_GEMV_CONV_NORMED_KERNEL(tern_gemv_conv_bf16_1_k##K##_normed, TernWeightsBf16, K)                         \
+    TERN_GEMV_CONV_NORMED_KERNEL(tern_gemv_conv_q8_1_k##K##_normed, TernWeightsQ8, K)
+TERN_GEMV_CONV_NORMED_KERNELS(2)
+TERN_GEMV_CONV_NORMED_KERNELS(3)
+TERN_GEMV_CONV_NORMED_KERNELS(4)
 
 #define TERN_GEMV_ROUTED_KERNEL(name, W, OMODE)                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)         \
