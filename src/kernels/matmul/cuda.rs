@@ -982,9 +982,9 @@ impl Blas {
     }
 
     /// Whether a one-row residual product through `w` may leave its norm to the product after
-    /// it (the normed kernels; [`Blas::gemv_normed`]).
+    /// it (the normed kernels, which copy the norm's weights four at a time; [`Blas::gemv_normed`]).
     fn takes_normed_input(&self, w: &GpuMatrix) -> bool {
-        self.gemv_normed && self.norm_tail_fits(1, w) && w.out <= NORMED_MAX
+        self.gemv_normed && self.norm_tail_fits(1, w) && w.out <= NORMED_MAX && w.out % 4 == 0
     }
 
     /// The first launch of the normed forms: `x += v·wᵀ` with no norm tail (checked lengths),
@@ -996,6 +996,10 @@ impl Blas {
         check_len("normed input's norm weight", norm.len(), d)?;
         check_len("normed input's normed row", a.len(), d)?;
         let g = &self.gpu;
+        // The blocks copy the norm's weights 16 bytes at a time (an allocation's start is).
+        if g.ptr(norm) % 16 != 0 {
+            return Err(Error::Shape("normed input: the norm's weights are not 16-byte aligned".into()));
+        }
         // The residual product with no norm (norm_out 0: the kernel skips its tail).
         let tail = NormTail { norm_w: g.ptr(norm), norm_out: 0, counter: g.ptr(&self.residual_counter), eps, stream: 0, next_w: 0, post: 1.0 };
         self.gemv_with(v, GemvOutput::Residual, 1, &mut [(w, &mut *x)], GemvExtras { tail: Some(tail), ..Default::default() })?;
@@ -1259,8 +1263,9 @@ impl Blas {
         };
         let mut l = g.launch_builder(kernel);
         l.arg(&p).arg(&xp).arg(&r).arg(&inp);
-        // A normed input lives in the block's dynamic shared memory (4 bytes a value).
-        let shared_mem_bytes = if normed.is_some() { 4 * first.inp as u32 } else { 0 };
+        // A normed input and its norm's weights live in the block's dynamic shared memory (4
+        // bytes a value each).
+        let shared_mem_bytes = if normed.is_some() { 8 * first.inp as u32 } else { 0 };
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes };
         // SAFETY: argument types match tern_gemv_*; the kernel (R >= rows) reads each part's
         // out × in weights of the one type it is compiled for and writes rows × features

@@ -249,7 +249,13 @@ template <> struct TernGemvSteps<TernWeightsQ8, 1, 2> { static constexpr int IN_
 // also writes it out for whatever reads it later. So the product before needs no tail, on
 // which every block of this one would wait: TERN_Y_RESIDUAL's tail costs ~2 µs a product on a
 // decode step's critical path (H100, gemv_chain_bench). Every thread of the block must call
-// it: it meets the block's barriers. h comes through L2 (__ldcg), as the tail reads it.
+// it: it meets the block's barriers. h comes through L2 (__ldcg), as the tail reads it. The
+// norm's weights are copied into the dynamic shared memory after the normed row (d values
+// each; d % 4 == 0 and w 16-byte aligned, checked by the host) by tern_gemv_normed_weights,
+// asynchronously (cp.async) and before the block awaits the prior kernel (no kernel writes
+// them), so that after the wait only h's round trip and the block's sum stand between the
+// block and its product, and no registers hold them meanwhile (the normed kernels' own count,
+// 60-64 for bf16, would otherwise grow past 74, a block fewer a multiprocessor).
 // Values a thread holds in the norm of one row: the tail's held form below, and this.
 #define TERN_NORM_TAIL_SLOTS 8
 struct TernNormedInput {
@@ -259,6 +265,13 @@ struct TernNormedInput {
     float eps;
     bool on;
 };
+__device__ __forceinline__ void tern_gemv_normed_weights(const TernNormedInput& n, int d) {
+    extern __shared__ float tern_gemv_normed[];
+    for (int k = 4 * threadIdx.x; k < d; k += 4 * blockDim.x) {
+        const unsigned dst = (unsigned)__cvta_generic_to_shared(tern_gemv_normed + d + k);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(n.w + k) : "memory");
+    }
+}
 __device__ __forceinline__ const float* tern_gemv_normed_input(const TernNormedInput& n, int d) {
     extern __shared__ float tern_gemv_normed[];
     __shared__ double scratch[32];
@@ -279,12 +292,15 @@ __device__ __forceinline__ const float* tern_gemv_normed_input(const TernNormedI
         const int i = t + j * nt;
         if (i < d) tern_gemv_normed[i] = hv[j];
     }
+    // This thread's copies of the weights landed; the block sum's barrier shows every
+    // thread's to all.
+    asm volatile("cp.async.wait_all;" ::: "memory");
     const float inv = tern_inv_rms_of(tern_block_sum_d(ss, scratch), d, n.eps);
 #pragma unroll
     for (int j = 0; j < S; ++j) {
         const int i = t + j * nt;
         if (i >= d) continue;
-        const float v = (tern_gemv_normed[i] * inv) * n.w[i];
+        const float v = (tern_gemv_normed[i] * inv) * tern_gemv_normed[d + i];
         tern_gemv_normed[i] = v;
         if (blockIdx.x == 0) n.a[i] = v;
     }
@@ -397,7 +413,11 @@ __device__ __forceinline__ void tern_gemv_rows(const W& w, const float* __restri
                     const int o = min(o0 + j % OPW, out - 1);
                     if (c0 + u * stride < in) first[u][j] = w.load_raw((size_t)(j < OPW ? o : o + out) * in + c0 + u * stride);
                 }
+            // (normed: its norm's weights too, in flight with the early weights.)
+            if (normed.on) tern_gemv_normed_weights(normed, in);
             tern_await_prior_kernel();
+        } else if (normed.on) {
+            tern_gemv_normed_weights(normed, in);
         }
         // (normed: after the prior kernel, whose output h is; every warp of the block is here.)
         if (normed.on) x = tern_gemv_normed_input(normed, in);
@@ -984,9 +1004,13 @@ TERN_GEMV_KERNELS(8n, 8, 1, 1)
 // Q8_PAIRED_MIN_FEATURES in matmul/cuda.rs).
 TERN_GEMV_KERNEL(tern_gemv_q8_1x2, 1, 2, TernWeightsQ8, TERN_Y_PLAIN)
 // One-row plain and gated products whose input is the residual stream's norm, formed in every
-// block (TernNormedInput; Blas::linear_residual_norm_linear and _glu), by weight type.
+// block (TernNormedInput; Blas::linear_residual_norm_linear and _glu), by weight type. bf16
+// weights bound to four blocks a multiprocessor (64 registers): unbound, the gated one takes
+// 80 with the norm's weights copied ahead, a block fewer.
+template <typename W> struct TernGemvNormedBlocks { static constexpr int MIN = TernGemvSteps<W, 1, 1>::MIN_BLOCKS; };
+template <> struct TernGemvNormedBlocks<TernWeightsBf16> { static constexpr int MIN = 4; };
 #define TERN_GEMV_NORMED_KERNEL(name, W, OMODE)                                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)       \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvNormedBlocks<W>::MIN)             \
         name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
         tern_await_prior_kernel_unless(tern_gemv_early<1>(p));                                                    \
         tern_gemv<1, 1, OMODE, W, 0, true>(p, x, rows, in);                                                       \
