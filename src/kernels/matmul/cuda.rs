@@ -367,8 +367,9 @@ pub struct Blas {
     /// Whether [`Blas::linear_residual_norm_glu`] and [`Blas::linear_residual_norm_conv`] form
     /// the norm in the next product's blocks (the default) or decline, so that the caller runs
     /// the product ending in the norm, then the next one (TERN_GEMV_NORMED=0, to measure the
-    /// two on the same run). The same bits either way. H100, Qwen3.5-0.8B bf16 decode, the
-    /// gated products forming theirs: 927.6 -> 948.1 tok/s (BENCHMARKS.md, 2026-12-05).
+    /// two on the same run). The same bits either way. H100, Qwen3.5-0.8B decode, tails ->
+    /// normed in the same call: bf16 903.9 -> 928.1 and 909.3 -> 933.9 tok/s, Q8_0 level
+    /// (1 037.8 / 1 035.7) (BENCHMARKS.md, 2026-12-05, twentieth session).
     gemv_normed: bool,
     /// `tern_gemv_{,silu_,gelu_}{f32,bf16,q8}_1_normed`: the one-row products that form their
     /// input's norm ([`Blas::linear_residual_norm_linear`], [`Blas::linear_residual_norm_glu`]),
