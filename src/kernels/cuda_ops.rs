@@ -523,6 +523,17 @@ impl CudaOps {
         NormOut { f32: Some(f32), bf16: None }
     }
 
+    /// Whether a gated-delta layer's step is one token of one sequence (`rows` rows, one conv
+    /// state each): its input products then run as one launch with their conv.
+    fn one_token(&self, batch: &CudaBatch, rows: usize, states: &[&mut CudaSlice<f32>]) -> bool {
+        matches!(self.segments(batch), [s] if s.len == 1) && rows == 1 && states.len() == 1
+    }
+
+    /// One row's outputs of the products through `ws`.
+    fn one_row_outputs(&self, ws: &[&GpuMatrix]) -> Result<Vec<CudaSlice<f32>>> {
+        ws.iter().map(|w| self.gpu.alloc::<f32>(w.out)).collect()
+    }
+
     fn llm(&self) -> Result<&LlmKernels> {
         if let Some(k) = self.llm.get() {
             return Ok(k);
@@ -853,10 +864,9 @@ impl Ops for CudaOps {
     ) -> Result<Vec<CudaSlice<f32>>> {
         // A decode step of one sequence: the products and the conv of the first one's channels
         // in one launch (one launch and the conv kernel's two waits fewer a gated-delta layer).
-        let one_token = matches!(self.segments(batch), [s] if s.len == 1) && rows == 1 && states.len() == 1;
-        if one_token && ws.first().is_some_and(|w| w.out == channels) {
+        if self.one_token(batch, rows, states) && ws.first().is_some_and(|w| w.out == channels) {
             let _timer = self.op_timer("linears_conv (gemv)");
-            let mut ys = ws.iter().map(|w| self.gpu.alloc::<f32>(w.out)).collect::<Result<Vec<_>>>()?;
+            let mut ys = self.one_row_outputs(ws)?;
             let mut parts: Vec<(&GpuMatrix, &mut CudaSlice<f32>)> = ws.iter().copied().zip(ys.iter_mut()).collect();
             if self.blas.linears_conv(x, rows, &mut parts, conv, &mut *states[0])? {
                 return Ok(ys);
@@ -1157,10 +1167,10 @@ impl Ops for CudaOps {
     ) -> Result<Vec<CudaSlice<f32>>> {
         // A decode step of one sequence: the input products' blocks form the norm
         // (Blas::linear_residual_norm_conv), their outputs allocated only where it is taken.
-        let one_token = matches!(self.segments(batch), [s] if s.len == 1) && rows == 1 && states.len() == 1;
-        if one_token && w.out == d && ws.first().is_some_and(|f| f.out == channels) && self.blas.takes_normed_conv(w, ws, conv.1).is_some() {
+        let takes = w.out == d && ws.first().is_some_and(|f| f.out == channels) && self.blas.takes_normed_conv(w, ws, conv.1).is_some();
+        if self.one_token(batch, rows, states) && takes {
             let _timer = self.op_timer("linear_residual_norm_linears_conv (gemv)");
-            let mut ys = ws.iter().map(|w| self.gpu.alloc::<f32>(w.out)).collect::<Result<Vec<_>>>()?;
+            let mut ys = self.one_row_outputs(ws)?;
             let mut parts: Vec<(&GpuMatrix, &mut CudaSlice<f32>)> = ws.iter().copied().zip(ys.iter_mut()).collect();
             if self.blas.linear_residual_norm_conv(v, w, x, norm, eps, out, &mut parts, conv, &mut *states[0])? {
                 return Ok(ys);
