@@ -720,6 +720,88 @@ mod tests {
         }
     }
 
+    /// Each kernel's register count in a CUBIN: the EIATTR_REGCOUNT entries (symbol index,
+    /// registers) of its `.nv.info` section, named through `.symtab`. An ELF64 image as NVRTC
+    /// writes it; `None` where it is not one.
+    fn cubin_register_counts(cubin: &[u8]) -> Option<HashMap<String, u32>> {
+        let u16_at = |o: usize| cubin.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]) as usize);
+        let u32_at = |o: usize| cubin.get(o..o + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()));
+        let u64_at = |o: usize| cubin.get(o..o + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize);
+        let cstr = |o: usize| cubin.get(o..).and_then(|s| s.split(|&c| c == 0).next()).map(|s| String::from_utf8_lossy(s).into_owned());
+        let (shoff, shentsize, shnum, shstrndx) = (u64_at(0x28)?, u16_at(0x3a)?, u16_at(0x3c)?, u16_at(0x3e)?);
+        // (name offset, type, file offset, size, link) of each section.
+        let sections: Vec<(usize, u32, usize, usize, usize)> = (0..shnum)
+            .map(|i| {
+                let h = shoff + i * shentsize;
+                Some((u32_at(h)? as usize, u32_at(h + 4)?, u64_at(h + 0x18)?, u64_at(h + 0x20)?, u32_at(h + 0x28)? as usize))
+            })
+            .collect::<Option<_>>()?;
+        let names_at = sections.get(shstrndx)?.2;
+        let symtab = sections.iter().find(|s| s.1 == 2)?;
+        let strtab = sections.get(symtab.4)?;
+        let symbol = |i: usize| cstr(strtab.2 + u32_at(symtab.2 + 24 * i)? as usize);
+        let info = sections.iter().find(|s| cstr(names_at + s.0).as_deref() == Some(".nv.info"))?;
+        let mut counts = HashMap::new();
+        let (mut at, end) = (info.2, info.2 + info.3);
+        // Attributes: a format byte, an attribute byte, then by format nothing (1), two bytes
+        // (2, 3) or a 16-bit size and that many bytes (4).
+        while at < end {
+            let (format, attribute) = (*cubin.get(at)?, *cubin.get(at + 1)?);
+            match format {
+                1 => at += 2,
+                2 | 3 => at += 4,
+                4 => {
+                    let size = u16_at(at + 2)?;
+                    if attribute == 0x2f {
+                        counts.insert(symbol(u32_at(at + 4)? as usize)?, u32_at(at + 8)?);
+                    }
+                    at += 4 + size;
+                }
+                _ => return None,
+            }
+        }
+        Some(counts)
+    }
+
+    /// CI check: a decode step's one-row GEMVs and its fused gated-delta step keep the registers
+    /// they were timed with (sm_90, NVRTC 13.0). Registers are a kernel's worst point's: a path
+    /// compiled into a shared device function costs every kernel built from it, whether it takes
+    /// the path or not (BENCHMARKS.md, nineteenth session: a normed input's path took the plain
+    /// bf16 GEMV from 32 registers to 70 and every one-row product ran ~10% slower; no runtime
+    /// test saw it). Fails without NVRTC, as the compile check does.
+    #[test]
+    fn decode_kernels_keep_their_registers() {
+        if let Err(e) = nvrtc::available() {
+            panic!("{e}\nThis check needs NVRTC: run scripts/test.sh (see every_cuda_source_compiles_for_sm_90)");
+        }
+        let bounds: [(&KernelSource, &[(&str, u32)]); 2] = [
+            (
+                &crate::kernels::matmul::cuda::SOURCE,
+                &[
+                    ("tern_gemv_bf16_1", 40),
+                    ("tern_gemv_silu_bf16_1", 64),
+                    ("tern_gemv_res_bf16_1", 56),
+                    ("tern_gemv_conv_bf16_1_k4", 56),
+                    ("tern_gemv_q8_1", 48),
+                    ("tern_gemv_q8_1x2", 80),
+                    ("tern_gemv_silu_bf16_1_normed", 64),
+                    ("tern_gemv_bf16_1_normed", 64),
+                    ("tern_gemv_conv_bf16_1_k4_normed", 64),
+                ],
+            ),
+            (&crate::kernels::gated_delta::cuda::RECURRENCE, &[("tern_gdn_recurrence_fused_dk128_s_b64", 64)]),
+        ];
+        for (src, kernels) in bounds {
+            let cubin = nvrtc::compile_cached(src.name, src.code, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+            let counts = cubin_register_counts(&cubin).unwrap_or_else(|| panic!("{}: no register counts read from its CUBIN", src.name));
+            for &(kernel, most) in kernels {
+                let regs = *counts.get(kernel).unwrap_or_else(|| panic!("{}: no register count for {kernel}", src.name));
+                eprintln!("{kernel}: {regs} registers (at most {most})");
+                assert!(regs <= most, "{kernel} takes {regs} registers, more than the {most} it was timed with");
+            }
+        }
+    }
+
     /// The rule that makes dependent launches safe (launch.cuh): the first statement of every
     /// kernel waits for the kernel before it. A kernel without it could read its inputs before
     /// they are written, so a new kernel that forgets it fails here, on any machine.
