@@ -837,7 +837,8 @@ impl<O: Ops> Qwen35<O> {
 
     /// The gated delta rule of the packed rows, each sequence on its own conv and recurrent
     /// state: the normed output before the layer's out projection (which `step` fuses with
-    /// the residual step).
+    /// the residual step). Its input products run the residual step the layer before left
+    /// pending, if any.
     fn linear_attention(
         &self,
         m: &LinearAttention<O>,
@@ -870,7 +871,8 @@ impl<O: Ops> Qwen35<O> {
     }
 
     /// Gated attention for the packed rows of every sequence, each attending to its own cache:
-    /// the output before the o projection (which `step` fuses with the residual step).
+    /// the output before the o projection (which `step` fuses with the residual step). Its
+    /// input product runs the residual step the layer before left pending, if any.
     fn full_attention(&self, m: &FullAttention<O>, input: &mut Residual<'_, O>, n: usize, b: &O::Batch, caches: &mut [&mut O::Kv]) -> Result<O::Buf> {
         let (c, ops) = (&self.cfg, &self.ops);
         let hd = c.head_dim;
