@@ -279,7 +279,7 @@ fn main() -> Result<()> {
     })?;
     report("graph, norm tails, gated", ms);
     // The same with each layer's first norm formed in the blocks of the gated product after it
-    // (Blas::linear_residual_norm_glu, as a dense FFN's decode step runs it; not with
+    // (Blas::linear_residual_norm_then, as a dense FFN's decode step runs it; not with
     // TERN_GEMV_NORMED=0): the output projection has no tail; the gate|up product (its 7168 rows
     // as a gate over an up) forms rms(stream)·w itself.
     if std::env::var("TERN_GEMV_NORMED").as_deref() == Ok("0") {
@@ -291,7 +291,7 @@ fn main() -> Result<()> {
         while i < mats.len() {
             let (m, x) = (&mats[i], &xs[i]);
             if m.out == 1024 && i + 1 < mats.len() && mats[i + 1].out == 7168 {
-                if blas.linear_residual_norm_glu(x, m, &mut ys[i], &norm_w, 1e-6, &mut normed, &mats[i + 1], GemvOutput::Silu, &mut gated)? {
+                if blas.linear_residual_norm_then(x, m, &mut ys[i], &norm_w, 1e-6, &mut normed, &mats[i + 1], GemvOutput::Silu, &mut gated)? {
                     i += 2;
                     continue;
                 }

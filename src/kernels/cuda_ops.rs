@@ -529,6 +529,27 @@ impl CudaOps {
         matches!(self.segments(batch), [s] if s.len == 1) && rows == 1 && states.len() == 1
     }
 
+    /// One row: the residual step of `step` with no norm tail, then the product through `next`
+    /// in `output`'s form, whose blocks form the norm (`Blas::linear_residual_norm_then`); its
+    /// output, or `None`, nothing queued, where that form does not apply (the caller then runs
+    /// the two).
+    fn normed_product(
+        &self,
+        step: NormedStep<'_>,
+        x: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        next: &GpuMatrix,
+        output: GemvOutput,
+    ) -> Result<Option<CudaSlice<f32>>> {
+        let NormedStep { residual: (v, rows, w), norm, d, eps, what } = step;
+        if rows != 1 || w.out != d || !self.blas.takes_normed_product(w, next, output) {
+            return Ok(None);
+        }
+        let _timer = self.op_timer(what);
+        let mut y = self.gpu.alloc::<f32>(output.features(next))?;
+        Ok(self.blas.linear_residual_norm_then(v, w, x, norm, eps, out, next, output, &mut y)?.then_some(y))
+    }
+
     /// One row's outputs of the products through `ws`.
     fn one_row_outputs(&self, ws: &[&GpuMatrix]) -> Result<Vec<CudaSlice<f32>>> {
         ws.iter().map(|w| self.gpu.alloc::<f32>(w.out)).collect()
@@ -585,6 +606,17 @@ fn delta_rule_inputs<'a>(
     check_len("delta_rule qkv", qkv.len(), rows * width)?;
     let at = |offset| Rows { buf: qkv, offset, stride: width };
     Ok(GpuDeltaRuleInputs { q: at(0), k: at(kd), v: at(2 * kd), g, beta, normalize_qk: true, fused })
+}
+
+/// A residual step whose norm the product after it may form ([`CudaOps::normed_product`]):
+/// `x += v·wᵀ` over `rows` rows, then `rms(x)·norm` over rows of `d`; `what` names the op for
+/// the profile.
+struct NormedStep<'a> {
+    residual: (&'a CudaSlice<f32>, usize, &'a GpuMatrix),
+    norm: &'a CudaSlice<f32>,
+    d: usize,
+    eps: f32,
+    what: &'static str,
 }
 
 /// The GEMV output form that applies `act` to a gate|up product's halves.
@@ -1116,12 +1148,9 @@ impl Ops for CudaOps {
         width: usize,
         act: GatedActivation,
     ) -> Result<CudaSlice<f32>> {
-        // One row: the gated product's blocks form the norm (Blas::linear_residual_norm_glu).
-        let output = gated_output(act);
-        if rows == 1 && w.out == d && gate_up.out == 2 * width && self.blas.takes_normed_glu(w, gate_up, output) {
-            let _timer = self.op_timer("linear_residual_norm_glu (gemv)");
-            let mut y = self.gpu.alloc::<f32>(width)?;
-            if self.blas.linear_residual_norm_glu(v, w, x, norm, eps, out, gate_up, output, &mut y)? {
+        if gate_up.out == 2 * width {
+            let step = NormedStep { residual: (v, rows, w), norm, d, eps, what: "linear_residual_norm_glu (gemv)" };
+            if let Some(y) = self.normed_product(step, x, out, gate_up, gated_output(act))? {
                 return Ok(y);
             }
         }
@@ -1139,13 +1168,9 @@ impl Ops for CudaOps {
         out: &mut CudaSlice<f32>,
         next: &GpuMatrix,
     ) -> Result<CudaSlice<f32>> {
-        // One row: the second product's blocks form the norm (Blas::linear_residual_norm_linear).
-        if rows == 1 && w.out == d && self.blas.takes_normed_linear(w, next) {
-            let _timer = self.op_timer("linear_residual_norm_linear (gemv)");
-            let mut y = self.gpu.alloc::<f32>(next.out)?;
-            if self.blas.linear_residual_norm_linear(v, w, x, norm, eps, out, next, &mut y)? {
-                return Ok(y);
-            }
+        let step = NormedStep { residual: (v, rows, w), norm, d, eps, what: "linear_residual_norm_linear (gemv)" };
+        if let Some(y) = self.normed_product(step, x, out, next, GemvOutput::Plain)? {
+            return Ok(y);
         }
         self.linear_residual_norm(v, rows, w, x, norm, d, eps, out)?;
         self.linear(out, rows, next, None)

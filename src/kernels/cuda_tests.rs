@@ -657,9 +657,9 @@ fn cuda_early_gemv_gives_the_plain_bits() {
 }
 
 /// A residual product and the gated product of its normed stream with the norm formed in the
-/// gated product's blocks (`Blas::linear_residual_norm_glu`: no norm tail between the two)
-/// give the bits of `linear_residual_norm` then `glu`, and with a plain product after it
-/// (`Blas::linear_residual_norm_linear`) those of `linear_residual_norm` then `linear`: the
+/// gated product's blocks (`Blas::linear_residual_norm_then`: no norm tail between the two)
+/// give the bits of `linear_residual_norm` then `glu`, and with a plain product after it those
+/// of `linear_residual_norm` then `linear`: the
 /// stream, the normed row (written by block 0) and the output; every stored type (each pair of
 /// one type), streams of 1024, 2048, 768 and 288 values, with and without the early weight
 /// loads. A stream wider than the held norm, or more rows, are left to the caller with nothing
@@ -688,7 +688,7 @@ fn cuda_normed_glu_equals_residual_norm_then_glu() {
                 let want: Vec<Vec<f32>> = [&x, &a, &y].iter().map(|b| gpu.download(b).unwrap()).collect();
                 // The norm formed in the gated product.
                 let (mut x, mut a, mut y) = (gpu.upload(&x0).unwrap(), nan(&gpu, d), nan(&gpu, width));
-                assert!(blas.linear_residual_norm_glu(&v, &m, &mut x, &norm, eps, &mut a, &gu, GemvOutput::Silu, &mut y).unwrap(), "{what}: taken");
+                assert!(blas.linear_residual_norm_then(&v, &m, &mut x, &norm, eps, &mut a, &gu, GemvOutput::Silu, &mut y).unwrap(), "{what}: taken");
                 let got: Vec<Vec<f32>> = [&x, &a, &y].iter().map(|b| gpu.download(b).unwrap()).collect();
                 for (i, part) in ["stream", "normed row", "gated output"].iter().enumerate() {
                     assert!(want[i].iter().all(|v| v.is_finite()), "{what}: {part} written");
@@ -700,7 +700,7 @@ fn cuda_normed_glu_equals_residual_norm_then_glu() {
                 blas.linear(&a, 1, &gu, &mut y).unwrap();
                 let want: Vec<Vec<f32>> = [&x, &a, &y].iter().map(|b| gpu.download(b).unwrap()).collect();
                 let (mut x, mut a, mut y) = (gpu.upload(&x0).unwrap(), nan(&gpu, d), nan(&gpu, 2 * width));
-                assert!(blas.linear_residual_norm_linear(&v, &m, &mut x, &norm, eps, &mut a, &gu, &mut y).unwrap(), "{what} plain: taken");
+                assert!(blas.linear_residual_norm_then(&v, &m, &mut x, &norm, eps, &mut a, &gu, GemvOutput::Plain, &mut y).unwrap(), "{what} plain: taken");
                 let got: Vec<Vec<f32>> = [&x, &a, &y].iter().map(|b| gpu.download(b).unwrap()).collect();
                 for (i, part) in ["stream", "normed row", "plain output"].iter().enumerate() {
                     assert!(want[i].iter().all(|v| v.is_finite()), "{what} plain: {part} written");
@@ -716,9 +716,9 @@ fn cuda_normed_glu_equals_residual_norm_then_glu() {
         let x0 = rng.vec(d, -2.0, 2.0);
         let (v, norm) = (gpu.upload(&rng.vec(64, -1.0, 1.0)).unwrap(), gpu.upload(&vec![1.0f32; d]).unwrap());
         let (mut x, mut a, mut y) = (gpu.upload(&x0).unwrap(), nan(&gpu, d), nan(&gpu, 16));
-        assert!(!blas.linear_residual_norm_glu(&v, &m, &mut x, &norm, eps, &mut a, &gu, GemvOutput::Silu, &mut y).unwrap(), "a stream of {d}");
+        assert!(!blas.linear_residual_norm_then(&v, &m, &mut x, &norm, eps, &mut a, &gu, GemvOutput::Silu, &mut y).unwrap(), "a stream of {d}");
         let mut y = nan(&gpu, 32);
-        assert!(!blas.linear_residual_norm_linear(&v, &m, &mut x, &norm, eps, &mut a, &gu, &mut y).unwrap(), "a stream of {d}");
+        assert!(!blas.linear_residual_norm_then(&v, &m, &mut x, &norm, eps, &mut a, &gu, GemvOutput::Plain, &mut y).unwrap(), "a stream of {d}");
         assert_eq!(gpu.download(&x).unwrap(), x0, "a refused call leaves the stream as it was");
     }
 }

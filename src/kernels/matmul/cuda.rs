@@ -141,7 +141,7 @@ impl GemvOutput {
     }
 
     /// Output features of a product with `w` in this mode.
-    fn features(self, w: &GpuMatrix) -> usize {
+    pub(crate) fn features(self, w: &GpuMatrix) -> usize {
         if self.gated() {
             w.out / 2
         } else {
@@ -176,7 +176,7 @@ struct GemvParts {
     /// kernel ([`Blas::gemv_early`]).
     early: i32,
     /// One-row kernels: the product's input formed as rms(in_h)·in_w by every block, block 0
-    /// also writing it to in_a ([`Blas::linear_residual_norm_glu`]); in_h 0: the input is x.
+    /// also writing it to in_a ([`Blas::linear_residual_norm_then`]); in_h 0: the input is x.
     in_eps: f32,
     in_h: u64,
     in_w: u64,
@@ -311,7 +311,7 @@ const CONV_KERNEL_WIDTHS: [usize; 3] = [2, 3, 4];
 /// Rows up to which a product fuses the norm after it (see [`Blas::norm_tail_fits`]).
 pub const NORM_TAIL_MAX_ROWS: usize = 1;
 
-/// The widest stream whose norm a one-row GEMV forms in its blocks ([`Blas::linear_residual_norm_glu`]):
+/// The widest stream whose norm a one-row GEMV forms in its blocks ([`Blas::linear_residual_norm_then`]):
 /// TERN_NORM_TAIL_SLOTS values a thread of a block of 256 (gemv.cu).
 pub const NORMED_MAX: usize = 8 * 32 * GEMV_WARPS;
 
@@ -364,7 +364,7 @@ pub struct Blas {
     /// measure the two on the same run. The same bits either way. H100, Qwen3.5-0.8B bf16
     /// decode: 896 -> 923 tok/s (BENCHMARKS.md, 2026-12-05).
     gemv_early: bool,
-    /// Whether [`Blas::linear_residual_norm_glu`] and [`Blas::linear_residual_norm_conv`] form
+    /// Whether [`Blas::linear_residual_norm_then`] and [`Blas::linear_residual_norm_conv`] form
     /// the norm in the next product's blocks (the default) or decline, so that the caller runs
     /// the product ending in the norm, then the next one (TERN_GEMV_NORMED=0, to measure the
     /// two on the same run). The same bits either way. H100, Qwen3.5-0.8B decode, tails ->
@@ -372,7 +372,7 @@ pub struct Blas {
     /// (1 037.8 / 1 035.7) (BENCHMARKS.md, 2026-12-05, twentieth session).
     gemv_normed: bool,
     /// `tern_gemv_{,silu_,gelu_}{f32,bf16,q8}_1_normed`: the one-row products that form their
-    /// input's norm ([`Blas::linear_residual_norm_linear`], [`Blas::linear_residual_norm_glu`]),
+    /// input's norm ([`Blas::linear_residual_norm_then`]),
     /// kernels of their own so that the others keep their registers and global loads: [plain,
     /// silu, gelu][weight type].
     normed_kernels: [[CudaFunction; 3]; 3],
@@ -837,7 +837,8 @@ impl Blas {
         rows <= self.gemv_max_rows && w.inp % 8 == 0
     }
 
-    /// This handle with [`Blas::linear_residual_norm_glu`] taken (`true`) or declined, whatever
+    /// This handle with the normed forms ([`Blas::linear_residual_norm_then`],
+    /// [`Blas::linear_residual_norm_conv`]) taken (`true`) or declined, whatever
     /// TERN_GEMV_NORMED says: the device test runs it.
     #[cfg(test)]
     pub(crate) fn with_gemv_normed(mut self, on: bool) -> Self {
@@ -951,7 +952,7 @@ impl Blas {
     /// [`Blas::linear_residual_norm`] of one row, then [`Blas::linears_conv`] of its `a`, in two
     /// launches with no norm tail between them (a dense FFN's down projection, then the next
     /// gated-delta layer's input projections): every block of the second forms `a` itself, as
-    /// [`Blas::linear_residual_norm_glu`]'s gated product does (the same bits), block 0 also
+    /// [`Blas::linear_residual_norm_then`]'s second product does (the same bits), block 0 also
     /// writing it. `Ok(false)`, nothing queued, where it is off ([`Blas::gemv_normed`]) or does
     /// not apply: the conv products not one launch, a stream of more than [`NORMED_MAX`] values.
     #[allow(clippy::too_many_arguments)]
@@ -1060,45 +1061,18 @@ impl Blas {
         activate(&gu, y)
     }
 
-    /// [`Blas::linear_residual_norm`] of one row, then [`Blas::glu`] of its `a`, in two
-    /// launches with no norm tail between them: the first adds its product to the stream `x`,
-    /// and every block of the gated product forms `a = rms(x)·norm` itself, as the tail would
-    /// (the same slots, sums and order: the same bits), block 0 also writing `a`. The tail's
-    /// last block no longer holds up the launch after it (~2 µs a product on an H100,
-    /// BENCHMARKS.md 2026-12-05). `Ok(false)`, nothing queued, where it is off
-    /// (TERN_GEMV_NORMED=0: [`Blas::gemv_normed`]) or does not apply: more rows, a stream of
-    /// more than [`NORMED_MAX`] values, products that do not take the GEMV.
+    /// [`Blas::linear_residual_norm`] of one row, then the one-row product of its `a` through
+    /// `next` in `output`'s form (plain: [`Blas::linear`], as an attention layer's q|gate|k|v
+    /// product after a dense FFN's down projection; gated: [`Blas::glu`], as a dense FFN's
+    /// gate|up product after the output projection), in two launches with no norm tail between
+    /// them: the first adds its product to the stream `x`, and every block of the second forms
+    /// `a = rms(x)·norm` itself, as the tail would (the same slots, sums and order: the same
+    /// bits), block 0 also writing `a`. The tail's last block no longer holds up the launch
+    /// after it (~2 µs a product on an H100, BENCHMARKS.md 2026-12-05). `Ok(false)`, nothing
+    /// queued, where it is off (TERN_GEMV_NORMED=0: [`Blas::gemv_normed`]) or does not apply
+    /// ([`Blas::takes_normed_product`]).
     #[allow(clippy::too_many_arguments)]
-    pub fn linear_residual_norm_glu(
-        &self,
-        v: &CudaSlice<f32>,
-        w: &GpuMatrix,
-        x: &mut CudaSlice<f32>,
-        norm: &CudaSlice<f32>,
-        eps: f32,
-        a: &mut CudaSlice<f32>,
-        gate_up: &GpuMatrix,
-        output: GemvOutput,
-        y: &mut CudaSlice<f32>,
-    ) -> Result<bool> {
-        if !self.takes_normed_glu(w, gate_up, output) {
-            return Ok(false);
-        }
-        check_len("linear_residual_norm_glu output", y.len(), gate_up.out / 2)?;
-        let normed = self.residual_leaving_norm(v, w, x, norm, eps, a)?;
-        // (The launch's x is not read: its input is the one it forms.)
-        self.gemv_with(x, output, 1, &mut [(gate_up, y)], GemvExtras { normed: Some(normed), ..Default::default() })?;
-        Ok(true)
-    }
-
-    /// [`Blas::linear_residual_norm`] of one row, then [`Blas::linear`] of its `a` (a dense
-    /// FFN's down projection, then the next attention layer's q|gate|k|v product), in two
-    /// launches with no norm tail between them, the second forming `a` in its blocks as
-    /// [`Blas::linear_residual_norm_glu`]'s gated product does (the same bits), block 0 also
-    /// writing it. `Ok(false)`, nothing queued, where it is off ([`Blas::gemv_normed`]) or does
-    /// not apply ([`Blas::takes_normed_linear`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear_residual_norm_linear(
+    pub fn linear_residual_norm_then(
         &self,
         v: &CudaSlice<f32>,
         w: &GpuMatrix,
@@ -1107,33 +1081,30 @@ impl Blas {
         eps: f32,
         a: &mut CudaSlice<f32>,
         next: &GpuMatrix,
+        output: GemvOutput,
         y: &mut CudaSlice<f32>,
     ) -> Result<bool> {
-        if !self.takes_normed_linear(w, next) {
+        if !self.takes_normed_product(w, next, output) {
             return Ok(false);
         }
-        check_len("linear_residual_norm_linear output", y.len(), next.out)?;
+        check_len("linear_residual_norm_then output", y.len(), output.features(next))?;
         let normed = self.residual_leaving_norm(v, w, x, norm, eps, a)?;
         // (The launch's x is not read: its input is the one it forms.)
-        self.gemv_with(x, GemvOutput::Plain, 1, &mut [(next, y)], GemvExtras { normed: Some(normed), ..Default::default() })?;
+        self.gemv_with(x, output, 1, &mut [(next, y)], GemvExtras { normed: Some(normed), ..Default::default() })?;
         Ok(true)
     }
 
-    /// Whether [`Blas::linear_residual_norm_linear`] takes these products: not a product that
-    /// takes the paired Q8_0 kernel (a vocabulary head: its many blocks would each form the
-    /// norm for one tail's worth of time).
-    pub fn takes_normed_linear(&self, w: &GpuMatrix, next: &GpuMatrix) -> bool {
-        let paired = self.q8_paired && next.out >= Q8_PAIRED_MIN_FEATURES && matches!(next.w, GpuWeights::Q8 { .. });
-        self.takes_normed_input(w) && self.gemv_fits(1, next) && next.inp == w.out && !paired
-    }
-
-    /// Whether [`Blas::linear_residual_norm_glu`] takes these products (one row).
-    pub fn takes_normed_glu(&self, w: &GpuMatrix, gate_up: &GpuMatrix, output: GemvOutput) -> bool {
-        self.takes_normed_input(w)
-            && self.gemv_fits(1, gate_up)
-            && output.gated()
-            && gate_up.inp == w.out
-            && gate_up.out % 2 == 0
+    /// Whether [`Blas::linear_residual_norm_then`] takes these products: a plain or gated
+    /// product of one row taking the GEMV, of the stream's width; not one that takes the paired
+    /// Q8_0 kernel (a vocabulary head: its many blocks would each form the norm for one tail's
+    /// worth of time).
+    pub fn takes_normed_product(&self, w: &GpuMatrix, next: &GpuMatrix, output: GemvOutput) -> bool {
+        let form_fits = match output {
+            GemvOutput::Plain => !(self.q8_paired && next.out >= Q8_PAIRED_MIN_FEATURES && matches!(next.w, GpuWeights::Q8 { .. })),
+            GemvOutput::Silu | GemvOutput::GeluTanh => next.out % 2 == 0,
+            GemvOutput::Residual | GemvOutput::AddNorm => false,
+        };
+        form_fits && self.takes_normed_input(w) && self.gemv_fits(1, next) && next.inp == w.out
     }
 
     /// A pre-norm residual step after a product: `x += V·Wᵀ`, then `a = rms(x)·norm` per row
