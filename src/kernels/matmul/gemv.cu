@@ -1003,58 +1003,43 @@ TERN_GEMV_KERNELS(8n, 8, 1, 1)
 // A one-row Q8_0 product of many features (the head), two features a warp (see
 // Q8_PAIRED_MIN_FEATURES in matmul/cuda.rs).
 TERN_GEMV_KERNEL(tern_gemv_q8_1x2, 1, 2, TernWeightsQ8, TERN_Y_PLAIN)
-// One-row plain and gated products whose input is the residual stream's norm, formed in every
-// block (TernNormedInput; Blas::linear_residual_norm_linear and _glu), by weight type. bf16
-// weights bound to four blocks a multiprocessor (64 registers): unbound, the gated one takes
-// 80 with the norm's weights copied ahead, a block fewer.
+// The one-row kernels of their own (the CUDA-core form, one feature a warp), so that the others
+// keep their registers: CONV_K > 0 convolves a conv part's outputs as they are written
+// (TernConvTaps; Blas::linears_conv), NORMED forms the input as the residual stream's norm in
+// every block (TernNormedInput; Blas::linear_residual_norm_then and _conv); BOUND<W>::MIN is
+// the launch's blocks a multiprocessor.
+#define TERN_GEMV_ONE_ROW_KERNEL(name, W, OMODE, CONV_K, NORMED, BOUND)                                          \
+    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, BOUND<W>::MIN)                            \
+        name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
+        tern_await_prior_kernel_unless(tern_gemv_early<1>(p));                                                    \
+        tern_gemv<1, 1, OMODE, W, CONV_K, NORMED>(p, x, rows, in);                                                \
+    }
+template <typename W> struct TernGemvOneRowBlocks { static constexpr int MIN = TernGemvSteps<W, 1, 1>::MIN_BLOCKS; };
+// The normed plain and gated products: bf16 weights bound to four blocks a multiprocessor (64
+// registers): unbound, the gated one takes 80 with the norm's weights copied ahead, a block
+// fewer.
 template <typename W> struct TernGemvNormedBlocks { static constexpr int MIN = TernGemvSteps<W, 1, 1>::MIN_BLOCKS; };
 template <> struct TernGemvNormedBlocks<TernWeightsBf16> { static constexpr int MIN = 4; };
-#define TERN_GEMV_NORMED_KERNEL(name, W, OMODE)                                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvNormedBlocks<W>::MIN)             \
-        name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
-        tern_await_prior_kernel_unless(tern_gemv_early<1>(p));                                                    \
-        tern_gemv<1, 1, OMODE, W, 0, true>(p, x, rows, in);                                                       \
-    }
-TERN_GEMV_NORMED_KERNEL(tern_gemv_f32_1_normed, TernWeightsF32, TERN_Y_PLAIN)
-TERN_GEMV_NORMED_KERNEL(tern_gemv_bf16_1_normed, TernWeightsBf16, TERN_Y_PLAIN)
-TERN_GEMV_NORMED_KERNEL(tern_gemv_q8_1_normed, TernWeightsQ8, TERN_Y_PLAIN)
-TERN_GEMV_NORMED_KERNEL(tern_gemv_silu_f32_1_normed, TernWeightsF32, TERN_Y_SILU)
-TERN_GEMV_NORMED_KERNEL(tern_gemv_silu_bf16_1_normed, TernWeightsBf16, TERN_Y_SILU)
-TERN_GEMV_NORMED_KERNEL(tern_gemv_silu_q8_1_normed, TernWeightsQ8, TERN_Y_SILU)
-TERN_GEMV_NORMED_KERNEL(tern_gemv_gelu_f32_1_normed, TernWeightsF32, TERN_Y_GELU)
-TERN_GEMV_NORMED_KERNEL(tern_gemv_gelu_bf16_1_normed, TernWeightsBf16, TERN_Y_GELU)
-TERN_GEMV_NORMED_KERNEL(tern_gemv_gelu_q8_1_normed, TernWeightsQ8, TERN_Y_GELU)
-// One-row plain products whose conv part goes through a conv of width K (Blas::linears_conv;
-// Qwen3.5's is 4), by weight type.
-#define TERN_GEMV_CONV_KERNEL(name, W, K)                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)       \
-        name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
-        tern_await_prior_kernel_unless(tern_gemv_early<1>(p));                                                    \
-        tern_gemv<1, 1, TERN_Y_PLAIN, W, K>(p, x, rows, in);                                                      \
-    }
-#define TERN_GEMV_CONV_KERNELS(K)                                                                                 \
-    TERN_GEMV_CONV_KERNEL(tern_gemv_conv_f32_1_k##K, TernWeightsF32, K)                                           \
-    TERN_GEMV_CONV_KERNEL(tern_gemv_conv_bf16_1_k##K, TernWeightsBf16, K)                                         \
-    TERN_GEMV_CONV_KERNEL(tern_gemv_conv_q8_1_k##K, TernWeightsQ8, K)
-TERN_GEMV_CONV_KERNELS(2)
-TERN_GEMV_CONV_KERNELS(3)
-TERN_GEMV_CONV_KERNELS(4)
-// The same whose input is the residual stream's norm, formed in every block (TernNormedInput;
-// Blas::linear_residual_norm_conv: a dense FFN's down projection, then the next gated-delta
-// layer's input projections with no norm tail between them).
-#define TERN_GEMV_CONV_NORMED_KERNEL(name, W, K)                                                                 \
-    extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)       \
-        name(const tern_gemv_parts p, const float* __restrict__ x, int rows, int in) {                            \
-        tern_await_prior_kernel_unless(tern_gemv_early<1>(p));                                                    \
-        tern_gemv<1, 1, TERN_Y_PLAIN, W, K, true>(p, x, rows, in);                                                \
-    }
-#define TERN_GEMV_CONV_NORMED_KERNELS(K)                                                                          \
-    TERN_GEMV_CONV_NORMED_KERNEL(tern_gemv_conv_f32_1_k##K##_normed, TernWeightsF32, K)                           \
-    TERN_GEMV_CONV_NORMED_KERNEL(tern_gemv_conv_bf16_1_k##K##_normed, TernWeightsBf16, K)                         \
-    TERN_GEMV_CONV_NORMED_KERNEL(tern_gemv_conv_q8_1_k##K##_normed, TernWeightsQ8, K)
-TERN_GEMV_CONV_NORMED_KERNELS(2)
-TERN_GEMV_CONV_NORMED_KERNELS(3)
-TERN_GEMV_CONV_NORMED_KERNELS(4)
+#define TERN_GEMV_NORMED_KERNELS(PREFIX, OMODE)                                                                   \
+    TERN_GEMV_ONE_ROW_KERNEL(tern_gemv_##PREFIX##f32_1_normed, TernWeightsF32, OMODE, 0, true, TernGemvNormedBlocks)   \
+    TERN_GEMV_ONE_ROW_KERNEL(tern_gemv_##PREFIX##bf16_1_normed, TernWeightsBf16, OMODE, 0, true, TernGemvNormedBlocks) \
+    TERN_GEMV_ONE_ROW_KERNEL(tern_gemv_##PREFIX##q8_1_normed, TernWeightsQ8, OMODE, 0, true, TernGemvNormedBlocks)
+TERN_GEMV_NORMED_KERNELS(, TERN_Y_PLAIN)
+TERN_GEMV_NORMED_KERNELS(silu_, TERN_Y_SILU)
+TERN_GEMV_NORMED_KERNELS(gelu_, TERN_Y_GELU)
+// The plain products with a conv part of width K (Qwen3.5's is 4), without and with the normed
+// input (SUFFIX _normed: a dense FFN's down projection, then the next gated-delta layer's input
+// projections with no norm tail between them), by weight type.
+#define TERN_GEMV_CONV_KERNELS(K, NORMED, SUFFIX)                                                                                    \
+    TERN_GEMV_ONE_ROW_KERNEL(tern_gemv_conv_f32_1_k##K##SUFFIX, TernWeightsF32, TERN_Y_PLAIN, K, NORMED, TernGemvOneRowBlocks)   \
+    TERN_GEMV_ONE_ROW_KERNEL(tern_gemv_conv_bf16_1_k##K##SUFFIX, TernWeightsBf16, TERN_Y_PLAIN, K, NORMED, TernGemvOneRowBlocks) \
+    TERN_GEMV_ONE_ROW_KERNEL(tern_gemv_conv_q8_1_k##K##SUFFIX, TernWeightsQ8, TERN_Y_PLAIN, K, NORMED, TernGemvOneRowBlocks)
+TERN_GEMV_CONV_KERNELS(2, false, )
+TERN_GEMV_CONV_KERNELS(3, false, )
+TERN_GEMV_CONV_KERNELS(4, false, )
+TERN_GEMV_CONV_KERNELS(2, true, _normed)
+TERN_GEMV_CONV_KERNELS(3, true, _normed)
+TERN_GEMV_CONV_KERNELS(4, true, _normed)
 
 #define TERN_GEMV_ROUTED_KERNEL(name, W, OMODE)                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * TERN_GEMV_WARPS, TernGemvSteps<W, 1, 1>::MIN_BLOCKS)         \
