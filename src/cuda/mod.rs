@@ -588,6 +588,50 @@ impl Gpu {
     }
 }
 
+/// What a recorded graph holds, for TERN_GRAPH_STATS=1 (a diagnostic): its nodes by type and its
+/// edges by (source type, target type, dependency type, source port), e.g. how many kernels follow a kernel
+/// through a programmatic edge (dependency type 1) rather than a full one (0), and what else
+/// (memory allocations and frees, memsets, copies) stands between kernels. Errors read as text.
+pub fn graph_stats(graph: cudarc::driver::sys::CUgraph) -> String {
+    use cudarc::driver::sys;
+    use std::collections::BTreeMap;
+    // SAFETY: `graph` is a live graph; each query is first asked for its count, then given
+    // buffers of that many entries.
+    unsafe {
+        let mut n = 0usize;
+        if sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) != sys::CUresult::CUDA_SUCCESS {
+            return "cuGraphGetNodes failed".into();
+        }
+        let mut nodes = vec![std::ptr::null_mut(); n];
+        if sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) != sys::CUresult::CUDA_SUCCESS {
+            return "cuGraphGetNodes failed".into();
+        }
+        let kind = |node: sys::CUgraphNode| {
+            let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            sys::cuGraphNodeGetType(node, &mut t);
+            format!("{t:?}").trim_start_matches("CU_GRAPH_NODE_TYPE_").to_lowercase()
+        };
+        let mut by_type = BTreeMap::new();
+        for &node in &nodes {
+            *by_type.entry(kind(node)).or_insert(0usize) += 1;
+        }
+        let mut e = 0usize;
+        if sys::cuGraphGetEdges_v2(graph, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), &mut e) != sys::CUresult::CUDA_SUCCESS {
+            return format!("nodes {by_type:?}; cuGraphGetEdges_v2 failed");
+        }
+        let (mut from, mut to) = (vec![std::ptr::null_mut(); e], vec![std::ptr::null_mut(); e]);
+        let mut data: Vec<sys::CUgraphEdgeData> = vec![std::mem::zeroed(); e];
+        if sys::cuGraphGetEdges_v2(graph, from.as_mut_ptr(), to.as_mut_ptr(), data.as_mut_ptr(), &mut e) != sys::CUresult::CUDA_SUCCESS {
+            return format!("nodes {by_type:?}; cuGraphGetEdges_v2 failed");
+        }
+        let mut edges = BTreeMap::new();
+        for i in 0..e {
+            *edges.entry(format!("{}->{}:type{}port{}", kind(from[i]), kind(to[i]), data[i].type_, data[i].from_port)).or_insert(0usize) += 1;
+        }
+        format!("nodes {by_type:?}; edges {edges:?}")
+    }
+}
+
 /// A kernel launch being assembled (see [`Gpu::launch_builder`]). cudarc's own builder has no
 /// way to pass launch attributes, hence this one: arguments are borrowed, like cudarc's, so
 /// they live until the launch call has copied them.

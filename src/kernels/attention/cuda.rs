@@ -505,6 +505,9 @@ pub struct KvAttentionCuda {
     attend_w16: Vec<CudaFunction>,
     gate: CudaFunction,
     form: KvForm,
+    /// Whether a row of few keys takes fewer splits than `form` (as many as give each split a
+    /// round of keys a warp; `min_keys` in kv.cu): TERN_KV_SHORT_SPLITS=1, off until timed.
+    short_splits: bool,
 }
 
 /// How decode attention (tern_kv_attention) spreads a row's keys: over `splits` key ranges
@@ -618,6 +621,7 @@ impl KvAttentionCuda {
             attend_w16: KV_LANE_VALUES.iter().map(|per| gpu.function(&SOURCE_KV, &format!("tern_kv_attention_p{per}_w16"))).collect::<Result<_>>()?,
             gate: gpu.function(&SOURCE_KV, "tern_sigmoid_gate")?,
             form,
+            short_splits: std::env::var("TERN_KV_SHORT_SPLITS").is_ok_and(|v| v == "1"),
             gpu,
         })
     }
@@ -793,7 +797,10 @@ impl KvAttentionCuda {
         l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld);
         l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&fresh);
         l.buf(&*tables.k_at).buf(&*tables.v_at).buf(positions);
-        l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).buf(&partial).buf(&counters).buf(out);
+        // Keys a split takes at least (one round of the kernel's KB keys a warp: 2 for heads of
+        // more than 256 values, else 4); 0 (the default for now): every row takes `splits`.
+        let min_keys: i32 = if self.short_splits { (warps * if hd > 256 { 2 } else { 4 }) as i32 } else { 0 };
+        l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).arg(&min_keys).buf(&partial).buf(&counters).buf(out);
         let grid_rows = u32::try_from(rows).ok().filter(|&r| r <= 65_535).ok_or_else(|| {
             Error::Shape(format!("kv_attention: {rows} new rows, at most 65535 per launch"))
         })?;

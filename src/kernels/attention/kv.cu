@@ -72,7 +72,7 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
                                                        int fresh, const unsigned long long* __restrict__ k_at,
                                                        const unsigned long long* __restrict__ v_at,
                                                        const unsigned* __restrict__ positions, int q_heads, int kv_heads,
-                                                       int hd, float scale, float* __restrict__ partial,
+                                                       int hd, float scale, int min_keys, float* __restrict__ partial,
                                                        unsigned* __restrict__ counters, float* __restrict__ out) {
     constexpr int HD = 32 * PER;
     const int h = blockIdx.x, i = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -96,6 +96,13 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
             v_cache[at + c] = vr_new[c];
         }
     }
+    // The splits this row's keys take: with min_keys set, as many as give each at least
+    // min_keys keys (the launcher's one round of KB keys a warp), at most gridDim.z. A short
+    // context then skips the partials' round trip through memory and the merge (one split
+    // writes the output itself), and the blocks of the splits it does not take end here. It
+    // depends on the row's own key count only, so a row gets the same bits alone and in a batch.
+    const int used = min_keys > 0 ? min(splits, (keys + min_keys - 1) / min_keys) : splits;
+    if (split >= used) return;
     __shared__ float qs[HD];
     __shared__ float warp_max[WARPS], warp_sum[WARPS];
     __shared__ float warp_acc[WARPS][HD];
@@ -104,8 +111,8 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
     for (int c = threadIdx.x; c < hd; c += blockDim.x) qs[c] = qr[c];
     __syncthreads();
 
-    // This block's keys: the split-th of `keys` in `splits` ranges (the first always holds key 0).
-    const int chunk = (keys + splits - 1) / splits;
+    // This block's keys: the split-th of `keys` in `used` ranges (the first always holds key 0).
+    const int chunk = (keys + used - 1) / used;
     const int j0 = split * chunk, j1 = min(keys, j0 + chunk);
     float m = -tern_inf(), l = 0.0f, acc[PER];
 #pragma unroll
@@ -184,7 +191,7 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
     const size_t ld = (size_t)q_heads * hd;
     const float* gr = gate + g_off + (size_t)i * g_ld + (size_t)h * hd;
     float* o_row = out + (size_t)i * ld + (size_t)h * hd;
-    if (splits == 1) {
+    if (used == 1) {
         for (int c = threadIdx.x; c < hd; c += blockDim.x) {
             float o = 0.0f;
             for (int w = 0; w < WARPS; ++w) o += warp_acc[w][c] * expf(warp_max[w] - mx);
@@ -208,7 +215,7 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
     // other blocks' partials through L2 (__ldcg: this multiprocessor's L1 may hold stale lines).
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counters + head, 1u) == (unsigned)splits - 1;
+    if (threadIdx.x == 0) last = atomicAdd(counters + head, 1u) == (unsigned)used - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -217,22 +224,22 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
     float mt[TERN_KV_MAX_SPLITS], lt[TERN_KV_MAX_SPLITS];
 #pragma unroll
     for (int t = 0; t < TERN_KV_MAX_SPLITS; ++t) {
-        mt[t] = t < splits ? __ldcg(parts + (size_t)t * (hd + 2)) : -tern_inf();
-        lt[t] = t < splits ? __ldcg(parts + (size_t)t * (hd + 2) + 1) : 0.0f;
+        mt[t] = t < used ? __ldcg(parts + (size_t)t * (hd + 2)) : -tern_inf();
+        lt[t] = t < used ? __ldcg(parts + (size_t)t * (hd + 2) + 1) : 0.0f;
     }
     float big = -tern_inf();
 #pragma unroll
     for (int t = 0; t < TERN_KV_MAX_SPLITS; ++t)
-        if (t < splits) big = fmaxf(big, mt[t]);
+        if (t < used) big = fmaxf(big, mt[t]);
     float sum = 0.0f;
 #pragma unroll
     for (int t = 0; t < TERN_KV_MAX_SPLITS; ++t)
-        if (t < splits && mt[t] != -tern_inf()) sum += lt[t] * expf(mt[t] - big);
+        if (t < used && mt[t] != -tern_inf()) sum += lt[t] * expf(mt[t] - big);
     for (int c = threadIdx.x; c < hd; c += blockDim.x) {
         float o = 0.0f;
 #pragma unroll
         for (int t = 0; t < TERN_KV_MAX_SPLITS; ++t)
-            if (t < splits && mt[t] != -tern_inf()) o += __ldcg(parts + (size_t)t * (hd + 2) + 2 + c) * expf(mt[t] - big);
+            if (t < used && mt[t] != -tern_inf()) o += __ldcg(parts + (size_t)t * (hd + 2) + 2 + c) * expf(mt[t] - big);
         o_row[c] = o / sum * (1.0f / (1.0f + expf(-gr[c])));
     }
     if (threadIdx.x == 0) counters[head] = 0u;
@@ -248,12 +255,12 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
         long long g_ld, const float* __restrict__ k_new, long long k_off, long long k_ld,                              \
         const float* __restrict__ v_new, long long v_off, long long v_ld, int fresh,                                   \
         const unsigned long long* __restrict__ k_at, const unsigned long long* __restrict__ v_at,                      \
-        const unsigned* __restrict__ positions, int q_heads, int kv_heads, int hd, float scale,                        \
+        const unsigned* __restrict__ positions, int q_heads, int kv_heads, int hd, float scale, int min_keys,          \
         float* __restrict__ partial, unsigned* __restrict__ counters, float* __restrict__ out) {                       \
         tern_await_prior_kernel();                                                                                     \
         tern_kv_attention_body<PER, KB, WARPS>(q, q_off, q_ld, gate, g_off, g_ld, k_new, k_off, k_ld, v_new, v_off,   \
                                                v_ld, fresh, k_at, v_at, positions, q_heads, kv_heads, hd, scale,       \
-                                               partial, counters, out);                                                \
+                                               min_keys, partial, counters, out);                                      \
     }
 #define TERN_KV_ATTENTION(PER, KB)                                                                                     \
     TERN_KV_ATTENTION_ENTRY(tern_kv_attention_p##PER, PER, KB, TERN_KV_WARPS, )                                        \
