@@ -245,25 +245,6 @@ fn main() -> Result<()> {
         Ok(())
     })?;
     report("graph of launches", ms);
-    // The same with the weights of the products ahead requested into the L2 on a second stream
-    // (TERN_L2_PREFETCH=N: WeightPrefetch, as a recorded decode step does), the order learned
-    // from a plain run first.
-    let pf = blas.weight_prefetch();
-    pf.learn();
-    for ((m, x), y) in mats.iter().zip(&xs).zip(ys.iter_mut()) {
-        blas.linear(x, 1, m, y)?;
-    }
-    gpu.synchronize()?;
-    if let Some(order) = pf.learned() {
-        let ms = time_graph_ms(&gpu, reps, || {
-            pf.record(order)?;
-            for ((m, x), y) in mats.iter().zip(&xs).zip(ys.iter_mut()) {
-                blas.linear(x, 1, m, y)?;
-            }
-            pf.join()
-        })?;
-        report("graph of launches, weights prefetched ahead", ms);
-    }
     // The same with each 1024-feature product (a layer's output projection and FFN down
     // projection) ending in the residual step and the next norm, as a decode step runs them
     // (Blas::linear_residual_norm: the last block to finish forms the norm): what that tail

@@ -297,14 +297,6 @@ impl CudaOps {
         self
     }
 
-    /// These ops with a recorded decode step's weights prefetched into the L2 `ahead` products
-    /// ahead (0: not), whatever TERN_L2_PREFETCH says: the device test compares the two.
-    #[cfg(test)]
-    pub(crate) fn with_l2_prefetch(mut self, ahead: usize) -> Result<Self> {
-        self.blas = self.blas.with_l2_prefetch(ahead)?;
-        Ok(self)
-    }
-
     /// These ops with decode attention in `form`, whatever TERN_KV_SPLITS and TERN_KV_WARPS
     /// say: the device test runs every form. Before the first LLM op (which builds its kernels).
     #[cfg(test)]
@@ -834,13 +826,7 @@ impl Ops for CudaOps {
         // cuBLAS set up its workspace), then record the same work for the next one. Recording
         // queues nothing that runs now, so the step's effects on its buffers happen once.
         let batch = self.batch_at(segments, ids, past)?;
-        let prefetch = self.blas.weight_prefetch();
-        if _decode.is_some() {
-            prefetch.learn();
-        }
-        let y = f(&batch);
-        let order = prefetch.learned();
-        let y = y?;
+        let y = f(&batch)?;
         let host = read(&y)?;
         let mut out = self.gpu.alloc::<f32>(y.len())?;
         drop(y);
@@ -853,12 +839,10 @@ impl Ops for CudaOps {
             .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver_err("starting a graph capture"))
             .and_then(|()| {
-                // Whatever happens inside, the capture must end, or the stream stays in it; the
-                // prefetch stream, if forked, joins it first.
-                let queued = order.map_or(Ok(()), |o| prefetch.record(o)).and_then(|()| f(&batch)).and_then(|y| self.gpu.copy(&y, &mut out));
-                let joined = prefetch.join();
+                // Whatever happens inside, the capture must end, or the stream stays in it.
+                let queued = f(&batch).and_then(|y| self.gpu.copy(&y, &mut out));
                 let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)).map_err(driver_err("ending a graph capture"));
-                queued.and(joined).and(graph)
+                queued.and(graph)
             });
         let marks = self.profile.as_ref().map(|p| std::mem::take(&mut *p.recording.lock().unwrap_or_else(|p| p.into_inner()))).unwrap_or_default();
         let held = self.gpu.take_recorded_buffers();

@@ -506,7 +506,10 @@ pub struct KvAttentionCuda {
     gate: CudaFunction,
     form: KvForm,
     /// Whether a row of few keys takes fewer splits than `form` (as many as give each split a
-    /// round of keys a warp; `min_keys` in kv.cu): TERN_KV_SHORT_SPLITS=1, off until timed.
+    /// round of keys a warp; `min_keys` in kv.cu), on unless TERN_KV_SHORT_SPLITS=0 (to measure
+    /// the two on the same run). H100, Qwen3.5-0.8B bf16 decode from a 16-token prompt, same
+    /// call: 950.0 / 951.0 tok/s against 932.1 / 933.6 (+1.9%); after 512 tokens level
+    /// (BENCHMARKS.md, twenty-first session).
     short_splits: bool,
 }
 
@@ -621,7 +624,7 @@ impl KvAttentionCuda {
             attend_w16: KV_LANE_VALUES.iter().map(|per| gpu.function(&SOURCE_KV, &format!("tern_kv_attention_p{per}_w16"))).collect::<Result<_>>()?,
             gate: gpu.function(&SOURCE_KV, "tern_sigmoid_gate")?,
             form,
-            short_splits: std::env::var("TERN_KV_SHORT_SPLITS").is_ok_and(|v| v == "1"),
+            short_splits: std::env::var("TERN_KV_SHORT_SPLITS").map_or(true, |v| v != "0"),
             gpu,
         })
     }
@@ -798,7 +801,7 @@ impl KvAttentionCuda {
         l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&fresh);
         l.buf(&*tables.k_at).buf(&*tables.v_at).buf(positions);
         // Keys a split takes at least (one round of the kernel's KB keys a warp: 2 for heads of
-        // more than 256 values, else 4); 0 (the default for now): every row takes `splits`.
+        // more than 256 values, else 4); 0 (TERN_KV_SHORT_SPLITS=0): every row takes `splits`.
         let min_keys: i32 = if self.short_splits { (warps * if hd > 256 { 2 } else { 4 }) as i32 } else { 0 };
         l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).arg(&min_keys).buf(&partial).buf(&counters).buf(out);
         let grid_rows = u32::try_from(rows).ok().filter(|&r| r <= 65_535).ok_or_else(|| {

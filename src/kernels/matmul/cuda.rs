@@ -27,7 +27,6 @@ use crate::error::{Error, Result};
 use crate::kernels::backend::{check_view, View};
 use crate::kernels::check_len;
 use super::q8_0::{BLOCK, BLOCK_BYTES};
-use crate::kernels::matmul::prefetch::{WeightPrefetch, WeightRegions};
 use crate::kernels::matmul::Weights;
 
 pub const SOURCE: KernelSource = KernelSource {
@@ -430,22 +429,6 @@ pub struct Blas {
     expand_q8_bf16: CudaFunction,
     /// `tern_expand_q8_bf16_many`: many Q8_0 matrices' expansion in one launch.
     expand_q8_bf16_many: CudaFunction,
-    /// The L2 prefetch of a recorded decode step's weights ahead of its products
-    /// (TERN_L2_PREFETCH; [`WeightPrefetch`]).
-    prefetch: WeightPrefetch,
-}
-
-/// The weights a launch of `parts` reads, for [`WeightPrefetch`].
-fn weight_regions(gpu: &Gpu, parts: &[(&GpuMatrix, &mut CudaSlice<f32>)]) -> WeightRegions {
-    let mut regions = WeightRegions::new();
-    for (w, _) in parts {
-        match &w.w {
-            GpuWeights::F32(d) => regions.push((gpu.ptr(d), 4 * d.len())),
-            GpuWeights::Bf16(d) => regions.push((gpu.ptr(d), 2 * d.len())),
-            GpuWeights::Q8 { quants, scales } => regions.extend([(gpu.ptr(quants), quants.len()), (gpu.ptr(scales), 2 * scales.len())]),
-        }
-    }
-    regions
 }
 
 /// The matrices of a launch's parts.
@@ -541,24 +524,10 @@ impl Blas {
             expand_q8_f32: f("tern_expand_q8_f32")?,
             expand_q8_bf16: f("tern_expand_q8_bf16")?,
             expand_q8_bf16_many: f("tern_expand_q8_bf16_many")?,
-            prefetch: WeightPrefetch::new(gpu.clone(), f("tern_l2_prefetch")?, gpu.multiprocessors()?)?,
             tensor_cores,
             handle,
             gpu,
         })
-    }
-
-    /// The L2 prefetch of a recorded decode step's weights ([`WeightPrefetch`]).
-    pub fn weight_prefetch(&self) -> &WeightPrefetch {
-        &self.prefetch
-    }
-
-    /// This handle prefetching a recorded step's weights `ahead` products ahead (0: off),
-    /// whatever TERN_L2_PREFETCH says: the device test compares the two.
-    #[cfg(test)]
-    pub(crate) fn with_l2_prefetch(mut self, ahead: usize) -> Result<Self> {
-        self.prefetch = self.prefetch.with_ahead(ahead)?;
-        Ok(self)
     }
 
     /// Uploads a weight matrix [out][in] in its stored type; f32 weights become bf16 in the
@@ -1226,7 +1195,6 @@ impl Blas {
         let g = &self.gpu;
         let first = parts.first().map(|(w, _)| *w).ok_or_else(|| Error::Shape("gemv: no product".into()))?;
         let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", first.inp)?);
-        self.prefetch.read(|| weight_regions(g, parts))?;
         if tail.is_none() && conv.is_none() && normed.is_none() && self.gemv_mma_fits(rows, output, parts.iter().map(|(w, _)| *w)) {
             return self.gemv_mma(x, output, r, inp, parts, None);
         }

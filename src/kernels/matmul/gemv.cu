@@ -1134,19 +1134,3 @@ extern "C" __global__ void tern_expand_q8_bf16_many(const unsigned long long* __
     for (size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x; g < n / 8; g += (size_t)gridDim.x * blockDim.x)
         out[g] = tern_weights_bf16x8(w, 8 * g);
 }
-
-// A hint, no op: requests `bytes` of weights from `p` into the L2, one 128-byte line per
-// prefetch.global.L2, lines strided over the grid. A recorded decode step launches it on a
-// second stream for the weights of the product after the one about to run (WeightPrefetch in
-// matmul/cuda.rs), so that the memory keeps streaming weights through the gaps between a
-// chain of small kernels (a launch's wait, its first loads' latency, its last blocks, the
-// norms and the recurrence between the products); the product then finds its weights in the
-// L2. Nothing is written and no result depends on it, hence no CPU twin. Lines past the end of
-// the last whole line are not requested (the range's start is 128-byte aligned: a buffer's).
-extern "C" __global__ void tern_l2_prefetch(const char* __restrict__ p, unsigned long long bytes) {
-    tern_await_prior_kernel();
-    const unsigned long long lines = (bytes + 127) / 128;
-    for (unsigned long long l = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; l < lines;
-         l += (unsigned long long)gridDim.x * blockDim.x)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + 128 * l));
-}

@@ -6,7 +6,6 @@
 
 mod bf16;
 pub mod cuda;
-pub mod prefetch;
 mod q8_0;
 
 use std::cell::RefCell;
