@@ -11,7 +11,6 @@
 //! Kernel sources live beside their CPU twins (`src/kernels/<family>/cuda/*.cu`) and are listed
 //! in [`sources`], which the CI compile check walks.
 
-pub mod graph;
 pub mod nvrtc;
 #[cfg(test)]
 pub(crate) mod test_util;
@@ -395,8 +394,7 @@ impl Gpu {
         self.launches_dependent() && self.state_writer_at.load(Ordering::Relaxed) != self.launches.load(Ordering::Relaxed)
     }
 
-    /// Whether the launches queued now are programmatic dependent launches.
-    pub fn launches_dependent(&self) -> bool {
+    fn launches_dependent(&self) -> bool {
         match self.dependent_launch {
             DependentLaunch::Never => false,
             DependentLaunch::DecodeSteps => self.in_decode_step.load(Ordering::Relaxed),

@@ -13,7 +13,6 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use crate::cuda::graph::StepGraph;
 use crate::cuda::{driver_err, CudaEvent, CudaSlice, Gpu, KernelSource};
 use crate::error::{Error, Result};
 use crate::formats::Matrix;
@@ -62,7 +61,7 @@ const GRAPH_CACHE: usize = 64;
 /// and under TERN_CUDA_PROFILE=graph the event pairs recorded around each of its ops.
 struct Recorded {
     batch: CudaBatch,
-    graph: crate::cuda::graph::StepGraph,
+    graph: cudarc::driver::CudaGraph,
     out: CudaSlice<f32>,
     marks: Vec<OpMark>,
     /// The address tables and scratch buffers the graph reads and writes (see
@@ -218,10 +217,6 @@ pub struct CudaOps {
     gpu: Arc<Gpu>,
     precision: Precision,
     blas: Blas,
-    /// Whether recorded steps take their memory nodes out of the chain of kernels
-    /// ([`StepGraph`]); TERN_GRAPH_CONTRACT=0 keeps them as captured, to measure the two on the
-    /// same run.
-    contract_graphs: bool,
     norm: NormCuda,
     activation: ActivationCuda,
     rope: RopeCuda,
@@ -302,15 +297,6 @@ impl CudaOps {
         self
     }
 
-    /// These ops recording steps with their memory nodes contracted out of the chain of kernels
-    /// (`true`) or as captured, whatever TERN_GRAPH_CONTRACT says: the device test compares the
-    /// two.
-    #[cfg(test)]
-    pub(crate) fn with_graph_contraction(mut self, on: bool) -> Self {
-        self.contract_graphs = on;
-        self
-    }
-
     /// These ops with decode attention in `form`, whatever TERN_KV_SPLITS and TERN_KV_WARPS
     /// say: the device test runs every form. Before the first LLM op (which builds its kernels).
     #[cfg(test)]
@@ -364,7 +350,6 @@ impl CudaOps {
     pub fn new(gpu: Arc<Gpu>, precision: Precision) -> Result<Self> {
         Ok(CudaOps {
             blas: Blas::new(gpu.clone(), precision == Precision::Bf16)?,
-            contract_graphs: std::env::var("TERN_GRAPH_CONTRACT").map_or(true, |v| v != "0"),
             norm: NormCuda::new(gpu.clone())?,
             activation: ActivationCuda::new(gpu.clone())?,
             rope: RopeCuda::new(gpu.clone())?,
@@ -821,11 +806,11 @@ impl Ops for CudaOps {
                 r.batch.ids.write(&self.gpu, ids)?;
                 self.gpu.write(&positions(segments, past), &mut r.batch.positions)?;
                 if r.marks.is_empty() {
-                    r.graph.launch()?;
+                    r.graph.launch().map_err(driver_err("launching a recorded step"))?;
                 } else {
                     let (start, end) = (self.gpu.event()?, self.gpu.event()?);
                     start.record(self.gpu.stream()).map_err(driver_err("recording an event"))?;
-                    r.graph.launch()?;
+                    r.graph.launch().map_err(driver_err("launching a recorded step"))?;
                     end.record(self.gpu.stream()).map_err(driver_err("recording an event"))?;
                     self.add_step_profile(&r.marks, (&start, &end))?;
                 }
@@ -849,9 +834,6 @@ impl Ops for CudaOps {
             graphs.clear();
         }
         let stream = self.gpu.stream();
-        // The step's kernels are dependent launches (a decode step's, by default): the
-        // contracted graph joins them with programmatic edges.
-        let programmatic = self.gpu.launches_dependent();
         self.gpu.take_recorded_buffers();
         let recorded = stream
             .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -859,7 +841,7 @@ impl Ops for CudaOps {
             .and_then(|()| {
                 // Whatever happens inside, the capture must end, or the stream stays in it.
                 let queued = f(&batch).and_then(|y| self.gpu.copy(&y, &mut out));
-                let graph = StepGraph::end_capture(stream, self.contract_graphs, programmatic);
+                let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)).map_err(driver_err("ending a graph capture"));
                 queued.and(graph)
             });
         let marks = self.profile.as_ref().map(|p| std::mem::take(&mut *p.recording.lock().unwrap_or_else(|p| p.into_inner()))).unwrap_or_default();
