@@ -182,6 +182,43 @@ pub struct Gpu {
     state_writer_at: AtomicU64,
     /// Device tables of addresses by their contents (see [`Gpu::address_table`]).
     tables: Mutex<AddressTables>,
+    /// While a step is recorded with its buffers from a pool of its own ([`StepPool`]): that
+    /// pool (its handle as an integer) and the stream its allocations are ordered on.
+    step_pool: Mutex<Option<(usize, Arc<CudaStream>)>>,
+}
+
+/// A memory pool of one recorded step, for the buffers its ops allocate while it is recorded
+/// (opt-in, TERN_STEP_POOL=1, until timed; [`Gpu::allocate_from`]).
+///
+/// Why: every op allocates its output on the stream and frees buffers as they drop, so a
+/// captured step holds a memory node between most pairs of its kernels (a tiny Qwen3.5 decode
+/// step: 67 allocations and 67 frees among 63 kernels), and a dependent launch behind a memory
+/// node gets a full edge instead of a programmatic one: 41 of those 63 kernels could not start
+/// before the kernel before them ended (BENCHMARKS.md, twenty-first session). The driver
+/// refuses to remove a memory node's edges after capture, so instead the step's buffers are
+/// taken, while it is recorded, from this pool on a second stream that is not captured: the
+/// graph then holds no memory nodes. A buffer freed during the recording returns to this pool
+/// at once and may serve a later buffer of the same step, as a graph's own allocations would:
+/// safe because the later buffer's kernels come after the earlier one's last kernel on the
+/// step's stream, and every kernel awaits the one before it before it touches anything but
+/// weights and recurrent states (cuda/launch.cuh). The pool keeps its memory (release
+/// threshold at its maximum) and serves nothing else, so the addresses the graph holds stay
+/// its own until the graph and the pool are dropped together.
+pub struct StepPool {
+    pool: usize,
+    side: Arc<CudaStream>,
+}
+
+// SAFETY: the pool handle is used only through the driver API, which is thread-safe.
+unsafe impl Send for StepPool {}
+unsafe impl Sync for StepPool {}
+
+impl Drop for StepPool {
+    fn drop(&mut self) {
+        // SAFETY: the pool is this value's own; the driver defers the release until the
+        // pool's last allocation is freed. An error cannot be reported from a drop.
+        unsafe { cudarc::driver::sys::cuMemPoolDestroy(self.pool as cudarc::driver::sys::CUmemoryPool) };
+    }
 }
 
 /// Which launches are programmatic dependent launches (sm_90 and later; TERN_DEPENDENT_LAUNCH
@@ -291,6 +328,7 @@ impl Gpu {
             launches: AtomicU64::new(0),
             state_writer_at: AtomicU64::new(u64::MAX),
             tables: Mutex::new(AddressTables::default()),
+            step_pool: Mutex::new(None),
         }))
     }
 
@@ -534,13 +572,63 @@ impl Gpu {
     /// A device buffer of `n` elements whose contents are undefined until a kernel writes them
     /// (every caller writes all of it before reading).
     pub fn alloc<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
+        let pooled = self.step_pool.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some((pool, side)) = pooled {
+            let bytes = (n * std::mem::size_of::<T>()).max(1);
+            let mut ptr: cudarc::driver::sys::CUdeviceptr = 0;
+            // SAFETY: the pool is live (the recorder holds it while it is set) and the side
+            // stream is this context's; the slice then frees the buffer on that stream, back
+            // to the pool.
+            unsafe {
+                cudarc::driver::sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, pool as cudarc::driver::sys::CUmemoryPool, side.cu_stream())
+                    .result()
+                    .map_err(driver_err(&format!("allocating {n} elements from a step's pool")))?;
+                return Ok(side.upgrade_device_ptr(ptr, n));
+            }
+        }
         // SAFETY: the buffer is only handed to kernels that overwrite it before anything reads it.
         unsafe { self.stream.alloc::<T>(n) }.map_err(driver_err(&format!("allocating {n} elements")))
     }
 
-    /// A zeroed device buffer of `n` elements.
+    /// A zeroed device buffer of `n` elements (zeroed on the stream, so a recorded step zeroes
+    /// it at every replay).
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        if self.step_pool.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+            let buf = self.alloc::<T>(n)?;
+            // SAFETY: the range is the buffer's own bytes; the stream orders the fill.
+            unsafe { cudarc::driver::result::memset_d8_async(self.ptr(&buf), 0, n * std::mem::size_of::<T>(), self.stream.cu_stream()) }
+                .map_err(driver_err("zeroing a device buffer"))?;
+            return Ok(buf);
+        }
         self.stream.alloc_zeros(n).map_err(driver_err(&format!("allocating {n} elements")))
+    }
+
+    /// A memory pool for one recorded step's buffers ([`StepPool`]). Errors where the driver
+    /// has no such pools (an emulator): the step is then recorded as captured.
+    pub fn step_pool(&self) -> Result<StepPool> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
+        // SAFETY: zeroed properties are valid once type and location are set; the pool is
+        // destroyed by the StepPool that owns it.
+        unsafe {
+            let mut props: sys::CUmemPoolProps = std::mem::zeroed();
+            props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+            props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            props.location.id = self.ordinal as i32;
+            let pool = cudarc::driver::result::mem_pool::create(&props).map_err(driver_err("creating a step's memory pool"))?;
+            let owned = StepPool { pool: pool as usize, side: self.ctx.new_stream().map_err(driver_err("creating a stream"))? };
+            let mut keep = u64::MAX;
+            sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut keep as *mut u64 as *mut std::ffi::c_void)
+                .result()
+                .map_err(driver_err("keeping a step's memory pool"))?;
+            Ok(owned)
+        }
+    }
+
+    /// Takes the buffers of [`Gpu::alloc`] and [`Gpu::zeros`] from `pool` until called again
+    /// with None (while a step is recorded, [`StepPool`]).
+    pub fn allocate_from(&self, pool: Option<&StepPool>) {
+        *self.step_pool.lock().unwrap_or_else(|p| p.into_inner()) = pool.map(|p| (p.pool, p.side.clone()));
     }
 
     /// Fills `buf` with 0xff bytes (NaN as f32, u32::MAX as u32): outputs a kernel must

@@ -13,7 +13,7 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use crate::cuda::{driver_err, CudaEvent, CudaSlice, Gpu, KernelSource};
+use crate::cuda::{driver_err, CudaEvent, CudaSlice, Gpu, KernelSource, StepPool};
 use crate::error::{Error, Result};
 use crate::formats::Matrix;
 use crate::kernels::activation::cuda::ActivationCuda;
@@ -67,6 +67,9 @@ struct Recorded {
     /// The address tables and scratch buffers the graph reads and writes (see
     /// [`Gpu::address_table`], [`Gpu::hold_while_recorded`]).
     _buffers: Vec<crate::cuda::RecordedBuffer>,
+    /// The pool of the buffers the step allocated while it was recorded, if it took one
+    /// ([`StepPool`]): dropped after the graph and the buffers above (fields drop in order).
+    _pool: Option<StepPool>,
 }
 
 /// One op inside a recorded step, between two timing events that are nodes of the graph.
@@ -217,6 +220,10 @@ pub struct CudaOps {
     gpu: Arc<Gpu>,
     precision: Precision,
     blas: Blas,
+    /// Whether a step is recorded with its buffers from a pool of its own, so that its graph
+    /// holds no memory nodes between its kernels ([`StepPool`]; TERN_STEP_POOL=1, opt-in
+    /// until timed).
+    step_pools: bool,
     norm: NormCuda,
     activation: ActivationCuda,
     rope: RopeCuda,
@@ -297,6 +304,14 @@ impl CudaOps {
         self
     }
 
+    /// These ops recording steps with their buffers from a pool of their own (`true`) or from
+    /// the stream, whatever TERN_STEP_POOL says: the device test compares the two.
+    #[cfg(test)]
+    pub(crate) fn with_step_pools(mut self, on: bool) -> Self {
+        self.step_pools = on;
+        self
+    }
+
     /// These ops with decode attention in `form`, whatever TERN_KV_SPLITS and TERN_KV_WARPS
     /// say: the device test runs every form. Before the first LLM op (which builds its kernels).
     #[cfg(test)]
@@ -350,6 +365,7 @@ impl CudaOps {
     pub fn new(gpu: Arc<Gpu>, precision: Precision) -> Result<Self> {
         Ok(CudaOps {
             blas: Blas::new(gpu.clone(), precision == Precision::Bf16)?,
+            step_pools: std::env::var("TERN_STEP_POOL").is_ok_and(|v| v == "1"),
             norm: NormCuda::new(gpu.clone())?,
             activation: ActivationCuda::new(gpu.clone())?,
             rope: RopeCuda::new(gpu.clone())?,
@@ -835,6 +851,10 @@ impl Ops for CudaOps {
         }
         let stream = self.gpu.stream();
         self.gpu.take_recorded_buffers();
+        // Where the driver has no pools of its own (an emulator), the step is recorded as
+        // captured, memory nodes and all.
+        let pool = if self.step_pools { self.gpu.step_pool().ok() } else { None };
+        self.gpu.allocate_from(pool.as_ref());
         let recorded = stream
             .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver_err("starting a graph capture"))
@@ -844,13 +864,14 @@ impl Ops for CudaOps {
                 let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)).map_err(driver_err("ending a graph capture"));
                 queued.and(graph)
             });
+        self.gpu.allocate_from(None);
         let marks = self.profile.as_ref().map(|p| std::mem::take(&mut *p.recording.lock().unwrap_or_else(|p| p.into_inner()))).unwrap_or_default();
         let held = self.gpu.take_recorded_buffers();
         if let (Ok(Some(graph)), Some(_)) = (&recorded, std::env::var_os("TERN_GRAPH_STATS")) {
             eprintln!("recorded step of {} rows: {}", ids.len(), crate::cuda::graph_stats(graph.cu_graph()));
         }
         let entry = match recorded {
-            Ok(Some(graph)) => Ok(Recorded { batch, graph, out, marks, _buffers: held }),
+            Ok(Some(graph)) => Ok(Recorded { batch, graph, out, marks, _buffers: held, _pool: pool }),
             Ok(None) => Err("the capture recorded no graph".to_string()),
             Err(e) => Err(e.to_string()),
         };

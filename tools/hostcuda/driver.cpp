@@ -1999,6 +1999,19 @@ CUresult cuDeviceSetMemPool(CUdevice d, CUmemoryPool pool) {
     return pool == &g_pool ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
+// Pools of one's own are not modelled: callers fall back to the default pool's behaviour.
+CUresult cuMemPoolCreate(CUmemoryPool* pool, const void* props) {
+    INIT_CHECK();
+    (void)props;
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+CUresult cuMemPoolDestroy(CUmemoryPool pool) {
+    INIT_CHECK();
+    return pool == &g_pool ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_INVALID_HANDLE;
+}
+
 CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
     (void)pool;
     (void)keep;
