@@ -572,8 +572,7 @@ impl Gpu {
     /// A device buffer of `n` elements whose contents are undefined until a kernel writes them
     /// (every caller writes all of it before reading).
     pub fn alloc<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
-        let pooled = self.step_pool.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        if let Some((pool, side)) = pooled {
+        if let Some((pool, side)) = self.pooled() {
             let bytes = (n * std::mem::size_of::<T>()).max(1);
             let mut ptr: cudarc::driver::sys::CUdeviceptr = 0;
             // SAFETY: the pool is live (the recorder holds it while it is set) and the side
@@ -593,14 +592,25 @@ impl Gpu {
     /// A zeroed device buffer of `n` elements (zeroed on the stream, so a recorded step zeroes
     /// it at every replay).
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
-        if self.step_pool.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
-            let buf = self.alloc::<T>(n)?;
-            // SAFETY: the range is the buffer's own bytes; the stream orders the fill.
-            unsafe { cudarc::driver::result::memset_d8_async(self.ptr(&buf), 0, n * std::mem::size_of::<T>(), self.stream.cu_stream()) }
-                .map_err(driver_err("zeroing a device buffer"))?;
+        if self.pooled().is_some() {
+            let mut buf = self.alloc::<T>(n)?;
+            self.fill_bytes(&mut buf, 0)?;
             return Ok(buf);
         }
         self.stream.alloc_zeros(n).map_err(driver_err(&format!("allocating {n} elements")))
+    }
+
+    /// The step pool [`Gpu::alloc`] takes buffers from now, and its stream ([`Gpu::allocate_from`]).
+    fn pooled(&self) -> Option<(usize, Arc<CudaStream>)> {
+        self.step_pool.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Sets every byte of `buf` to `byte`, queued on the stream.
+    fn fill_bytes<T>(&self, buf: &mut CudaSlice<T>, byte: u8) -> Result<()> {
+        let bytes = buf.len() * std::mem::size_of::<T>();
+        // SAFETY: the range is the buffer's own bytes; the stream orders the fill.
+        unsafe { cudarc::driver::result::memset_d8_async(self.ptr(buf), byte, bytes, self.stream.cu_stream()) }
+            .map_err(driver_err("filling a device buffer"))
     }
 
     /// A memory pool for one recorded step's buffers ([`StepPool`]). Errors where the driver
@@ -634,10 +644,7 @@ impl Gpu {
     /// Fills `buf` with 0xff bytes (NaN as f32, u32::MAX as u32): outputs a kernel must
     /// overwrite, so that one it leaves unwritten is seen.
     pub fn poison<T: DeviceRepr>(&self, buf: &mut CudaSlice<T>) -> Result<()> {
-        let bytes = buf.len() * std::mem::size_of::<T>();
-        // SAFETY: the range is the buffer's own bytes; the stream orders the fill.
-        unsafe { cudarc::driver::result::memset_d8_async(self.ptr(buf), 0xff, bytes, self.stream.cu_stream()) }
-            .map_err(driver_err("filling a device buffer"))
+        self.fill_bytes(buf, 0xff)
     }
 
     /// Device-to-device copy of `src` into `dst` (same length), queued on the stream.
