@@ -511,7 +511,19 @@ pub struct KvAttentionCuda {
     /// call: 950.0 / 951.0 tok/s against 932.1 / 933.6 (+1.9%); after 512 tokens level
     /// (BENCHMARKS.md, twenty-first session).
     short_splits: bool,
+    /// The heads' arrival counters of [`KV_KEPT_COUNTERS`] (row, head) pairs, zeroed once here
+    /// and left zero by every launch (the last block of a head resets its counter), so a
+    /// recorded decode step's attention follows the kernel before it with no memset between
+    /// them: a memset node before a kernel is a full edge in the graph and takes away its
+    /// dependent launch. Launches are ordered on the one stream, and a kernel touches the
+    /// counters only after its wait for the kernel before it, so no two launches share them at
+    /// once. None with TERN_KV_KEPT_COUNTERS=0 (every launch zeroes its own, to measure the two).
+    kept_counters: Option<CudaSlice<u32>>,
 }
+
+/// (row, head) pairs whose arrival counters [`KvAttentionCuda`] keeps between launches (256 KB):
+/// 128 sequences of 512 heads, or a prompt's rows past that zero counters of their own.
+const KV_KEPT_COUNTERS: usize = 1 << 16;
 
 /// How decode attention (tern_kv_attention) spreads a row's keys: over `splits` key ranges
 /// (blocks) of `warps` warps each. [`KV_SPLITS`] ranges, of [`KV_WARPS_WIDE`] warps in a
@@ -625,6 +637,10 @@ impl KvAttentionCuda {
             gate: gpu.function(&SOURCE_KV, "tern_sigmoid_gate")?,
             form,
             short_splits: std::env::var("TERN_KV_SHORT_SPLITS").map_or(true, |v| v != "0"),
+            kept_counters: match std::env::var("TERN_KV_KEPT_COUNTERS").map_or(true, |v| v != "0") {
+                true => Some(gpu.zeros::<u32>(KV_KEPT_COUNTERS)?),
+                false => None,
+            },
             gpu,
         })
     }
@@ -792,7 +808,14 @@ impl KvAttentionCuda {
         let splits = kv_splits(rows, q_heads, hd, splits);
         // Split partials (unused with one split) and the heads' arrival counters.
         let partial = g.alloc::<f32>(if splits > 1 { rows * q_heads * splits * (hd + 2) } else { 1 })?;
-        let counters = g.zeros::<u32>(rows * q_heads)?;
+        let own_counters;
+        let counters = match &self.kept_counters {
+            Some(kept) if rows * q_heads <= kept.len() => kept,
+            _ => {
+                own_counters = g.zeros::<u32>(rows * q_heads)?;
+                &own_counters
+            }
+        };
         // hd <= MAX_HEAD_DIM = 32 · the last lane count (checked above).
         let kernels = if warps == KV_WARPS_WIDE { &self.attend_w16 } else { &self.attend };
         let attend = KV_LANE_VALUES.iter().position(|&per| 32 * per >= hd).map(|at| &kernels[at]).expect("hd <= MAX_HEAD_DIM");
@@ -803,7 +826,7 @@ impl KvAttentionCuda {
         // Keys a split takes at least (one round of the kernel's KB keys a warp: 2 for heads of
         // more than 256 values, else 4); 0 (TERN_KV_SHORT_SPLITS=0): every row takes `splits`.
         let min_keys: i32 = if self.short_splits { (warps * if hd > 256 { 2 } else { 4 }) as i32 } else { 0 };
-        l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).arg(&min_keys).buf(&partial).buf(&counters).buf(out);
+        l.arg(&heads).arg(&kvh).arg(&hdi).arg(&scale).arg(&min_keys).buf(&partial).buf(counters).buf(out);
         let grid_rows = u32::try_from(rows).ok().filter(|&r| r <= 65_535).ok_or_else(|| {
             Error::Shape(format!("kv_attention: {rows} new rows, at most 65535 per launch"))
         })?;
