@@ -316,7 +316,6 @@ struct RecurrenceArgs {
     q_scale: f32,
     slot_base: u32,
     direct: i32,
-    head_counters: u64,
 }
 // SAFETY: plain data, laid out as the kernel's struct.
 unsafe impl DeviceRepr for RecurrenceArgs {}
@@ -325,10 +324,6 @@ unsafe impl DeviceRepr for RecurrenceArgs {}
 /// recurrence.cu), 8 a warp, one block a head.
 pub const FUSED_MAX_DV: usize = 128;
 const FUSED_ROWS_PER_WARP: usize = 8;
-/// (sequence, head) pairs the split fused form keeps arrival counters for ([`GatedDeltaCuda`]).
-const SPLIT_COUNTERS: usize = 4096;
-/// Warps a block of the split fused form by default (`SPLIT` in recurrence.cu; at most 4).
-const SPLIT_WARPS: usize = 2;
 
 /// The family's kernels, loaded for one GPU.
 pub struct GatedDeltaCuda {
@@ -345,17 +340,6 @@ pub struct GatedDeltaCuda {
     /// 7.28 -> 7.20 at 1 sequence, 33.2 -> 30.3 at 16, 119.8 -> 101.4 at 64, 530 -> 382 at 256;
     /// Qwen3.5-0.8B's decode rounds of 128 sequences 21 051 -> 21 804 tok/s.
     fused_bound64: bool,
-    /// The split fused form (`SPLIT` in recurrence.cu): blocks of `split_warps` warps (0: never
-    /// split; TERN_GDN_SPLIT_WARPS=0, 1, 2 or 4), taken by a decode step whose sequences × value
-    /// heads are at most `split_below` (the multiprocessors: fewer heads than that leave the
-    /// one-block form's multiprocessors each streaming a whole head's state). The same bits.
-    split_warps: usize,
-    split_below: usize,
-    /// The split form's arrival counters, [`SPLIT_COUNTERS`] of them, zeroed once here and left
-    /// zero by every launch (the last block of a head resets its counter), so a recorded step
-    /// holds no memset before the launch. One stream orders the launches, and a launch touches
-    /// them only after it awaits the kernel before it.
-    head_counters: CudaSlice<u32>,
     /// Whether the recurrence computes what a batch lets it (`GpuSegments::direct`) rather than
     /// loading it from the tables: the same bits. On by default; TERN_GDN_DIRECT=0 turns it off.
     direct_addressing: bool,
@@ -397,8 +381,6 @@ pub struct GatedDeltaCuda {
 enum RecurrenceForm {
     Rows(usize, usize),
     Fused,
-    /// The fused form with a head's rows over several blocks (decode steps).
-    FusedSplit,
 }
 
 /// One kernel of recurrence.cu: its d_k, form, whether it sums a warp's rows by scatter, and
@@ -421,7 +403,6 @@ impl RecurrenceKernel {
             all.extend(RECURRENCE_VARIANTS.map(|(r, g)| k(RecurrenceForm::Rows(r, g), false, false)));
             all.push(k(RecurrenceForm::Fused, false, false));
             all.extend([k(RecurrenceForm::Rows(8, 1), true, false), k(RecurrenceForm::Rows(8, 2), true, false), k(RecurrenceForm::Fused, true, false)]);
-            all.push(k(RecurrenceForm::FusedSplit, true, false));
             if d_k <= 128 {
                 all.extend([k(RecurrenceForm::Rows(8, 1), true, true), k(RecurrenceForm::Fused, false, true), k(RecurrenceForm::Fused, true, true)]);
             }
@@ -434,7 +415,6 @@ impl RecurrenceKernel {
         match self.form {
             RecurrenceForm::Rows(r, g) => format!("tern_gdn_recurrence_dk{}_r{r}_g{g}{sums}{}", self.d_k, if self.bound64 { "64" } else { "" }),
             RecurrenceForm::Fused => format!("tern_gdn_recurrence_fused_dk{}{sums}{}", self.d_k, if self.bound64 { "_b64" } else { "" }),
-            RecurrenceForm::FusedSplit => format!("tern_gdn_recurrence_fused_split_dk{}", self.d_k),
         }
     }
 }
@@ -761,14 +741,6 @@ impl GatedDeltaCuda {
             conv,
             recurrence,
             fused_bound64: std::env::var("TERN_GDN_FUSED_BOUND").map_or(true, |v| v != "0"),
-            split_warps: match std::env::var("TERN_GDN_SPLIT_WARPS").as_deref() {
-                Ok("0") => 0,
-                Ok("1") => 1,
-                Ok("4") => 4,
-                _ => SPLIT_WARPS,
-            },
-            split_below: gpu.multiprocessors()?,
-            head_counters: gpu.zeros::<u32>(SPLIT_COUNTERS)?,
             direct_addressing: std::env::var("TERN_GDN_DIRECT").map_or(true, |v| v != "0"),
             early_state: (std::env::var("TERN_GDN_EARLY_STATE").as_deref() == Ok("0")).then_some(false),
             scatter: match std::env::var("TERN_GDN_SCATTER").as_deref() {
@@ -835,15 +807,6 @@ impl GatedDeltaCuda {
     /// same bits, with the butterflies or the scatter sums as [`Self::set_scatter_sums`] says).
     pub fn set_fused_bound64(&mut self, on: bool) {
         self.fused_bound64 = on;
-    }
-
-    /// The split fused form in blocks of `warps` warps (1, 2 or 4; 0: never) wherever it applies
-    /// (a decode step of at most [`SPLIT_COUNTERS`] sequences × heads), however many: the
-    /// device tests check its bits against the one-block form's.
-    #[cfg(test)]
-    pub(crate) fn set_fused_split(&mut self, warps: usize) {
-        self.split_warps = warps;
-        self.split_below = usize::MAX;
     }
 
     /// Whether every recurrence launch requests its first state rows before it awaits the
@@ -1069,18 +1032,7 @@ impl GatedDeltaCuda {
         // for the (8, 1) form with them and for the fused form, where d_k <= 128.
         let scatter = self.scatter != ScatterSums::Off;
         let small = heads.d_k <= 128;
-        // The split fused form: a decode step of few heads in all, each head's row groups a
-        // whole number of its blocks.
-        let groups = heads.d_v.div_ceil(rows);
-        let decode = segs.segments.iter().all(|s| s.len == 1);
-        let heads_in_all = segs.n_seqs() * heads.n_v_heads;
-        let split = x.fused.is_some()
-            && decode
-            && self.split_warps > 0
-            && groups % self.split_warps == 0
-            && heads_in_all <= self.split_below.min(self.head_counters.len());
         let want = match x.fused {
-            Some(_) if split => RecurrenceKernel { d_k: heads.d_k, form: RecurrenceForm::FusedSplit, scatter: true, bound64: false },
             Some(_) => RecurrenceKernel { d_k: heads.d_k, form: RecurrenceForm::Fused, scatter, bound64: self.fused_bound64 && small },
             None => RecurrenceKernel {
                 d_k: heads.d_k,
@@ -1095,15 +1047,10 @@ impl GatedDeltaCuda {
             return Ok(());
         }
         let (pool, table) = states.resolve(&self.gpu, "delta_rule states", segs, heads.state_len())?;
+        let groups = heads.d_v.div_ceil(rows);
         // The kernel numbers a sequence's row groups with 32-bit ints.
         i32_of("value heads × row groups", heads.n_v_heads * groups)?;
         let cfg = match x.fused {
-            // Blocks of split_warps warps, groups / split_warps of them a head, in head order.
-            Some(_) if split => LaunchConfig {
-                grid_dim: (u32_of("split recurrence blocks", heads.n_v_heads * groups / self.split_warps)?, segs.n_seqs() as u32, 1),
-                block_dim: (32 * self.split_warps as u32, 1, 1),
-                shared_mem_bytes: 0,
-            },
             // One block of `groups` warps per (head, sequence): the norm meets a head's rows.
             Some(_) => LaunchConfig { grid_dim: (heads.n_v_heads as u32, segs.n_seqs() as u32, 1), block_dim: (32 * groups as u32, 1, 1), shared_mem_bytes: 0 },
             None => LaunchConfig {
@@ -1146,15 +1093,12 @@ impl GatedDeltaCuda {
             slot_base: segs.first_slot,
             // With an address table the kernel takes each state from it and ignores the slots.
             direct: if self.direct_addressing { segs.direct } else { 0 } | if self.early_state.unwrap_or_else(|| g.state_reads_may_lead()) { EARLY_STATE } else { 0 },
-            head_counters: g.ptr(&self.head_counters),
         };
         let mut l = g.launch_builder(f);
         l.arg(&args);
         // SAFETY: RecurrenceArgs mirrors tern_gdn_recurrence_args; every row, segment and slot
         // lies inside its buffer and each sequence's state has its length (checked above); the
-        // address table stays alive in the device table cache after this returns; the split
-        // form's counters (sequence s, head h at s × n_v_heads + h) lie inside head_counters
-        // (checked where it is chosen).
+        // address table stays alive in the device table cache after this returns.
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_recurrence"))?;
         g.note_state_writer();
         Ok(())

@@ -125,8 +125,6 @@ struct tern_gdn_recurrence_args {
     // awaiting it (tern_gdn_early_state).
     unsigned slot_base;
     int direct;
-    // Split fused form only: one arrival counter per (sequence, head), zero between launches.
-    unsigned* head_counters;
 };
 
 // The sums over the warp of ROWS values a lane holds, one per row, as tern_gdn_warp_sum forms
@@ -234,57 +232,13 @@ __device__ __forceinline__ float tern_gdn_rows_token(float (&r)[ROWS][DK / 32], 
 // block meets in shared memory once per token; the sum of squares runs in that kernel's
 // order), so a decode step's gates, recurrence and norm are one launch with the same bits as
 // three.
-//
-// SPLIT (FUSED, decode steps only: one token a sequence): a head's rows are spread over
-// dv / 8 / WARPS blocks of WARPS warps rather than held by one block. At few sequences the
-// one-block form puts a head's whole state (64 KB at 128 x 128, read and written) through one
-// multiprocessor, whose own bandwidth then bounds the step (~7 µs at one sequence where the
-// state bytes take well under one at the copy bandwidth); split, the state streams through as
-// many multiprocessors as the head has blocks. A block writes its rows' outputs unnormalised,
-// and the last of a head's blocks to arrive (a counter per (sequence, head), zero between
-// launches: that block resets it) forms the gated norm over the head's row from memory, in the
-// one-block form's order, so the bits are the same.
-//
 // Whether the kernel requests its first state rows before it awaits the prior kernel
 // (EARLY_STATE): it then awaits it in tern_gdn_recurrence_body, after those loads and before it
 // reads anything else a kernel writes (the batch's tables are copies from the host).
 __device__ __forceinline__ bool tern_gdn_early_state(const tern_gdn_recurrence_args& a) { return (a.direct & 4) != 0; }
 
-// The split form's end (SPLIT above): every block fences its unnormalised outputs and arrives
-// at its head's counter; the last to arrive reads the head's row back through L2 (__ldcg: this
-// multiprocessor's L1 may hold stale lines), sums its squares as the one-block form does (lane
-// i takes i, i + 32, ..., then the warp's butterfly: every warp the same sum), and writes the
-// gated norm in place.
-__device__ __forceinline__ void tern_gdn_split_norm(const tern_gdn_recurrence_args& a, int s, size_t t, int h) {
-    __shared__ bool last;
-    const int per_head = (a.dv / 8) / (int)(blockDim.x / 32);
-    unsigned* counter = a.head_counters + (size_t)s * a.nv + h;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == (unsigned)per_head - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int lane = threadIdx.x % 32, dv = a.dv;
-    float* row_out = a.out + (t * a.nv + h) * dv;
-    float ss = 0.0f;
-    for (int i = lane; i < dv; i += 32) {
-        const float o = __ldcg(row_out + i);
-        ss += o * o;
-    }
-    const float inv = 1.0f / sqrtf(tern_gdn_warp_sum(ss) / (float)dv + a.norm_eps);
-    // Every warp has read the row before any thread overwrites it.
-    __syncthreads();
-    for (int c = threadIdx.x; c < dv; c += blockDim.x) {
-        const float o = __ldcg(row_out + c);
-        row_out[c] = ((o * inv) * a.norm_w[c]) * tern_gdn_silu(a.z[t * a.z_stride + (size_t)h * dv + c]);
-    }
-    if (threadIdx.x == 0) *counter = 0u;
-}
-
-template <int DK, int ROWS, int GPW, bool FUSED, bool SCATTER, bool SPLIT = false>
+template <int DK, int ROWS, int GPW, bool FUSED, bool SCATTER>
 __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, float* o_smem) {
-    static_assert(!SPLIT || (FUSED && GPW == 1), "the split form is the fused one");
     constexpr int E = DK / 32;
     const int lane = threadIdx.x % 32;
     const int nv = a.nv, dv = a.dv;
@@ -352,9 +306,7 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
             }
             const float o_lane = tern_gdn_rows_token<DK, ROWS, SCATTER>(r, kk, qq, v_lane, decay, b);
             float* row_out = a.out + (t * nv + h) * dv;
-            if constexpr (SPLIT) {
-                if (row_lane) row_out[j0 + lane] = o_lane;
-            } else if constexpr (FUSED) {
+            if constexpr (FUSED) {
                 // Two buffers by token parity: a warp writing token t + 1's row never meets one
                 // still reading token t's, which passed this barrier before it could.
                 float* head = o_smem + (t & 1) * TERN_GDN_FUSED_MAX_DV;
@@ -375,7 +327,6 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
             for (int e = 0; e < E; e++) r[m][e] = next[m][e];
         }
     }
-    if constexpr (SPLIT) tern_gdn_split_norm(a, s, start, (int)(blockIdx.x * (blockDim.x / 32)) / groups);
 }
 
 // One kernel per (d_k, rows per warp, row groups per warp). These only trade registers
@@ -412,18 +363,11 @@ __device__ void tern_gdn_recurrence_body(const tern_gdn_recurrence_args& a, floa
         __shared__ float o_smem[2 * TERN_GDN_FUSED_MAX_DV];                                              \
         tern_gdn_recurrence_body<D, 8, 1, true, SCATTER>(a, o_smem);                                     \
     }
-// The split fused form (SPLIT above): blocks of at most 4 warps, by scatter.
-#define TERN_GDN_RECURRENCE_FUSED_SPLIT(D)                                                               \
-    extern "C" __global__ void __launch_bounds__(128) tern_gdn_recurrence_fused_split_dk##D(const tern_gdn_recurrence_args a) { \
-        tern_await_prior_kernel_unless(tern_gdn_early_state(a));                                         \
-        tern_gdn_recurrence_body<D, 8, 1, true, true, true>(a, nullptr);                                 \
-    }
 #define TERN_GDN_RECURRENCE_D(D, ONE_GROUP, FUSED_MIN_BLOCKS)                                             \
     ONE_GROUP(D, 1, 1) ONE_GROUP(D, 2, 1) ONE_GROUP(D, 4, 1) ONE_GROUP(D, 8, 1)                          \
     TERN_GDN_RECURRENCE(D, 2, 2) TERN_GDN_RECURRENCE(D, 4, 2) TERN_GDN_RECURRENCE(D, 8, 2)              \
     TERN_GDN_RECURRENCE(D, 2, 4) TERN_GDN_RECURRENCE(D, 4, 4) TERN_GDN_RECURRENCE_FUSED(D, FUSED_MIN_BLOCKS, false, ) \
-    TERN_GDN_RECURRENCE_S(D, 8, 1) TERN_GDN_RECURRENCE_S(D, 8, 2) TERN_GDN_RECURRENCE_FUSED(D, FUSED_MIN_BLOCKS, true, _s) \
-    TERN_GDN_RECURRENCE_FUSED_SPLIT(D)
+    TERN_GDN_RECURRENCE_S(D, 8, 1) TERN_GDN_RECURRENCE_S(D, 8, 2) TERN_GDN_RECURRENCE_FUSED(D, FUSED_MIN_BLOCKS, true, _s)
 // The forms bounded to 64 registers: _s64 (above), and the fused form bounded to two blocks a
 // multiprocessor (64 registers at the 512 threads of d_v = 128), with the butterflies (_b64:
 // 16 bytes of spill at d_k = 128) and with the scatter sums (_s_b64: 32 bytes). The launcher's
@@ -444,7 +388,6 @@ TERN_GDN_RECURRENCE_64(64)
 TERN_GDN_RECURRENCE_64(128)
 #undef TERN_GDN_RECURRENCE_D
 #undef TERN_GDN_RECURRENCE_FUSED
-#undef TERN_GDN_RECURRENCE_FUSED_SPLIT
 #undef TERN_GDN_RECURRENCE_FULL
 #undef TERN_GDN_RECURRENCE
 #undef TERN_GDN_RECURRENCE_S

@@ -683,10 +683,6 @@ fn cuda_fused_recurrence_equals_gates_recurrence_norm() {
         (2, 4, 64, 64, Grouped, &[1, 7, 63]),
         (1, 3, 256, 20, Tiled, &[3, 1]),
         (2, 2, 32, 48, Grouped, &[5, 2, 9]),
-        // Decode steps the split form takes with blocks of 1 and 2 warps but not 4 (6 row
-        // groups a head), and with every block size (d_k = 256, 8 row groups).
-        (2, 2, 32, 48, Grouped, &[1, 1]),
-        (2, 4, 256, 64, Tiled, &[1, 1, 1]),
     ];
     for &(nk, nv, dk, dv, key_head, lengths) in cases {
         let heads = DeltaRuleHeads { n_k_heads: nk, n_v_heads: nv, d_k: dk, d_v: dv, key_head };
@@ -762,28 +758,15 @@ fn cuda_fused_recurrence_equals_gates_recurrence_norm() {
         // 128; above it the bound is ignored): the same bits.
         // Last, the default requesting its first state rows before it awaits the kernel before
         // it (EARLY_STATE, what a decode step's dependent launch takes).
-        // Then the split form (a decode step's heads over blocks of 1, 2 or 4 warps; other
-        // steps, or a head whose row groups the blocks do not divide, take the one-block form).
-        let forms = [
-            (ScatterSums::On, false, false, 0),
-            (ScatterSums::Off, false, false, 0),
-            (ScatterSums::Off, true, false, 0),
-            (ScatterSums::On, true, false, 0),
-            (ScatterSums::On, true, true, 0),
-            (ScatterSums::On, true, true, 1),
-            (ScatterSums::On, true, true, 2),
-            (ScatterSums::On, true, false, 4),
-        ];
-        for (scatter, bound64, early, split) in forms {
+        for (scatter, bound64, early) in [(ScatterSums::On, false, false), (ScatterSums::Off, false, false), (ScatterSums::Off, true, false), (ScatterSums::On, true, false), (ScatterSums::On, true, true)] {
             let mut ks = GatedDeltaCuda::new(gpu.clone()).unwrap();
             ks.set_scatter_sums(scatter);
             ks.set_fused_bound64(bound64);
             ks.set_early_state(early);
-            ks.set_fused_split(split);
             let mut p = gpu.upload(&pool).unwrap();
             let mut o = nan(&gpu, tokens * v_row);
             ks.delta_rule(&heads, &x, &segs, GpuStates::Pool(&mut p), &mut o).unwrap();
-            let form = format!("fused recurrence, sums {scatter:?}, bounded to 64 registers {bound64}, early state {early}, split {split}, vs three kernels");
+            let form = format!("fused recurrence, sums {scatter:?}, bounded to 64 registers {bound64}, early state {early}, vs three kernels");
             assert_bits_eq(&format!("{form} (outputs)"), &gpu.download(&o).unwrap(), &three);
             assert_bits_eq(&format!("{form} (states)"), &gpu.download(&p).unwrap(), &three_pool);
         }
