@@ -855,8 +855,14 @@ impl Ops for CudaOps {
         // captured, memory nodes and all.
         let pool = if self.step_pools { self.gpu.step_pool().ok() } else { None };
         self.gpu.allocate_from(pool.as_ref());
+        // A pool's allocations, on its own uncaptured stream, are calls the driver refuses
+        // from a thread that is capturing in its own or the global mode
+        // (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, measured on an H100): relaxed mode lets them
+        // through. Host copies inside a recording are refused by `Gpu` itself either way.
+        use cudarc::driver::sys::CUstreamCaptureMode as Mode;
+        let mode = if pool.is_some() { Mode::CU_STREAM_CAPTURE_MODE_RELAXED } else { Mode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL };
         let recorded = stream
-            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .begin_capture(mode)
             .map_err(driver_err("starting a graph capture"))
             .and_then(|()| {
                 // Whatever happens inside, the capture must end, or the stream stays in it.
