@@ -188,7 +188,7 @@ pub struct Gpu {
 }
 
 /// A memory pool of one recorded step, for the buffers its ops allocate while it is recorded
-/// (opt-in, TERN_STEP_POOL=1, until timed; [`Gpu::allocate_from`]).
+/// (decode steps, unless TERN_STEP_POOL=0; [`Gpu::allocate_from`]).
 ///
 /// Why: every op allocates its output on the stream and frees buffers as they drop, so a
 /// captured step holds a memory node between most pairs of its kernels (a tiny Qwen3.5 decode
@@ -197,7 +197,8 @@ pub struct Gpu {
 /// before the kernel before them ended (BENCHMARKS.md, twenty-first session). The driver
 /// refuses to remove a memory node's edges after capture, so instead the step's buffers are
 /// taken, while it is recorded, from this pool on a second stream that is not captured: the
-/// graph then holds no memory nodes. A buffer freed during the recording returns to this pool
+/// graph then holds no memory nodes (measured on an H100: that step's graph becomes 63 kernels
+/// and one copy, with 62 programmatic edges). A buffer freed during the recording returns to this pool
 /// at once and may serve a later buffer of the same step, as a graph's own allocations would:
 /// safe because the later buffer's kernels come after the earlier one's last kernel on the
 /// step's stream, and every kernel awaits the one before it before it touches anything but
