@@ -225,9 +225,10 @@ pub struct CudaOps {
     /// programmatic edge ([`StepPool`]; on unless TERN_STEP_POOL=0). H100, Qwen3.5-0.8B bf16,
     /// same call: decode 1 007.4 / 1 017.7 tok/s against 950.7 / 945.5 (+6.5%), after 512
     /// tokens 979.0 / 976.1 against 915.5 / 911.6. Decode steps only: a prompt's recording is
-    /// rarely replayed (a new sequence is a new key), so a pool of its own (a stream and fresh
-    /// memory each) costs it more than it gains (a 16-token prompt measured 1 508–2 899 tok/s
-    /// against 3 176–3 468 with every recording pooled), and prompts take no dependent launch.
+    /// rarely replayed (a new sequence is a new key) and takes no dependent launch, so a pool of
+    /// its own (a stream and fresh memory each) can only cost it: with every recording pooled a
+    /// 16-token prompt measured 1 508, 2 653, 2 899 and 3 289 tok/s against 3 176 and 3 468
+    /// (noisy, but no gain).
     step_pools: bool,
     norm: NormCuda,
     activation: ActivationCuda,
