@@ -220,15 +220,21 @@ pub struct CudaOps {
     gpu: Arc<Gpu>,
     precision: Precision,
     blas: Blas,
-    /// Whether a decode step is recorded with its buffers from a pool of its own, so that its
-    /// graph holds no memory nodes between its kernels and every dependent launch keeps its
-    /// programmatic edge ([`StepPool`]; on unless TERN_STEP_POOL=0). H100, Qwen3.5-0.8B bf16,
-    /// same call: decode 1 007.4 / 1 017.7 tok/s against 950.7 / 945.5 (+6.5%), after 512
-    /// tokens 979.0 / 976.1 against 915.5 / 911.6. Decode steps only: a prompt's recording is
-    /// rarely replayed (a new sequence is a new key) and takes no dependent launch, so a pool of
-    /// its own (a stream and fresh memory each) can only cost it: with every recording pooled a
-    /// 16-token prompt measured 1 508, 2 653, 2 899 and 3 289 tok/s against 3 176 and 3 468
-    /// (noisy, but no gain).
+    /// Whether a decode step of one sequence is recorded with its buffers from a pool of its
+    /// own, so that its graph holds no memory nodes between its kernels and every dependent
+    /// launch keeps its programmatic edge ([`StepPool`]; on unless TERN_STEP_POOL=0). H100,
+    /// Qwen3.5-0.8B bf16, same call: decode 1 007.4 / 1 017.7 tok/s against 950.7 / 945.5
+    /// (+6.5%), after 512 tokens 979.0 / 976.1 against 915.5 / 911.6.
+    ///
+    /// Not prompts: a prompt's recording is rarely replayed (a new sequence is a new key) and
+    /// takes no dependent launch, so a pool of its own (a stream and fresh memory each) can only
+    /// cost it (with every recording pooled a 16-token prompt measured 1 508, 2 653, 2 899 and
+    /// 3 289 tok/s against 3 176 and 3 468: noisy, but no gain). Not decode rounds of several
+    /// sequences (untimed): each graph's pool keeps its step's largest buffers for as long as
+    /// the graph lives (a round of 128 sequences' logits alone are 127 MB at Qwen3.5's
+    /// vocabulary), and a server's rounds change keys often enough to fill the cache of
+    /// [`GRAPH_CACHE`] graphs, where graphs' own allocations share their memory. One sequence's
+    /// step keeps a few MB.
     step_pools: bool,
     norm: NormCuda,
     activation: ActivationCuda,
@@ -859,7 +865,7 @@ impl Ops for CudaOps {
         self.gpu.take_recorded_buffers();
         // Where the driver has no pools of its own (an emulator), the step is recorded as
         // captured, memory nodes and all.
-        let pool = if self.step_pools && decode_launches.is_some() { self.gpu.step_pool().ok() } else { None };
+        let pool = if self.step_pools && decode_launches.is_some() && segments.len() == 1 { self.gpu.step_pool().ok() } else { None };
         self.gpu.allocate_from(pool.as_ref());
         // A pool's allocations, on its own uncaptured stream, are calls the driver refuses
         // from a thread that is capturing in its own or the global mode

@@ -442,8 +442,9 @@ fn cuda_moe_sort_slots_matches_the_host_sort() {
 /// graph, so a dependent launch gets its programmatic edge between every pair of kernels) gives
 /// the same logits, bit for bit, as the step recorded with the stream's allocations, and every
 /// recording succeeds. Dense and MoE; f32, bf16 and Q8_0 weights; f32 and bf16 modes; one
-/// sequence and two at once; steps replayed from their graphs (the first step of a shape runs
-/// plainly, the second records, later ones replay). Where the driver has no pools of one's own
+/// sequence (pooled) and two at once (rounds record as captured either way); steps replayed
+/// from their graphs (the first step of a shape runs plainly, the second records, later ones
+/// replay). Where the driver has no pools of one's own
 /// (an emulator) both record alike and the comparison still holds.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
