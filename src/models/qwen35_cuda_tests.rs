@@ -444,8 +444,8 @@ fn cuda_moe_sort_slots_matches_the_host_sort() {
 /// recording succeeds. Dense and MoE; f32, bf16 and Q8_0 weights; f32 and bf16 modes; one
 /// sequence (pooled) and two at once (rounds record as captured either way); steps replayed
 /// from their graphs (the first step of a shape runs plainly, the second records, later ones
-/// replay). Where the driver has no pools of one's own
-/// (an emulator) both record alike and the comparison still holds.
+/// replay). Where the driver has no pools of one's own (an emulator) both record alike and the
+/// comparison still holds.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_step_pools_keep_the_bits() {
@@ -473,7 +473,7 @@ fn cuda_step_pools_keep_the_bits() {
                             "{rel} {precision:?}, {sequences} sequence(s), step {t}, sequence {s}: the pooled step's logits differ"
                         );
                     }
-                    feeds = want.iter().map(|l| vec![l.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).map(|(i, _)| i as u32).unwrap()]).collect();
+                    feeds = want.iter().map(|l| vec![argmax(l) as u32]).collect();
                 }
             }
             for m in [&stream, &pooled] {
