@@ -198,13 +198,13 @@ pub struct Gpu {
 /// refuses to remove a memory node's edges after capture, so instead the step's buffers are
 /// taken, while it is recorded, from this pool on a second stream that is not captured: the
 /// graph then holds no memory nodes (measured on an H100: that step's graph becomes 63 kernels
-/// and one copy, with 62 programmatic edges). A buffer freed during the recording returns to this pool
-/// at once and may serve a later buffer of the same step, as a graph's own allocations would:
-/// safe because the later buffer's kernels come after the earlier one's last kernel on the
-/// step's stream, and every kernel awaits the one before it before it touches anything but
-/// weights and recurrent states (cuda/launch.cuh). The pool keeps its memory (release
-/// threshold at its maximum) and serves nothing else, so the addresses the graph holds stay
-/// its own until the graph and the pool are dropped together.
+/// and one copy, with 62 programmatic edges). A buffer freed during the recording returns to
+/// this pool at once and may serve a later buffer of the same step, as a graph's own
+/// allocations would: safe because the later buffer's kernels come after the earlier one's
+/// last kernel on the step's stream, and every kernel awaits the one before it before it
+/// touches anything but weights and recurrent states (cuda/launch.cuh). The pool keeps its
+/// memory (release threshold at its maximum) and serves nothing else, so the addresses the
+/// graph holds stay its own until the graph and the pool are dropped together.
 pub struct StepPool {
     pool: usize,
     side: Arc<CudaStream>,
@@ -619,6 +619,9 @@ impl Gpu {
     pub fn step_pool(&self) -> Result<StepPool> {
         use cudarc::driver::sys;
         self.ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
+        // The stream first: once the pool exists, only its StepPool may return early (and
+        // destroy it).
+        let side = self.ctx.new_stream().map_err(driver_err("creating a stream"))?;
         // SAFETY: zeroed properties are valid once type and location are set; the pool is
         // destroyed by the StepPool that owns it.
         unsafe {
@@ -627,7 +630,7 @@ impl Gpu {
             props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
             props.location.id = self.ordinal as i32;
             let pool = cudarc::driver::result::mem_pool::create(&props).map_err(driver_err("creating a step's memory pool"))?;
-            let owned = StepPool { pool: pool as usize, side: self.ctx.new_stream().map_err(driver_err("creating a stream"))? };
+            let owned = StepPool { pool: pool as usize, side };
             let mut keep = u64::MAX;
             sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut keep as *mut u64 as *mut std::ffi::c_void)
                 .result()
