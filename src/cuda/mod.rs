@@ -61,6 +61,15 @@ pub fn sources() -> Vec<KernelSource> {
     all
 }
 
+/// TERN_TRIGGER_FIRST=1 (a measurement, sm_90 and later): every kernel lets the next be
+/// scheduled before it awaits the one before it (launch.cuh), so no kernel may read a state
+/// before its wait ([`Gpu::state_reads_may_lead`]). Compiled in (nvrtc's options, and so the
+/// cache key).
+pub(crate) fn trigger_first() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TERN_TRIGGER_FIRST").is_ok_and(|v| v == "1"))
+}
+
 /// Maps a driver error into tern's error, naming the operation.
 pub(crate) fn driver_err(what: &str) -> impl FnOnce(DriverError) -> Error + '_ {
     move |e| Error::Cuda(format!("{what}: {e:?}"))
@@ -180,6 +189,13 @@ pub struct Gpu {
     /// states was launched ([`Gpu::note_state_writer`]).
     launches: AtomicU64,
     state_writer_at: AtomicU64,
+    /// The count when the last kernel that awaits its predecessor before letting the next be
+    /// scheduled was launched (every kernel but those launched with
+    /// [`KernelLaunch::triggers_early`]).
+    ordered_at: AtomicU64,
+    /// Whether the one-row GEMVs let the kernel after them be scheduled before they await the
+    /// kernel before them ([`Gpu::early_trigger`]).
+    early_trigger: bool,
     /// Device tables of addresses by their contents (see [`Gpu::address_table`]).
     tables: Mutex<AddressTables>,
     /// While a step is recorded with its buffers from a pool of its own ([`StepPool`]): that
@@ -328,6 +344,8 @@ impl Gpu {
             in_decode_step: AtomicBool::new(false),
             launches: AtomicU64::new(0),
             state_writer_at: AtomicU64::new(u64::MAX),
+            ordered_at: AtomicU64::new(0),
+            early_trigger: major >= 9 && std::env::var("TERN_EARLY_TRIGGER").is_ok_and(|v| v == "1"),
             tables: Mutex::new(AddressTables::default()),
             step_pool: Mutex::new(None),
         }))
@@ -429,8 +447,23 @@ impl Gpu {
     /// copy on the stream is a full dependency). The count orders launches as the stream does
     /// because a Gpu's kernels are queued by one thread at a time: every model opens its own
     /// Gpu, and its ops serialise their forward passes (`Ops::serialize`).
+    ///
+    /// Kernels launched with [`KernelLaunch::triggers_early`] (one-row GEMVs, which write no
+    /// state) let the next be scheduled before they await their own predecessor, so a kernel
+    /// after a run of them may start while every kernel of the run and the one before the run
+    /// still run: that one must write no state. Without such kernels it is the one before.
     pub fn state_reads_may_lead(&self) -> bool {
-        self.launches_dependent() && self.state_writer_at.load(Ordering::Relaxed) != self.launches.load(Ordering::Relaxed)
+        self.launches_dependent() && !trigger_first() && self.state_writer_at.load(Ordering::Relaxed) != self.ordered_at.load(Ordering::Relaxed)
+    }
+
+    /// Whether the one-row GEMVs, whose only reads before their wait are weights, let the
+    /// kernel after them be scheduled as they start rather than once they have awaited the
+    /// kernel before them (`tern_let_dependents_launch`, launch.cuh): then more than two grids
+    /// are in flight, and the weights of several coming products can be requested while a
+    /// latency-bound kernel (the recurrence, attention) runs. Opt-in for now
+    /// (TERN_EARLY_TRIGGER=1), to be measured; the same bits either way.
+    pub fn early_trigger(&self) -> bool {
+        self.early_trigger && self.dependent_launch()
     }
 
     fn launches_dependent(&self) -> bool {
@@ -477,7 +510,7 @@ impl Gpu {
     /// device (every kernel of tern starts with `tern_await_prior_kernel()`, launch.cuh);
     /// recorded graphs keep the relation as programmatic edges. Otherwise a plain launch.
     pub fn launch_builder<'a>(&'a self, func: &'a CudaFunction) -> KernelLaunch<'a> {
-        KernelLaunch { gpu: self, func, args: Vec::new(), addresses: Vec::new() }
+        KernelLaunch { gpu: self, func, args: Vec::new(), addresses: Vec::new(), triggers_early: false }
     }
 
     /// Refuses a copy between host and device while the stream is being recorded into a
@@ -742,9 +775,20 @@ pub struct KernelLaunch<'a> {
     /// plain u64 would move them when it grows).
     #[allow(clippy::vec_box)]
     addresses: Vec<Box<u64>>,
+    /// Whether the kernel lets the next be scheduled before it awaits the one before it
+    /// (`tern_let_dependents_launch`; [`Gpu::state_reads_may_lead`] counts these).
+    triggers_early: bool,
 }
 
 impl<'a> KernelLaunch<'a> {
+    /// Marks the kernel as one that lets the next be scheduled before it awaits the kernel
+    /// before it (`tern_let_dependents_launch`, launch.cuh): a one-row GEMV launched with
+    /// `early` = 2. Only kernels that write no recurrent state may be so marked.
+    pub fn triggers_early(&mut self, on: bool) -> &mut Self {
+        self.triggers_early = on;
+        self
+    }
+
     /// Adds the next kernel argument: a plain value of the parameter's C type (device
     /// addresses as u64, see [`Gpu::ptr`]).
     pub fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
@@ -788,7 +832,10 @@ impl<'a> KernelLaunch<'a> {
         // SAFETY: the caller vouches for the arguments (see above); `args` points at values
         // borrowed for 'a, alive during the call, which copies them.
         let launched = sys::cuLaunchKernelEx(&config, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()).result();
-        self.gpu.launches.fetch_add(1, Ordering::Relaxed);
+        let count = self.gpu.launches.fetch_add(1, Ordering::Relaxed) + 1;
+        if !self.triggers_early {
+            self.gpu.ordered_at.store(count, Ordering::Relaxed);
+        }
         launched
     }
 }

@@ -173,7 +173,8 @@ struct GemvParts {
     up: u64,
     up_ld: i64,
     /// One-row kernels: 1, each warp requests its first weights before awaiting the prior
-    /// kernel ([`Blas::gemv_early`]).
+    /// kernel ([`Blas::gemv_early`]); 2, the kernel also lets the next be scheduled first
+    /// ([`Gpu::early_trigger`]).
     early: i32,
     /// One-row kernels: the product's input formed as rms(in_h)·in_w by every block, block 0
     /// also writing it to in_a ([`Blas::linear_residual_norm_then`]); in_h 0: the input is x.
@@ -1219,7 +1220,9 @@ impl Blas {
         let wide_blocks: usize = parts.iter().map(|(w, _)| output.features(w).div_ceil(per_block(false))).sum();
         let narrow = !paired && wide_blocks < 2 * self.multiprocessors;
         let blocks = self.gemv_parts(&mut p, output, parts, per_block(narrow) as u32)?;
-        p.early = (self.gemv_early && rows == 1) as i32;
+        // 1: the first weights requested before the wait; 2: also the next kernel let be
+        // scheduled first (Gpu::early_trigger).
+        p.early = if self.gemv_early && rows == 1 { 1 + g.early_trigger() as i32 } else { 0 };
         if let Some(n) = normed {
             (p.in_h, p.in_w, p.in_a, p.in_eps) = (n.h, n.w, n.a, n.eps);
         }
@@ -1234,7 +1237,7 @@ impl Blas {
             self.gemv.get(output, first, rows, narrow)
         };
         let mut l = g.launch_builder(kernel);
-        l.arg(&p).arg(&xp).arg(&r).arg(&inp);
+        l.arg(&p).arg(&xp).arg(&r).arg(&inp).triggers_early(p.early == 2);
         // A normed input and its norm's weights live in the block's dynamic shared memory (4
         // bytes a value each).
         let shared_mem_bytes = if normed.is_some() { 8 * first.inp as u32 } else { 0 };

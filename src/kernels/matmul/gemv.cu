@@ -66,7 +66,9 @@ struct tern_gemv_parts {
     unsigned long long up;
     long long up_ld;
     // One-row kernels only (R = 1): nonzero, each warp issues its first weight loads before it
-    // awaits the prior kernel (W::EARLY_STEPS; tern_await_prior_kernel_unless, launch.cuh).
+    // awaits the prior kernel (W::EARLY_STEPS; tern_await_prior_kernel_unless, launch.cuh);
+    // 2, the kernel first lets the next one be scheduled (tern_let_dependents_launch), since
+    // it reads nothing but weights before its wait.
     int early;
     // One-row kernels only: with in_h set, the product's input is rms(h)·w (h = in_h, w = in_w,
     // epsilon in_eps; `in` values) rather than x, formed by every block (TernNormedInput), and
@@ -662,6 +664,7 @@ __device__ __forceinline__ bool tern_gemv_early(const tern_gemv_parts& p) {
 
 template <int R, int OPW, int OMODE, typename W, int CONV_K = 0, bool NORMED = false>
 __device__ __forceinline__ void tern_gemv(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
+    if (R == 1 && p.early == 2) tern_let_dependents_launch();
     int part = 0;
     while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
     const int ks = p.ks, warp = threadIdx.x / 32;
