@@ -70,6 +70,15 @@ pub(crate) fn trigger_first() -> bool {
     *ON.get_or_init(|| std::env::var("TERN_TRIGGER_FIRST").is_ok_and(|v| v == "1"))
 }
 
+/// [`Gpu::state_reads_may_lead`] from the launch counts: `writer_at` the count when the last
+/// state writer was launched, `ordered_at` when the last kernel that awaits its predecessor
+/// before letting the next be scheduled was. Kernels launched after `ordered_at` let the next
+/// be scheduled early and write no state, so a kernel launched now may start while they and
+/// the `ordered_at` kernel run, never an earlier one.
+fn state_reads_may_lead(dependent: bool, writer_at: u64, ordered_at: u64) -> bool {
+    dependent && !trigger_first() && writer_at != ordered_at
+}
+
 /// Maps a driver error into tern's error, naming the operation.
 pub(crate) fn driver_err(what: &str) -> impl FnOnce(DriverError) -> Error + '_ {
     move |e| Error::Cuda(format!("{what}: {e:?}"))
@@ -453,7 +462,7 @@ impl Gpu {
     /// after a run of them may start while every kernel of the run and the one before the run
     /// still run: that one must write no state. Without such kernels it is the one before.
     pub fn state_reads_may_lead(&self) -> bool {
-        self.launches_dependent() && !trigger_first() && self.state_writer_at.load(Ordering::Relaxed) != self.ordered_at.load(Ordering::Relaxed)
+        state_reads_may_lead(self.launches_dependent(), self.state_writer_at.load(Ordering::Relaxed), self.ordered_at.load(Ordering::Relaxed))
     }
 
     /// Whether the one-row GEMVs, whose only reads before their wait are weights, let the
@@ -995,6 +1004,19 @@ mod tests {
     /// The rule that makes dependent launches safe (launch.cuh): the first statement of every
     /// kernel waits for the kernel before it. A kernel without it could read its inputs before
     /// they are written, so a new kernel that forgets it fails here, on any machine.
+    /// States may be read before the wait only where no kernel that can still run writes
+    /// them: the last launch, or the last ordered one before a run of early-triggering GEMVs.
+    #[test]
+    fn state_reads_lead_only_past_every_running_writer() {
+        assert!(!trigger_first(), "run without TERN_TRIGGER_FIRST");
+        // Launches 1..=5: 3 writes states and is ordered; 4 and 5 trigger early.
+        assert!(!state_reads_may_lead(true, 3, 3), "writer last among the ordered (4 and 5 early)");
+        assert!(!state_reads_may_lead(true, 5, 5), "writer just launched");
+        assert!(state_reads_may_lead(true, 3, 4), "an ordered kernel after the writer");
+        assert!(state_reads_may_lead(true, u64::MAX, 0), "no writer yet");
+        assert!(!state_reads_may_lead(false, 3, 4), "plain launches: the wait comes first anyway");
+    }
+
     #[test]
     fn every_kernel_awaits_the_prior_kernel() {
         let mut kernels = 0;
