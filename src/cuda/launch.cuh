@@ -12,27 +12,19 @@
 // can end, a kernel's end implies the end of all kernels before it, and at most two grids are
 // in flight (more under tern_let_dependents_launch below). In a plain launch both instructions do nothing. A CPU test checks
 // the rule (cuda::tests::every_kernel_awaits_the_prior_kernel).
-//
-// TERN_TRIGGER_FIRST (defined by the host under TERN_TRIGGER_FIRST=1, a measurement: Gpu's
-// trigger_first): every kernel lets the next be scheduled before it waits, so a decode step's
-// kernels start as far ahead as the multiprocessors hold their blocks. Still ordered by the
-// waits (see tern_let_dependents_launch); the host then lets no state be read before a wait.
 __device__ __forceinline__ void tern_await_prior_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#ifdef TERN_TRIGGER_FIRST
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#else
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 #endif
 }
 
 // Lets the kernel after this one be scheduled now (griddepcontrol.launch_dependents; also part
 // of tern_await_prior_kernel). Called first by a kernel whose reads before its wait are only of
-// weights (the one-row GEMVs under Gpu::early_trigger), so that the next kernel's blocks can
+// weights (the one-row GEMVs, Gpu::early_trigger), so that the next kernel's blocks can
 // request their own operands while this one waits: more than two grids are then in flight.
+// (Every kernel calling it first measured slower than the GEMVs alone: BENCHMARKS.md,
+// twenty-third session.)
 // The rule above still orders them: every kernel awaits its predecessor before it can end, so
 // a kernel that passes its wait finds every kernel before it finished. Only reads made before
 // the wait see more: a kernel may then start while the kernel two before it still runs, which

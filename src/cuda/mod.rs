@@ -61,22 +61,13 @@ pub fn sources() -> Vec<KernelSource> {
     all
 }
 
-/// TERN_TRIGGER_FIRST=1 (a measurement, sm_90 and later): every kernel lets the next be
-/// scheduled before it awaits the one before it (launch.cuh), so no kernel may read a state
-/// before its wait ([`Gpu::state_reads_may_lead`]). Compiled in (nvrtc's options, and so the
-/// cache key).
-pub(crate) fn trigger_first() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TERN_TRIGGER_FIRST").is_ok_and(|v| v == "1"))
-}
-
 /// [`Gpu::state_reads_may_lead`] from the launch counts: `writer_at` the count when the last
 /// state writer was launched, `ordered_at` when the last kernel that awaits its predecessor
 /// before letting the next be scheduled was. Kernels launched after `ordered_at` let the next
 /// be scheduled early and write no state, so a kernel launched now may start while they and
 /// the `ordered_at` kernel run, never an earlier one.
 fn state_reads_may_lead(dependent: bool, writer_at: u64, ordered_at: u64) -> bool {
-    dependent && !trigger_first() && writer_at != ordered_at
+    dependent && writer_at != ordered_at
 }
 
 /// Maps a driver error into tern's error, naming the operation.
@@ -354,7 +345,7 @@ impl Gpu {
             launches: AtomicU64::new(0),
             state_writer_at: AtomicU64::new(u64::MAX),
             ordered_at: AtomicU64::new(0),
-            early_trigger: major >= 9 && std::env::var("TERN_EARLY_TRIGGER").is_ok_and(|v| v == "1"),
+            early_trigger: major >= 9 && std::env::var("TERN_EARLY_TRIGGER").map_or(true, |v| v != "0"),
             tables: Mutex::new(AddressTables::default()),
             step_pool: Mutex::new(None),
         }))
@@ -469,8 +460,11 @@ impl Gpu {
     /// kernel after them be scheduled as they start rather than once they have awaited the
     /// kernel before them (`tern_let_dependents_launch`, launch.cuh): then more than two grids
     /// are in flight, and the weights of several coming products can be requested while a
-    /// latency-bound kernel (the recurrence, attention) runs. Opt-in for now
-    /// (TERN_EARLY_TRIGGER=1), to be measured; the same bits either way.
+    /// latency-bound kernel (the recurrence, attention) runs. On by default under dependent
+    /// launch; TERN_EARLY_TRIGGER=0 declines, to measure the two on the same run. The same bits
+    /// either way. H100, Qwen3.5-0.8B bf16 decode of one sequence, same call: 1 034.6 / 1 032.5
+    /// -> 1 059.9 / 1 062.6 tok/s; after 512 tokens 992.7 / 989.5 -> 1 016.2 / 1 016.4
+    /// (BENCHMARKS.md, twenty-third session).
     pub fn early_trigger(&self) -> bool {
         self.early_trigger && self.dependent_launch()
     }
@@ -1008,7 +1002,6 @@ mod tests {
     /// them: the last launch, or the last ordered one before a run of early-triggering GEMVs.
     #[test]
     fn state_reads_lead_only_past_every_running_writer() {
-        assert!(!trigger_first(), "run without TERN_TRIGGER_FIRST");
         // Launches 1..=5: 3 writes states and is ordered; 4 and 5 trigger early.
         assert!(!state_reads_may_lead(true, 3, 3), "writer last among the ordered (4 and 5 early)");
         assert!(!state_reads_may_lead(true, 5, 5), "writer just launched");

@@ -113,9 +113,6 @@ pub fn options(arch: &str) -> Vec<String> {
     if let Some(dir) = std::env::var_os("TERN_CUDA_INCLUDE") {
         o.push(format!("--include-path={}", dir.to_string_lossy()));
     }
-    if super::trigger_first() {
-        o.push("-DTERN_TRIGGER_FIRST".into());
-    }
     o
 }
 
