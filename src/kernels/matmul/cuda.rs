@@ -288,6 +288,21 @@ fn gemv_split(features: usize, inp: usize, multiprocessors: usize) -> usize {
     ks
 }
 
+/// The fewest warps per output feature that leave each warp of a one-row launch no more
+/// steps than it requests before its wait (`early_steps`: W::EARLY_STEPS in gemv.cu, 2 for
+/// f32 weights, 4 for bf16 and Q8_0): a split beyond it adds blocks, whose early requests
+/// then no longer fit on the multiprocessors beside the kernel before (Qwen3.5-0.8B's gate|up
+/// product in 896 blocks of 64 registers, 4 a multiprocessor: 528 at once), without adding a
+/// byte in flight. A function of the matrix's width and weight type only, like
+/// [`gemv_split`]: a row's result stays the same alone and in a batch.
+fn gemv_split_filling_early(inp: usize, early_steps: usize) -> usize {
+    let mut ks = 1;
+    while ks < GEMV_WARPS && inp > early_steps * GEMV_STEP_WEIGHTS * ks {
+        ks *= 2;
+    }
+    ks
+}
+
 /// Tiles (expert, first row, rows) of at most [`GEMV_MAX_ROWS`] rows covering rows sorted by
 /// expert, `start[e] .. start[e + 1]` being expert e's rows ([`Blas::tiles`]).
 pub fn expert_tiles(start: &[usize]) -> Result<Vec<[i32; 3]>> {
@@ -356,6 +371,9 @@ pub struct Blas {
     /// Whether few-feature matrices split each row over several warps (see [`gemv_split`]);
     /// TERN_GEMV_SPLIT=0 turns it off, to measure the two forms on the same run.
     gemv_split: bool,
+    /// Whether the split is bounded by [`gemv_split_filling_early`] (TERN_GEMV_SPLIT_EARLY=1;
+    /// opt-in, to be measured).
+    gemv_split_early: bool,
     /// Whether one-row products request their first weights before awaiting the kernel before
     /// them (`early` in gemv.cu): under dependent launch (a decode step's launches by
     /// default, `DependentLaunch` in cuda/mod.rs) the step's next product then has its first
@@ -464,6 +482,7 @@ impl Blas {
             multiprocessors: gpu.multiprocessors()?,
             gemv_max_rows: std::env::var("TERN_GEMV_MAX_ROWS").ok().and_then(|v| v.parse().ok()).map_or(GEMV_MAX_ROWS, |n: usize| n.min(GEMV_MAX_ROWS)),
             gemv_split: std::env::var("TERN_GEMV_SPLIT").map_or(true, |v| v != "0"),
+            gemv_split_early: std::env::var("TERN_GEMV_SPLIT_EARLY").is_ok_and(|v| v == "1"),
             q8_paired: std::env::var("TERN_GEMV_Q8_PAIRED").map_or(true, |v| v != "0"),
             gemv_early: gpu.dependent_launch() && std::env::var("TERN_GEMV_EARLY").map_or(true, |v| v != "0"),
             gemv_normed: std::env::var("TERN_GEMV_NORMED").map_or(true, |v| v != "0"),
@@ -1201,6 +1220,7 @@ impl Blas {
         }
         let features: usize = parts.iter().map(|(w, _)| output.features(w)).sum();
         let ks = if self.gemv_split { gemv_split(features, first.inp, self.multiprocessors) } else { 1 };
+        let ks = if self.gemv_split_early { ks.min(gemv_split_filling_early(first.inp, if first.kind() == 0 { 2 } else { 4 })) } else { ks };
         let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, tail: tail.unwrap_or_default(), conv: conv.map(|(c, _)| c).unwrap_or_default(), ..Default::default() };
         // Features a block covers: its warps' feature groups (ks warps each) times the
         // features a warp holds.
@@ -1664,6 +1684,11 @@ mod tests {
     fn split_depends_on_the_matrix_and_keeps_two_steps_a_warp() {
         // A Qwen3.5-0.8B output projection on 132 multiprocessors: 4 warps a feature.
         assert_eq!(gemv_split(1024, 2048, 132), 4);
+        // Bounded to fill the early requests: Qwen3.5-0.8B's products in bf16.
+        assert_eq!(gemv_split_filling_early(1024, 4), 1);
+        assert_eq!(gemv_split_filling_early(2048, 4), 2);
+        assert_eq!(gemv_split_filling_early(3584, 4), 4);
+        assert_eq!(gemv_split_filling_early(1 << 16, 2), GEMV_WARPS);
         assert_eq!(gemv_split(1024, 3584, 132), 4);
         // Each warp keeps two steps: a 1024-weight row splits in 2, not 4.
         assert_eq!(gemv_split(64, 1024, 132), 2);
