@@ -612,8 +612,8 @@ fn cuda_early_gemv_gives_the_plain_bits() {
     let plain = Blas::new(gpu.clone(), false).unwrap().with_gemv_early(false);
     let early = Blas::new(gpu.clone(), false).unwrap().with_gemv_early(true);
     let eps = 1e-6f32;
-    // 1024 x 2048: split over 4 warps; 2048 x 1024: the wide form, a bf16 row in its early
-    // steps; 100 x 4096: the deepest split; 40 x 1056: a row not of whole steps; 96 x 64: rows
+    // 1024 x 2048: split over 2 warps (bf16, Q8_0) or 4 (f32); 2048 x 1024: the wide form, a
+    // bf16 row in its early steps; 100 x 4096: the deepest splits (4 warps, 8 for f32); 40 x 1056: a row not of whole steps; 96 x 64: rows
     // shorter than the early steps.
     for &(out_f, in_f) in &[(1024usize, 2048usize), (2048, 1024), (100, 4096), (40, 1056), (96, 64)] {
         let forms = StoredForms::new(rng.vec(out_f * in_f, -0.1, 0.1), in_f);
@@ -1337,7 +1337,8 @@ fn cuda_linears_conv_equals_products_then_conv() {
     let gdn = GatedDeltaCuda::new(gpu.clone()).unwrap();
     let one = GpuSegments::decode(&gpu, &[0]).unwrap();
     // (96, 1024): few features of long rows, so each feature is split over two warps (the
-    // convolving warp is the one that adds the slices).
+    // convolving warp is the one that adds the slices) where the weights are f32 (a bf16 or
+    // Q8_0 row of 1024 is one warp's early steps, gemv_split_filling_early: one warp a feature).
     for &(channels, inp, kernel) in &[(96usize, 64usize, 4usize), (6144, 1024, 4), (96, 1024, 4), (40, 256, 2), (300, 512, 3)] {
         let widths = [channels, 32, 16, 16];
         let forms: Vec<StoredForms> = widths.iter().map(|&o| StoredForms::new(rng.vec(o * inp, -0.1, 0.1), inp)).collect();

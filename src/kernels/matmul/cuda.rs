@@ -371,8 +371,11 @@ pub struct Blas {
     /// Whether few-feature matrices split each row over several warps (see [`gemv_split`]);
     /// TERN_GEMV_SPLIT=0 turns it off, to measure the two forms on the same run.
     gemv_split: bool,
-    /// Whether the split is bounded by [`gemv_split_filling_early`] (TERN_GEMV_SPLIT_EARLY=1;
-    /// opt-in, to be measured).
+    /// Whether the split is bounded by [`gemv_split_filling_early`] (the default;
+    /// TERN_GEMV_SPLIT_EARLY=0 declines, to measure the two on the same run). H100, Qwen3.5-0.8B
+    /// bf16 decode of one sequence, two pairs in one call: 1 057.1 -> 1 094.0 and 1 054.1 ->
+    /// 1 069.6 tok/s; after 512 tokens 1 005.3 -> 1 037.4 and 1 011.8 -> 1 031.0 (BENCHMARKS.md,
+    /// twenty-third session).
     gemv_split_early: bool,
     /// Whether one-row products request their first weights before awaiting the kernel before
     /// them (`early` in gemv.cu): under dependent launch (a decode step's launches by
@@ -482,7 +485,7 @@ impl Blas {
             multiprocessors: gpu.multiprocessors()?,
             gemv_max_rows: std::env::var("TERN_GEMV_MAX_ROWS").ok().and_then(|v| v.parse().ok()).map_or(GEMV_MAX_ROWS, |n: usize| n.min(GEMV_MAX_ROWS)),
             gemv_split: std::env::var("TERN_GEMV_SPLIT").map_or(true, |v| v != "0"),
-            gemv_split_early: std::env::var("TERN_GEMV_SPLIT_EARLY").is_ok_and(|v| v == "1"),
+            gemv_split_early: std::env::var("TERN_GEMV_SPLIT_EARLY").map_or(true, |v| v != "0"),
             q8_paired: std::env::var("TERN_GEMV_Q8_PAIRED").map_or(true, |v| v != "0"),
             gemv_early: gpu.dependent_launch() && std::env::var("TERN_GEMV_EARLY").map_or(true, |v| v != "0"),
             gemv_normed: std::env::var("TERN_GEMV_NORMED").map_or(true, |v| v != "0"),
