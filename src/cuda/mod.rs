@@ -651,7 +651,7 @@ impl Gpu {
     }
 
     /// A memory pool for one recorded step's buffers ([`StepPool`]). Errors where the driver
-    /// has no such pools (an emulator): the step is then recorded as captured.
+    /// has no pools of one's own: the step is then recorded as captured.
     pub fn step_pool(&self) -> Result<StepPool> {
         use cudarc::driver::sys;
         self.ctx.bind_to_thread().map_err(driver_err("binding the context"))?;

@@ -69,7 +69,7 @@ struct Recorded {
     _buffers: Vec<crate::cuda::RecordedBuffer>,
     /// The pool of the buffers the step allocated while it was recorded, if it took one
     /// ([`StepPool`]): dropped after the graph and the buffers above (fields drop in order).
-    _pool: Option<StepPool>,
+    pool: Option<StepPool>,
 }
 
 /// One op inside a recorded step, between two timing events that are nodes of the graph.
@@ -538,6 +538,13 @@ impl CudaOps {
         (recorded, graphs.values().filter_map(|g| g.as_ref().err().cloned()).collect())
     }
 
+    /// How many of the recorded steps kept now took their buffers from a pool of their own
+    /// ([`StepPool`]).
+    pub fn pooled_recordings(&self) -> usize {
+        let graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        graphs.values().filter(|g| g.as_ref().is_ok_and(|r| r.pool.is_some())).count()
+    }
+
     fn count(&self, bytes: usize) {
         self.weight_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
@@ -863,8 +870,8 @@ impl Ops for CudaOps {
         }
         let stream = self.gpu.stream();
         self.gpu.take_recorded_buffers();
-        // Where the driver has no pools of its own (an emulator), the step is recorded as
-        // captured, memory nodes and all.
+        // Where the driver has no pools of one's own, the step is recorded as captured, memory
+        // nodes and all.
         let pool = if self.step_pools && decode_launches.is_some() && segments.len() == 1 { self.gpu.step_pool().ok() } else { None };
         self.gpu.allocate_from(pool.as_ref());
         // A pool's allocations, on its own uncaptured stream, are calls the driver refuses
@@ -889,7 +896,7 @@ impl Ops for CudaOps {
             eprintln!("recorded step of {} rows: {}", ids.len(), crate::cuda::graph_stats(graph.cu_graph()));
         }
         let entry = match recorded {
-            Ok(Some(graph)) => Ok(Recorded { batch, graph, out, marks, _buffers: held, _pool: pool }),
+            Ok(Some(graph)) => Ok(Recorded { batch, graph, out, marks, _buffers: held, pool }),
             Ok(None) => Err("the capture recorded no graph".to_string()),
             Err(e) => Err(e.to_string()),
         };

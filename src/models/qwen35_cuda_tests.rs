@@ -444,8 +444,8 @@ fn cuda_moe_sort_slots_matches_the_host_sort() {
 /// recording succeeds. Dense and MoE; f32, bf16 and Q8_0 weights; f32 and bf16 modes; one
 /// sequence (pooled) and two at once (rounds record as captured either way); steps replayed
 /// from their graphs (the first step of a shape runs plainly, the second records, later ones
-/// replay). Where the driver has no pools of one's own (an emulator) both record alike and the
-/// comparison still holds.
+/// replay). The pooled model must have recorded with pools (hostcuda models pools of one's own
+/// too), the other without.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_step_pools_keep_the_bits() {
@@ -480,6 +480,8 @@ fn cuda_step_pools_keep_the_bits() {
                 let (recorded, failed) = m.ops().graph_stats();
                 assert!(failed.is_empty() && recorded > 0, "{rel} {precision:?}: recordings {recorded}, failed {failed:?}");
             }
+            assert_eq!(stream.ops().pooled_recordings(), 0, "{rel} {precision:?}: pools off, yet a recording took one");
+            assert!(pooled.ops().pooled_recordings() > 0, "{rel} {precision:?}: no recording took a pool");
             eprintln!("{rel} {precision:?}: 6 steps of 1 and 2 sequences, pooled == stream-allocated");
         }
     }

@@ -27,6 +27,9 @@
 //   allocate and free its temporaries: inside a capture they become the graph's memory nodes.
 //   Memory a graph allocates keeps its address across replays and is inaccessible (PROT_NONE)
 //   between its free node and the next launch's alloc node, so a use after free faults.
+//   Pools of one's own (cuMemPoolCreate) keep their freed blocks mapped and hand them to later
+//   allocations that fit, as a GPU's pool with its release threshold at the maximum does (tern's
+//   step pools; PoolOfOwn), so buffers freed and taken again alias as they do there.
 // - A kernel launch is checked as the H200 checks it (block and grid limits; dynamic shared
 //   memory above 48 KiB only after CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES was raised
 //   to cover it, never above 227 KiB) and then run to completion by the module's
@@ -273,6 +276,7 @@ struct GraphBody;
 // A device allocation: a mapping of [guard page][data pages][guard page], the buffer at the end
 // of the data pages. `live` is false only for memory a graph owns while the graph holds it
 // freed (between its free node and the next alloc node); its pages are PROT_NONE then.
+struct PoolOfOwn;
 struct Alloc {
     char* map;
     size_t map_len;
@@ -281,6 +285,21 @@ struct Alloc {
     size_t data_len;  // bytes of data pages
     bool live;
     GraphBody* owner;  // the graph whose capture allocated it, or null
+    // A block of a pool of one's own (cuMemPoolCreate), or null; while `pool_free` it is back
+    // in its pool, still mapped (a graph recorded with it keeps writing it, as on a GPU).
+    PoolOfOwn* pool = nullptr;
+    bool pool_free = false;
+};
+
+// A memory pool of one's own: its blocks stay mapped when freed and serve later allocations
+// of at most their size (the smallest that fits), so buffers freed and taken again alias as
+// on the GPU, where such a pool keeps its memory (tern's step pools set the release threshold
+// to its maximum). Destroying it unmaps the free blocks; a block still allocated is unmapped
+// when it is freed, as the driver defers the release until then.
+struct PoolOfOwn {
+    std::vector<Alloc*> free_blocks;
+    size_t blocks = 0;
+    bool destroyed = false;
 };
 
 // By buffer start. Mappings are disjoint and each holds its buffer, so this order is also the
@@ -1480,6 +1499,17 @@ CUresult alloc_async(CUdeviceptr* out, size_t bytes, CUstream hs) {
 }
 
 CUresult free_now(Alloc* a) {
+    if (PoolOfOwn* pool = a->pool) {
+        if (a->pool_free) return CUDA_ERROR_INVALID_VALUE;
+        if (pool->destroyed) {
+            pool->blocks--;
+            unmap_alloc(a);
+        } else {
+            a->pool_free = true;
+            pool->free_blocks.push_back(a);
+        }
+        return CUDA_SUCCESS;
+    }
     if (a->owner) {
         if (!a->live) return CUDA_ERROR_INVALID_VALUE;
         set_live(a, false);
@@ -1510,6 +1540,10 @@ CUresult free_async(CUdeviceptr p, CUstream hs) {
     }
     if (a->owner && !a->live) {
         report("cuMemFreeAsync: 0x%llx was freed already", p);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (a->pool && a->pool_free) {
+        report("cuMemFreeAsync: 0x%llx was freed to its pool already", p);
         return CUDA_ERROR_INVALID_VALUE;
     }
     return free_now(a);
@@ -1956,10 +1990,6 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
 
 CUresult cuMemAllocAsync(CUdeviceptr* out, size_t bytes, CUstream s) { return alloc_async(out, bytes, s); }
 
-CUresult cuMemAllocFromPoolAsync(CUdeviceptr* out, size_t bytes, CUmemoryPool pool, CUstream s) {
-    (void)pool;
-    return alloc_async(out, bytes, s);
-}
 
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { return free_async(p, s); }
 
@@ -1977,6 +2007,7 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr p)
 }  // extern "C"
 struct CUmemPoolHandle_st {
     int unused;
+    PoolOfOwn* own;  // null for the default pool
 };
 namespace {
 CUmemPoolHandle_st g_pool{0};
@@ -1999,17 +2030,66 @@ CUresult cuDeviceSetMemPool(CUdevice d, CUmemoryPool pool) {
     return pool == &g_pool ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
-// Pools of one's own are not modelled: callers fall back to the default pool's behaviour.
+// Pools of one's own (PoolOfOwn): device memory whatever the properties say. The handle is
+// never deleted (a destroyed pool's blocks may still be freed later), a few bytes a pool.
 CUresult cuMemPoolCreate(CUmemoryPool* pool, const void* props) {
+    Lock l(g_mu);
     INIT_CHECK();
     (void)props;
     if (!pool) return CUDA_ERROR_INVALID_VALUE;
-    return CUDA_ERROR_NOT_SUPPORTED;
+    *pool = new CUmemPoolHandle_st{0, new PoolOfOwn};
+    return CUDA_SUCCESS;
 }
 
 CUresult cuMemPoolDestroy(CUmemoryPool pool) {
+    Lock l(g_mu);
     INIT_CHECK();
-    return pool == &g_pool ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_INVALID_HANDLE;
+    if (pool == &g_pool) return CUDA_ERROR_INVALID_VALUE;
+    if (!pool || !pool->own || pool->own->destroyed) return CUDA_ERROR_INVALID_HANDLE;
+    PoolOfOwn* own = pool->own;
+    own->destroyed = true;
+    for (Alloc* a : own->free_blocks) unmap_alloc(a);
+    own->blocks -= own->free_blocks.size();
+    own->free_blocks.clear();
+    return CUDA_SUCCESS;
+}
+
+CUresult alloc_from_own_pool(CUdeviceptr* out, size_t bytes, PoolOfOwn* pool, CUstream hs) {
+    Lock l(g_mu);
+    INIT_CHECK();
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
+    if (pool->destroyed) return CUDA_ERROR_INVALID_HANDLE;
+    CUstream_st* s;
+    if (CUresult r = get_stream(hs, &s)) return r;
+    CUresult err;
+    // A captured allocation from such a pool would be a memory node of that pool: tern takes
+    // its step pools' buffers on a stream that is not captured, and this models only that.
+    if (capturing(s, &err) || err) {
+        report("cuMemAllocFromPoolAsync: a pool of one's own on a capturing stream is not modelled");
+        return err ? err : CUDA_ERROR_NOT_SUPPORTED;
+    }
+    auto best = pool->free_blocks.end();
+    for (auto it = pool->free_blocks.begin(); it != pool->free_blocks.end(); ++it)
+        if ((*it)->size >= bytes && (best == pool->free_blocks.end() || (*it)->size < (*best)->size)) best = it;
+    Alloc* a;
+    if (best != pool->free_blocks.end()) {
+        a = *best;
+        pool->free_blocks.erase(best);
+        a->pool_free = false;
+        // What the block held before is not this buffer's: poisoned as a fresh one is.
+        if (g_poison && a->size) memset(a->ptr, 0xff, a->size);
+    } else {
+        if (CUresult r = map_alloc(bytes, nullptr, &a)) return r;
+        a->pool = pool;
+        pool->blocks++;
+    }
+    *out = reinterpret_cast<uintptr_t>(a->ptr);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr* out, size_t bytes, CUmemoryPool pool, CUstream s) {
+    if (pool && pool->own) return alloc_from_own_pool(out, bytes, pool->own, s);
+    return alloc_async(out, bytes, s);
 }
 
 CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {

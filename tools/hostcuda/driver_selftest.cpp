@@ -134,6 +134,10 @@ CUresult cuGetProcAddress_v2(const char*, void**, int, unsigned long long, int*)
 CUresult cuMemGetInfo_v2(size_t*, size_t*);
 CUresult cuMemAlloc_v2(CUdeviceptr*, size_t);
 CUresult cuMemFree_v2(CUdeviceptr);
+typedef struct CUmemPoolHandle_st* CUmemoryPool;
+CUresult cuMemPoolCreate(CUmemoryPool*, const void*);
+CUresult cuMemPoolDestroy(CUmemoryPool);
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr*, size_t, CUmemoryPool, CUstream);
 CUresult cuMemAllocAsync(CUdeviceptr*, size_t, CUstream);
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
 CUresult cuMemHostAlloc(void**, size_t, unsigned);
@@ -403,6 +407,31 @@ int main(int argc, char** argv) {
         CHECK(a && b && a != b);
         OK(cuMemFreeAsync(a, st));
         OK(cuMemFreeAsync(b, st));
+    }
+
+    // ---- a pool of one's own: its freed blocks stay mapped and serve later buffers that fit
+    {
+        CUmemoryPool pool;
+        OK(cuMemPoolCreate(&pool, nullptr));
+        CUdeviceptr a, b, c, gone;
+        OK(cuMemAllocFromPoolAsync(&a, 100, pool, st));
+        OK(cuMemsetD8Async(a, 7, 100, st));
+        OK(cuMemFreeAsync(a, st));
+        CHECK(cuMemFreeAsync(a, st) == 1);  // twice
+        OK(cuMemsetD8Async(a, 9, 100, st));  // still mapped, as a graph recorded with it needs
+        OK(cuMemAllocFromPoolAsync(&b, 64, pool, st));
+        CHECK(b == a);  // the freed block, taken again
+        for (unsigned char x : download<unsigned char>(b, 64)) CHECK(x == 0xff);  // poisoned again
+        OK(cuMemAllocFromPoolAsync(&c, 200, pool, st));
+        CHECK(c != a);  // too small a block is not taken
+        OK(cuMemFreeAsync(c, st));
+        OK(cuMemPoolDestroy(pool));
+        CHECK(cuMemPoolDestroy(pool) == 400);
+        CHECK(cuMemAllocFromPoolAsync(&gone, 16, pool, st) == 400);
+        CHECK(cuMemsetD8Async(c, 0, 16, st) == 1);  // a free block: released with the pool
+        OK(cuMemsetD8Async(b, 0, 64, st));  // still allocated: kept
+        OK(cuMemFreeAsync(b, st));
+        CHECK(cuMemsetD8Async(b, 0, 64, st) == 1);  // the pool's last block, released now
     }
 
     // ---- modules
