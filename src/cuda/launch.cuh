@@ -37,10 +37,11 @@ __device__ __forceinline__ void tern_let_dependents_launch() {
 
 // The same rule for a kernel that first requests operands the kernel before it cannot have
 // written: a matrix's weights (every weight buffer is filled by a copy from the host, and a
-// copy on the stream is a full dependency), or recurrent states where the host knows that
-// kernel writes none (Gpu::state_reads_may_lead). A kernel that starts must find every kernel
-// but the one before it finished (each awaited its own predecessor before letting the next be
-// scheduled), so only that one matters. With `later` set, the kernel issues those loads and
+// copy on the stream is a full dependency), or recurrent states where the host knows that no
+// kernel that may still run writes them (Gpu::state_reads_may_lead): those are the kernel
+// before, and where that one ends a run of GEMVs that let their successor be scheduled first
+// (tern_let_dependents_launch), the rest of the run and the kernel before it; every earlier
+// kernel awaited its predecessor before letting the next be scheduled, so it has finished. With `later` set, the kernel issues those loads and
 // then calls tern_await_prior_kernel() itself, before it touches anything else in device
 // memory, so a decode step's next product (or recurrence) has its first bytes in flight while
 // the kernel before it still runs. Without dependent launch (`later` or not) the order changes
