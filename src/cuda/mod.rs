@@ -723,11 +723,34 @@ impl Gpu {
     }
 }
 
-/// What a recorded graph holds, for TERN_GRAPH_STATS=1 (a diagnostic): its nodes by type and its
-/// edges by (source type, target type, dependency type, source port), e.g. how many kernels follow a kernel
-/// through a programmatic edge (dependency type 1) rather than a full one (0), and what else
-/// (memory allocations and frees, memsets, copies) stands between kernels. Errors read as text.
+/// What a recorded graph holds ([`graph_summary`]): its nodes by type ("kernel", "mem_alloc",
+/// ...) and its edges by (source type, target type, dependency type, source port), e.g.
+/// "kernel->kernel:type1port1" for a kernel that follows a kernel through a programmatic edge
+/// (dependency type 1) rather than a full one (0).
+#[derive(Debug, Default)]
+pub struct GraphSummary {
+    pub nodes: std::collections::BTreeMap<String, usize>,
+    pub edges: std::collections::BTreeMap<String, usize>,
+}
+
+impl std::fmt::Display for GraphSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "nodes {:?}; edges {:?}", self.nodes, self.edges)
+    }
+}
+
+/// [`graph_summary`] as text, for TERN_GRAPH_STATS=1 (a diagnostic): what else (memory
+/// allocations and frees, memsets, copies) stands between kernels. Errors read as text.
 pub fn graph_stats(graph: cudarc::driver::sys::CUgraph) -> String {
+    match graph_summary(graph) {
+        Ok(s) => s.to_string(),
+        Err(e) => e,
+    }
+}
+
+/// The nodes and edges of a recorded graph ([`GraphSummary`]); an error names the query that
+/// failed.
+pub fn graph_summary(graph: cudarc::driver::sys::CUgraph) -> std::result::Result<GraphSummary, String> {
     use cudarc::driver::sys;
     use std::collections::BTreeMap;
     // SAFETY: `graph` is a live graph; each query is first asked for its count, then given
@@ -735,11 +758,11 @@ pub fn graph_stats(graph: cudarc::driver::sys::CUgraph) -> String {
     unsafe {
         let mut n = 0usize;
         if sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) != sys::CUresult::CUDA_SUCCESS {
-            return "cuGraphGetNodes failed".into();
+            return Err("cuGraphGetNodes failed".into());
         }
         let mut nodes = vec![std::ptr::null_mut(); n];
         if sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) != sys::CUresult::CUDA_SUCCESS {
-            return "cuGraphGetNodes failed".into();
+            return Err("cuGraphGetNodes failed".into());
         }
         let kind = |node: sys::CUgraphNode| {
             let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
@@ -752,18 +775,18 @@ pub fn graph_stats(graph: cudarc::driver::sys::CUgraph) -> String {
         }
         let mut e = 0usize;
         if sys::cuGraphGetEdges_v2(graph, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), &mut e) != sys::CUresult::CUDA_SUCCESS {
-            return format!("nodes {by_type:?}; cuGraphGetEdges_v2 failed");
+            return Err(format!("nodes {by_type:?}; cuGraphGetEdges_v2 failed"));
         }
         let (mut from, mut to) = (vec![std::ptr::null_mut(); e], vec![std::ptr::null_mut(); e]);
         let mut data: Vec<sys::CUgraphEdgeData> = vec![std::mem::zeroed(); e];
         if sys::cuGraphGetEdges_v2(graph, from.as_mut_ptr(), to.as_mut_ptr(), data.as_mut_ptr(), &mut e) != sys::CUresult::CUDA_SUCCESS {
-            return format!("nodes {by_type:?}; cuGraphGetEdges_v2 failed");
+            return Err(format!("nodes {by_type:?}; cuGraphGetEdges_v2 failed"));
         }
         let mut edges = BTreeMap::new();
         for i in 0..e {
             *edges.entry(format!("{}->{}:type{}port{}", kind(from[i]), kind(to[i]), data[i].type_, data[i].from_port)).or_insert(0usize) += 1;
         }
-        format!("nodes {by_type:?}; edges {edges:?}")
+        Ok(GraphSummary { nodes: by_type, edges })
     }
 }
 

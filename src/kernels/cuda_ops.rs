@@ -545,6 +545,13 @@ impl CudaOps {
         graphs.values().filter(|g| g.as_ref().is_ok_and(|r| r.pool.is_some())).count()
     }
 
+    /// The nodes and edges of each recorded step kept now that took a pool of its own
+    /// ([`crate::cuda::graph_summary`]).
+    pub fn pooled_graph_summaries(&self) -> Vec<std::result::Result<crate::cuda::GraphSummary, String>> {
+        let graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        graphs.values().filter_map(|g| g.as_ref().ok()).filter(|r| r.pool.is_some()).map(|r| crate::cuda::graph_summary(r.graph.cu_graph())).collect()
+    }
+
     fn count(&self, bytes: usize) {
         self.weight_bytes.fetch_add(bytes, Ordering::Relaxed);
     }

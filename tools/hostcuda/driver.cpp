@@ -41,8 +41,9 @@
 //   on a GPU the context stays usable after such an error.
 // Not modelled: time (kernels take no time that means anything), concurrency between streams
 // or between blocks (races between blocks go unseen, since blocks run one after another),
-// programmatic dependent launch (accepted and ignored: each kernel has finished before the next
-// starts, which satisfies the dependency), and clusters (refused).
+// programmatic dependent launch (accepted: each kernel has finished before the next starts,
+// which satisfies the dependency; a captured kernel's edge from the kernel before it is typed
+// programmatic, as the driver records it, for cuGraphGetEdges_v2), and clusters (refused).
 //
 // The module image contract with nvrtc.cpp: 16 bytes of magic ("TERNHOSTCUDA" and 4 zero
 // bytes), a little-endian u64 length N, then N bytes of an ELF shared object exporting
@@ -640,6 +641,9 @@ struct Node {
     CUfunc_st* func = nullptr;
     unsigned grid[3] = {1, 1, 1}, block[3] = {1, 1, 1}, smem = 0;
     bool cooperative = false;
+    // launched with programmatic stream serialization: captured as a programmatic edge from a
+    // kernel just before it (cuGraphGetEdges_v2)
+    bool programmatic = false;
     std::vector<char> args;  // the parameters' bytes, copied at capture
     std::vector<size_t> offsets;
     // memset / memcpy
@@ -967,7 +971,7 @@ CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], u
     }
     if (!params && !f->param_sizes.empty()) return CUDA_ERROR_INVALID_VALUE;
     std::vector<CUevent_st*> completion_events;
-    bool cooperative = false;
+    bool cooperative = false, programmatic = false;
     for (unsigned i = 0; i < nattrs; i++) {
         const CUlaunchAttribute& a = attrs[i];
         switch (a.id) {
@@ -975,7 +979,6 @@ CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], u
             case 1:   // access policy window
             case 3:   // synchronization policy
             case 5:   // cluster scheduling policy
-            case 6:   // programmatic stream serialization: kernels run to completion in order anyway
             case 8:   // priority
             case 9:   // mem sync domain map
             case 10:  // mem sync domain
@@ -992,6 +995,10 @@ CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], u
                 break;
             case 2:  // cooperative: every block resident at once (checked below)
                 cooperative = a.value.i != 0;
+                break;
+            case 6:  // programmatic stream serialization: kernels run to completion in order
+                     // anyway; recorded for the captured edge's type
+                programmatic = a.value.i != 0;
                 break;
             case 4:   // cluster dimension
             case 11:  // preferred cluster dimension
@@ -1030,6 +1037,7 @@ CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], u
         memcpy(n.block, block, sizeof n.block);
         n.smem = smem;
         n.cooperative = cooperative;
+        n.programmatic = programmatic;
         size_t total = 0;
         for (unsigned sz : f->param_sizes) {
             n.offsets.push_back(total);
@@ -2010,7 +2018,7 @@ struct CUmemPoolHandle_st {
     PoolOfOwn* own;  // null for the default pool
 };
 namespace {
-CUmemPoolHandle_st g_pool{0};
+CUmemPoolHandle_st g_pool{0, nullptr};
 }
 extern "C" {
 
@@ -2533,12 +2541,65 @@ CUresult cuGraphDestroy(CUgraph g) {
     return CUDA_SUCCESS;
 }
 
+// A captured graph's nodes, as handles to its node list (stable once captured: a graph's list
+// does not change afterwards), and its edges: capture on one stream makes a chain, node i to
+// node i + 1, programmatic (type 1, from the kernel's programmatic port) where a kernel follows
+// a kernel launched with programmatic stream serialization, as the driver records it.
 CUresult cuGraphGetNodes(CUgraph g, CUgraphNode* nodes, size_t* n) {
     Lock l(g_mu);
     INIT_CHECK();
     if (!g_graphs.count(g) || !n) return CUDA_ERROR_INVALID_VALUE;
-    if (nodes) return CUDA_ERROR_NOT_SUPPORTED;  // node handles are not modelled, only their count
-    *n = g->body->nodes.size();
+    const size_t total = g->body->nodes.size();
+    if (nodes)
+        for (size_t i = 0; i < *n && i < total; i++) nodes[i] = &g->body->nodes[i];
+    *n = total;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGraphNodeGetType(CUgraphNode node, int* type) {
+    Lock l(g_mu);
+    INIT_CHECK();
+    if (!type) return CUDA_ERROR_INVALID_VALUE;
+    for (CUgraph_st* g : g_graphs) {
+        std::vector<Node>& nodes = g->body->nodes;
+        if (nodes.empty() || node < (void*)nodes.data() || node >= (void*)(nodes.data() + nodes.size())) continue;
+        // CUgraphNodeType's values.
+        switch (static_cast<Node*>(node)->kind) {
+            case N_KERNEL: *type = 0; break;
+            case N_MEMCPY: *type = 1; break;
+            case N_MEMSET: *type = 2; break;
+            case N_HOST: *type = 3; break;
+            case N_CHILD: *type = 4; break;
+            case N_EVENT: *type = 7; break;
+            case N_ALLOC: *type = 10; break;
+            case N_FREE: *type = 11; break;
+        }
+        return CUDA_SUCCESS;
+    }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+struct CUgraphEdgeData {
+    unsigned char from_port, to_port, type, reserved[5];
+};
+
+CUresult cuGraphGetEdges_v2(CUgraph g, CUgraphNode* from, CUgraphNode* to, CUgraphEdgeData* data, size_t* n) {
+    Lock l(g_mu);
+    INIT_CHECK();
+    if (!g_graphs.count(g) || !n || (from == nullptr) != (to == nullptr)) return CUDA_ERROR_INVALID_VALUE;
+    std::vector<Node>& nodes = g->body->nodes;
+    const size_t total = nodes.empty() ? 0 : nodes.size() - 1;
+    if (from) {
+        for (size_t i = 0; i < *n && i < total; i++) {
+            from[i] = &nodes[i];
+            to[i] = &nodes[i + 1];
+            if (data) {
+                const bool programmatic = nodes[i].kind == N_KERNEL && nodes[i + 1].kind == N_KERNEL && nodes[i + 1].programmatic;
+                data[i] = CUgraphEdgeData{static_cast<unsigned char>(programmatic), 0, static_cast<unsigned char>(programmatic), {0, 0, 0, 0, 0}};
+            }
+        }
+    }
+    *n = total;
     return CUDA_SUCCESS;
 }
 
