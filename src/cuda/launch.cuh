@@ -27,8 +27,9 @@ __device__ __forceinline__ void tern_await_prior_kernel() {
 // twenty-third session.)
 // The rule above still orders them: every kernel awaits its predecessor before it can end, so
 // a kernel that passes its wait finds every kernel before it finished. Only reads made before
-// the wait see more: a kernel may then start while the kernel two before it still runs, which
-// matters only for the recurrence's early state reads (Gpu::state_reads_may_lead).
+// the wait see more: a kernel may then start while every GEMV of the run before it and the
+// kernel before that run still run, which matters only for the recurrence's early state reads
+// (Gpu::state_reads_may_lead).
 __device__ __forceinline__ void tern_let_dependents_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -442,8 +442,8 @@ impl Gpu {
     }
 
     /// Whether a kernel launched next may read recurrent states before it awaits the kernel
-    /// before it: it is a dependent launch and that kernel writes no state (every kernel that
-    /// does calls [`Gpu::note_state_writer`]; copies and fills of states are not kernels, and a
+    /// before it: it is a dependent launch and no kernel that may still run then writes a state
+    /// (below; every kernel that does calls [`Gpu::note_state_writer`]; copies and fills of states are not kernels, and a
     /// copy on the stream is a full dependency). The count orders launches as the stream does
     /// because a Gpu's kernels are queued by one thread at a time: every model opens its own
     /// Gpu, and its ops serialise their forward passes (`Ops::serialize`).
@@ -452,6 +452,9 @@ impl Gpu {
     /// state) let the next be scheduled before they await their own predecessor, so a kernel
     /// after a run of them may start while every kernel of the run and the one before the run
     /// still run: that one must write no state. Without such kernels it is the one before.
+    /// (Conservative: it asks whether that kernel writes any state, not the states read next,
+    /// so a recurrence whose layer follows another's through products alone, as in a dense
+    /// model's decode step, reads its state after its wait.)
     pub fn state_reads_may_lead(&self) -> bool {
         state_reads_may_lead(self.launches_dependent(), self.state_writer_at.load(Ordering::Relaxed), self.ordered_at.load(Ordering::Relaxed))
     }
@@ -1018,9 +1021,6 @@ mod tests {
         }
     }
 
-    /// The rule that makes dependent launches safe (launch.cuh): the first statement of every
-    /// kernel waits for the kernel before it. A kernel without it could read its inputs before
-    /// they are written, so a new kernel that forgets it fails here, on any machine.
     /// States may be read before the wait only where no kernel that can still run writes
     /// them: the last launch, or the last ordered one before a run of early-triggering GEMVs.
     #[test]
@@ -1033,6 +1033,9 @@ mod tests {
         assert!(!state_reads_may_lead(false, 3, 4), "plain launches: the wait comes first anyway");
     }
 
+    /// The rule that makes dependent launches safe (launch.cuh): the first statement of every
+    /// kernel waits for the kernel before it. A kernel without it could read its inputs before
+    /// they are written, so a new kernel that forgets it fails here, on any machine.
     #[test]
     fn every_kernel_awaits_the_prior_kernel() {
         let mut kernels = 0;

@@ -1338,8 +1338,9 @@ fn cuda_linears_conv_equals_products_then_conv() {
     let one = GpuSegments::decode(&gpu, &[0]).unwrap();
     // (96, 1024): few features of long rows, so each feature is split over two warps (the
     // convolving warp is the one that adds the slices) where the weights are f32 (a bf16 or
-    // Q8_0 row of 1024 is one warp's early steps, gemv_split_filling_early: one warp a feature).
-    for &(channels, inp, kernel) in &[(96usize, 64usize, 4usize), (6144, 1024, 4), (96, 1024, 4), (40, 256, 2), (300, 512, 3)] {
+    // Q8_0 row of 1024 is one warp's early steps, gemv_split_filling_early: one warp a feature);
+    // (96, 2048): split for every weight type.
+    for &(channels, inp, kernel) in &[(96usize, 64usize, 4usize), (6144, 1024, 4), (96, 1024, 4), (96, 2048, 4), (40, 256, 2), (300, 512, 3)] {
         let widths = [channels, 32, 16, 16];
         let forms: Vec<StoredForms> = widths.iter().map(|&o| StoredForms::new(rng.vec(o * inp, -0.1, 0.1), inp)).collect();
         let weight = gpu.upload(&rng.vec(channels * kernel, -0.5, 0.5)).unwrap();

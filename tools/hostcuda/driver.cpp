@@ -59,6 +59,7 @@
 // CUDA 13.0), field for field where a layout matters. Every CUresult returned is one of the
 // codes those bindings list, since cudarc converts the value into a Rust enum.
 
+#include <algorithm>
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
@@ -293,15 +294,26 @@ struct Alloc {
 };
 
 // A memory pool of one's own: its blocks stay mapped when freed and serve later allocations
-// of at most their size (the smallest that fits), so buffers freed and taken again alias as
-// on the GPU, where such a pool keeps its memory (tern's step pools set the release threshold
-// to its maximum). Destroying it unmaps the free blocks; a block still allocated is unmapped
-// when it is freed, as the driver defers the release until then.
+// of the same size (rounded to 16 bytes, so that the guard page stays flush with the buffer's
+// end), so buffers freed and taken again alias as on the GPU, where such a pool keeps its
+// memory (tern's step pools set the release threshold to its maximum). A free block is
+// poisoned again when taken and at every graph launch, so a recorded step that reads one of
+// its buffers before writing it reads poison at every replay, as a graph's own allocation
+// does. Destroying it unmaps the free blocks; a block still allocated is unmapped when it is
+// freed, as the driver defers the release until then.
 struct PoolOfOwn {
     std::vector<Alloc*> free_blocks;
     size_t blocks = 0;
     bool destroyed = false;
 };
+std::vector<PoolOfOwn*> g_own_pools;
+
+void poison_free_pool_blocks() {
+    if (!g_poison) return;
+    for (PoolOfOwn* pool : g_own_pools)
+        for (Alloc* a : pool->free_blocks)
+            if (a->size) memset(a->ptr, 0xff, a->size);
+}
 
 // By buffer start. Mappings are disjoint and each holds its buffer, so this order is also the
 // mappings' order, which lets the fault handler find the mapping of an address.
@@ -1540,6 +1552,11 @@ CUresult free_async(CUdeviceptr p, CUstream hs) {
     CUresult err;
     if (Capture* c = capturing(s, &err)) {
         if (err) return err;
+        // As the allocation side: a pool of one's own is modelled on uncaptured streams only.
+        if (a->pool) {
+            report("cuMemFreeAsync: 0x%llx, a block of a pool of one's own, on a capturing stream is not modelled", p);
+            return CUDA_ERROR_NOT_SUPPORTED;
+        }
         Node n;
         n.kind = N_FREE;
         n.dst = p;
@@ -1988,7 +2005,7 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
     INIT_CHECK();
     if (p == 0) return CUDA_SUCCESS;
     Alloc* a = alloc_at(p);
-    if (!a || (a->owner && !a->live)) {
+    if (!a || (a->owner && !a->live) || a->pool_free) {
         report("cuMemFree: 0x%llx is not the start of a live allocation", p);
         return CUDA_ERROR_INVALID_VALUE;
     }
@@ -2046,6 +2063,7 @@ CUresult cuMemPoolCreate(CUmemoryPool* pool, const void* props) {
     (void)props;
     if (!pool) return CUDA_ERROR_INVALID_VALUE;
     *pool = new CUmemPoolHandle_st{0, new PoolOfOwn};
+    g_own_pools.push_back((*pool)->own);
     return CUDA_SUCCESS;
 }
 
@@ -2059,6 +2077,7 @@ CUresult cuMemPoolDestroy(CUmemoryPool pool) {
     for (Alloc* a : own->free_blocks) unmap_alloc(a);
     own->blocks -= own->free_blocks.size();
     own->free_blocks.clear();
+    g_own_pools.erase(std::find(g_own_pools.begin(), g_own_pools.end(), own));
     return CUDA_SUCCESS;
 }
 
@@ -2078,12 +2097,18 @@ CUresult alloc_from_own_pool(CUdeviceptr* out, size_t bytes, PoolOfOwn* pool, CU
     }
     auto best = pool->free_blocks.end();
     for (auto it = pool->free_blocks.begin(); it != pool->free_blocks.end(); ++it)
-        if ((*it)->size >= bytes && (best == pool->free_blocks.end() || (*it)->size < (*best)->size)) best = it;
+        if (round_up((*it)->size, 16) == round_up(bytes, 16)) {
+            best = it;
+            break;
+        }
     Alloc* a;
     if (best != pool->free_blocks.end()) {
         a = *best;
         pool->free_blocks.erase(best);
         a->pool_free = false;
+        g_allocated += bytes;
+        g_allocated -= a->size;
+        a->size = bytes;
         // What the block held before is not this buffer's: poisoned as a fresh one is.
         if (g_poison && a->size) memset(a->ptr, 0xff, a->size);
     } else {
@@ -2673,6 +2698,7 @@ CUresult cuGraphLaunch(CUgraphExec e, CUstream hs) {
         c->graph->body->nodes.push_back(std::move(n));
         return CUDA_SUCCESS;
     }
+    poison_free_pool_blocks();
     return run_body(*e->body, (e->flags & INSTANTIATE_AUTO_FREE_ON_LAUNCH) != 0);
 }
 

@@ -419,19 +419,20 @@ int main(int argc, char** argv) {
         OK(cuMemFreeAsync(a, st));
         CHECK(cuMemFreeAsync(a, st) == 1);  // twice
         OK(cuMemsetD8Async(a, 9, 100, st));  // still mapped, as a graph recorded with it needs
-        OK(cuMemAllocFromPoolAsync(&b, 64, pool, st));
-        CHECK(b == a);  // the freed block, taken again
-        for (unsigned char x : download<unsigned char>(b, 64)) CHECK(x == 0xff);  // poisoned again
-        OK(cuMemAllocFromPoolAsync(&c, 200, pool, st));
-        CHECK(c != a);  // too small a block is not taken
+        OK(cuMemAllocFromPoolAsync(&b, 97, pool, st));
+        CHECK(b == a);  // the freed block of the same size (in 16 bytes), taken again
+        for (unsigned char x : download<unsigned char>(b, 97)) CHECK(x == 0xff);  // poisoned again
+        CHECK(cuMemsetD8Async(b, 0, 100, st) == 1);  // its own length now, not the block's first
+        OK(cuMemAllocFromPoolAsync(&c, 64, pool, st));
+        CHECK(c != a);  // a block of another size is not taken
         OK(cuMemFreeAsync(c, st));
         OK(cuMemPoolDestroy(pool));
         CHECK(cuMemPoolDestroy(pool) == 400);
         CHECK(cuMemAllocFromPoolAsync(&gone, 16, pool, st) == 400);
         CHECK(cuMemsetD8Async(c, 0, 16, st) == 1);  // a free block: released with the pool
-        OK(cuMemsetD8Async(b, 0, 64, st));  // still allocated: kept
+        OK(cuMemsetD8Async(b, 0, 97, st));  // still allocated: kept
         OK(cuMemFreeAsync(b, st));
-        CHECK(cuMemsetD8Async(b, 0, 64, st) == 1);  // the pool's last block, released now
+        CHECK(cuMemsetD8Async(b, 0, 97, st) == 1);  // the pool's last block, released now
     }
 
     // ---- modules

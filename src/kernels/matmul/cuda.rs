@@ -296,12 +296,16 @@ fn gemv_split(features: usize, inp: usize, multiprocessors: usize) -> usize {
 /// byte in flight. A function of the matrix's width and weight type only, like
 /// [`gemv_split`]: a row's result stays the same alone and in a batch.
 fn gemv_split_filling_early(inp: usize, early_steps: usize) -> usize {
+    debug_assert!(early_steps > 0);
     let mut ks = 1;
     while ks < GEMV_WARPS && inp > early_steps * GEMV_STEP_WEIGHTS * ks {
         ks *= 2;
     }
     ks
 }
+
+/// W::EARLY_STEPS of gemv.cu's weight types [f32, bf16, Q8_0] (a test reads them there).
+const GEMV_EARLY_STEPS: [usize; 3] = [2, 4, 4];
 
 /// Tiles (expert, first row, rows) of at most [`GEMV_MAX_ROWS`] rows covering rows sorted by
 /// expert, `start[e] .. start[e + 1]` being expert e's rows ([`Blas::tiles`]).
@@ -1223,7 +1227,7 @@ impl Blas {
         }
         let features: usize = parts.iter().map(|(w, _)| output.features(w)).sum();
         let ks = if self.gemv_split { gemv_split(features, first.inp, self.multiprocessors) } else { 1 };
-        let ks = if self.gemv_split_early { ks.min(gemv_split_filling_early(first.inp, if first.kind() == 0 { 2 } else { 4 })) } else { ks };
+        let ks = if self.gemv_split_early { ks.min(gemv_split_filling_early(first.inp, GEMV_EARLY_STEPS[first.kind()])) } else { ks };
         let mut p = GemvParts { n: parts.len() as i32, ks: ks as i32, tail: tail.unwrap_or_default(), conv: conv.map(|(c, _)| c).unwrap_or_default(), ..Default::default() };
         // Features a block covers: its warps' feature groups (ks warps each) times the
         // features a warp holds.
@@ -1687,6 +1691,13 @@ mod tests {
     fn split_depends_on_the_matrix_and_keeps_two_steps_a_warp() {
         // A Qwen3.5-0.8B output projection on 132 multiprocessors: 4 warps a feature.
         assert_eq!(gemv_split(1024, 2048, 132), 4);
+        // The early steps as gemv.cu has them, by weight type.
+        let code = include_str!("gemv.cu");
+        for (i, name) in ["TernWeightsF32", "TernWeightsBf16", "TernWeightsQ8"].iter().enumerate() {
+            let body = &code[code.find(&format!("struct {name} {{")).unwrap_or_else(|| panic!("{name} not in gemv.cu"))..];
+            let want = format!("EARLY_STEPS = {};", GEMV_EARLY_STEPS[i]);
+            assert!(body[..body.find("};").unwrap()].contains(&want), "{name}: gemv.cu's EARLY_STEPS is not GEMV_EARLY_STEPS[{i}]");
+        }
         // Bounded to fill the early requests: Qwen3.5-0.8B's products in bf16.
         assert_eq!(gemv_split_filling_early(1024, 4), 1);
         assert_eq!(gemv_split_filling_early(2048, 4), 2);

@@ -108,9 +108,9 @@ const DIRECT_SLOTS: i32 = 1;
 /// first. Measured on an H100 (35B-A3B shapes, graph replays): 4.045 -> 3.984 µs a step of one
 /// sequence, 0.2-0.4% at 16-256.
 const DIRECT_DECODE: i32 = 2;
-/// The kernel before this launch writes no state (`Gpu::state_reads_may_lead`: a dependent
-/// launch, whose blocks start while that kernel runs): each warp requests its first state rows
-/// before it awaits that kernel, as the one-row GEMVs request their weights. In a decode step
+/// No kernel that may still run when this launch starts writes a state (`Gpu::state_reads_may_lead`:
+/// a dependent launch, whose blocks start while the kernel before it runs): each warp requests
+/// its first state rows before it awaits that kernel, as the one-row GEMVs request their weights. In a decode step
 /// the recurrence follows the layer's input products and conv, so a layer's state streams in
 /// while they end. The same bits.
 const EARLY_STATE: i32 = 4;
