@@ -194,7 +194,7 @@ pub struct Gpu {
     /// [`KernelLaunch::triggers_early`]).
     ordered_at: AtomicU64,
     /// Whether the one-row GEMVs let the kernel after them be scheduled before they await the
-    /// kernel before them ([`Gpu::early_trigger`]).
+    /// kernel before them, where there is dependent launch ([`Gpu::early_trigger`]).
     early_trigger: bool,
     /// Device tables of addresses by their contents (see [`Gpu::address_table`]).
     tables: Mutex<AddressTables>,
@@ -345,7 +345,7 @@ impl Gpu {
             launches: AtomicU64::new(0),
             state_writer_at: AtomicU64::new(u64::MAX),
             ordered_at: AtomicU64::new(0),
-            early_trigger: major >= 9 && std::env::var("TERN_EARLY_TRIGGER").map_or(true, |v| v != "0"),
+            early_trigger: std::env::var("TERN_EARLY_TRIGGER").map_or(true, |v| v != "0"),
             tables: Mutex::new(AddressTables::default()),
             step_pool: Mutex::new(None),
         }))
@@ -443,8 +443,9 @@ impl Gpu {
 
     /// Whether a kernel launched next may read recurrent states before it awaits the kernel
     /// before it: it is a dependent launch and no kernel that may still run then writes a state
-    /// (below; every kernel that does calls [`Gpu::note_state_writer`]; copies and fills of states are not kernels, and a
-    /// copy on the stream is a full dependency). The count orders launches as the stream does
+    /// (below; every kernel that does calls [`Gpu::note_state_writer`]; copies and fills of
+    /// states are not kernels, and a copy on the stream is a full dependency). The count orders
+    /// launches as the stream does
     /// because a Gpu's kernels are queued by one thread at a time: every model opens its own
     /// Gpu, and its ops serialise their forward passes (`Ops::serialize`).
     ///

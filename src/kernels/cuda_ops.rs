@@ -538,15 +538,8 @@ impl CudaOps {
         (recorded, graphs.values().filter_map(|g| g.as_ref().err().cloned()).collect())
     }
 
-    /// How many of the recorded steps kept now took their buffers from a pool of their own
-    /// ([`StepPool`]).
-    pub fn pooled_recordings(&self) -> usize {
-        let graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        graphs.values().filter(|g| g.as_ref().is_ok_and(|r| r.pool.is_some())).count()
-    }
-
-    /// The nodes and edges of each recorded step kept now that took a pool of its own
-    /// ([`crate::cuda::graph_summary`]).
+    /// The nodes and edges of each recorded step kept now that took its buffers from a pool of
+    /// its own ([`StepPool`], [`crate::cuda::graph_summary`]).
     pub fn pooled_graph_summaries(&self) -> Vec<std::result::Result<crate::cuda::GraphSummary, String>> {
         let graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
         graphs.values().filter_map(|g| g.as_ref().ok()).filter(|r| r.pool.is_some()).map(|r| crate::cuda::graph_summary(r.graph.cu_graph())).collect()

@@ -28,7 +28,7 @@
 //   Memory a graph allocates keeps its address across replays and is inaccessible (PROT_NONE)
 //   between its free node and the next launch's alloc node, so a use after free faults.
 //   Pools of one's own (cuMemPoolCreate) keep their freed blocks mapped and hand them to later
-//   allocations that fit, as a GPU's pool with its release threshold at the maximum does (tern's
+//   allocations of the same size, as a GPU's pool with its release threshold at the maximum does (tern's
 //   step pools; PoolOfOwn), so buffers freed and taken again alias as they do there.
 // - A kernel launch is checked as the H200 checks it (block and grid limits; dynamic shared
 //   memory above 48 KiB only after CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES was raised
@@ -303,7 +303,6 @@ struct Alloc {
 // freed, as the driver defers the release until then.
 struct PoolOfOwn {
     std::vector<Alloc*> free_blocks;
-    size_t blocks = 0;
     bool destroyed = false;
 };
 std::vector<PoolOfOwn*> g_own_pools;
@@ -1522,7 +1521,6 @@ CUresult free_now(Alloc* a) {
     if (PoolOfOwn* pool = a->pool) {
         if (a->pool_free) return CUDA_ERROR_INVALID_VALUE;
         if (pool->destroyed) {
-            pool->blocks--;
             unmap_alloc(a);
         } else {
             a->pool_free = true;
@@ -2015,7 +2013,6 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
 
 CUresult cuMemAllocAsync(CUdeviceptr* out, size_t bytes, CUstream s) { return alloc_async(out, bytes, s); }
 
-
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { return free_async(p, s); }
 
 CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr p) {
@@ -2075,7 +2072,6 @@ CUresult cuMemPoolDestroy(CUmemoryPool pool) {
     PoolOfOwn* own = pool->own;
     own->destroyed = true;
     for (Alloc* a : own->free_blocks) unmap_alloc(a);
-    own->blocks -= own->free_blocks.size();
     own->free_blocks.clear();
     g_own_pools.erase(std::find(g_own_pools.begin(), g_own_pools.end(), own));
     return CUDA_SUCCESS;
@@ -2095,16 +2091,12 @@ CUresult alloc_from_own_pool(CUdeviceptr* out, size_t bytes, PoolOfOwn* pool, CU
         report("cuMemAllocFromPoolAsync: a pool of one's own on a capturing stream is not modelled");
         return err ? err : CUDA_ERROR_NOT_SUPPORTED;
     }
-    auto best = pool->free_blocks.end();
-    for (auto it = pool->free_blocks.begin(); it != pool->free_blocks.end(); ++it)
-        if (round_up((*it)->size, 16) == round_up(bytes, 16)) {
-            best = it;
-            break;
-        }
+    auto same = std::find_if(pool->free_blocks.begin(), pool->free_blocks.end(),
+                             [&](const Alloc* b) { return round_up(b->size, 16) == round_up(bytes, 16); });
     Alloc* a;
-    if (best != pool->free_blocks.end()) {
-        a = *best;
-        pool->free_blocks.erase(best);
+    if (same != pool->free_blocks.end()) {
+        a = *same;
+        pool->free_blocks.erase(same);
         a->pool_free = false;
         g_allocated += bytes;
         g_allocated -= a->size;
@@ -2114,7 +2106,6 @@ CUresult alloc_from_own_pool(CUdeviceptr* out, size_t bytes, PoolOfOwn* pool, CU
     } else {
         if (CUresult r = map_alloc(bytes, nullptr, &a)) return r;
         a->pool = pool;
-        pool->blocks++;
     }
     *out = reinterpret_cast<uintptr_t>(a->ptr);
     return CUDA_SUCCESS;
