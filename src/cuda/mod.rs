@@ -61,13 +61,18 @@ pub fn sources() -> Vec<KernelSource> {
     all
 }
 
+/// Device byte ranges `[start, end)` of recurrent states a kernel reads or writes.
+pub type StateRanges = Vec<(u64, u64)>;
+
 /// [`Gpu::state_reads_may_lead`] from the launch counts: `writer_at` the count when the last
-/// state writer was launched, `ordered_at` when the last kernel that awaits its predecessor
-/// before letting the next be scheduled was. Kernels launched after `ordered_at` let the next
-/// be scheduled early and write no state, so a kernel launched now may start while they and
-/// the `ordered_at` kernel run, never an earlier one.
-fn state_reads_may_lead(dependent: bool, writer_at: u64, ordered_at: u64) -> bool {
-    dependent && writer_at != ordered_at
+/// state writer was launched and `written` the states it writes, `ordered_at` when the last
+/// kernel that awaits its predecessor before letting the next be scheduled was, `read` the
+/// states the kernel launched now reads. Kernels launched after `ordered_at` let the next be
+/// scheduled early and write no state, so a kernel launched now may start while they and the
+/// `ordered_at` kernel run, never an earlier one: only that kernel's writes can race the reads.
+fn state_reads_may_lead(dependent: bool, writer_at: u64, ordered_at: u64, written: &[(u64, u64)], read: &[(u64, u64)]) -> bool {
+    let overlap = written.iter().any(|&(ws, we)| read.iter().any(|&(rs, re)| rs < we && ws < re));
+    dependent && (writer_at != ordered_at || !overlap)
 }
 
 /// Maps a driver error into tern's error, naming the operation.
@@ -186,9 +191,15 @@ pub struct Gpu {
     /// Whether the launches queued now are a decode step's ([`Gpu::decode_step`]).
     in_decode_step: AtomicBool,
     /// Kernels launched so far, and the count when the last kernel that writes recurrent
-    /// states was launched ([`Gpu::note_state_writer`]).
+    /// states was launched with the states it writes ([`Gpu::note_state_writer`]).
     launches: AtomicU64,
-    state_writer_at: AtomicU64,
+    state_writer: Mutex<(u64, StateRanges)>,
+    /// Whether [`Gpu::state_reads_may_lead`] compares the states written and read (the
+    /// default) or takes every writer as writing every state (TERN_STATE_RANGES=0, to measure
+    /// the two on the same run). H100, Qwen3.5-0.8B bf16 decode of one sequence, two pairs in
+    /// one call: 1 080.5 -> 1 102.7 and 1 096.1 -> 1 115.2 tok/s; after 512 tokens 1 037.6 ->
+    /// 1 054.2 and 1 040.1 -> 1 069.8 (BENCHMARKS.md, twenty-fourth session).
+    state_ranges: bool,
     /// The count when the last kernel that awaits its predecessor before letting the next be
     /// scheduled was launched (every kernel but those launched with
     /// [`KernelLaunch::triggers_early`]).
@@ -343,9 +354,10 @@ impl Gpu {
             dependent_launch: DependentLaunch::from_env(major),
             in_decode_step: AtomicBool::new(false),
             launches: AtomicU64::new(0),
-            state_writer_at: AtomicU64::new(u64::MAX),
+            state_writer: Mutex::new((u64::MAX, Vec::new())),
             ordered_at: AtomicU64::new(0),
             early_trigger: std::env::var("TERN_EARLY_TRIGGER").map_or(true, |v| v != "0"),
+            state_ranges: std::env::var("TERN_STATE_RANGES").map_or(true, |v| v != "0"),
             tables: Mutex::new(AddressTables::default()),
             step_pool: Mutex::new(None),
         }))
@@ -435,15 +447,16 @@ impl Gpu {
         DecodeStep(self)
     }
 
-    /// Records that the kernel just launched writes recurrent states (the gated-delta
-    /// recurrence and the chunked prefill's state pass), for [`Gpu::state_reads_may_lead`].
-    pub fn note_state_writer(&self) {
-        self.state_writer_at.store(self.launches.load(Ordering::Relaxed), Ordering::Relaxed);
+    /// Records that the kernel just launched writes the recurrent states `written` (the
+    /// gated-delta recurrence and the chunked prefill's state pass), for
+    /// [`Gpu::state_reads_may_lead`].
+    pub fn note_state_writer(&self, written: StateRanges) {
+        *self.state_writer.lock().unwrap_or_else(|e| e.into_inner()) = (self.launches.load(Ordering::Relaxed), written);
     }
 
-    /// Whether a kernel launched next may read recurrent states before it awaits the kernel
-    /// before it: it is a dependent launch and no kernel that may still run then writes a state
-    /// (below; every kernel that does calls [`Gpu::note_state_writer`]; copies and fills of
+    /// Whether a kernel launched next may read the recurrent states `read` before it awaits the
+    /// kernel before it: it is a dependent launch and no kernel that may still run then writes
+    /// any of them (below; every kernel that does calls [`Gpu::note_state_writer`]; copies and fills of
     /// states are not kernels, and a copy on the stream is a full dependency). The count orders
     /// launches as the stream does
     /// because a Gpu's kernels are queued by one thread at a time: every model opens its own
@@ -453,11 +466,13 @@ impl Gpu {
     /// state) let the next be scheduled before they await their own predecessor, so a kernel
     /// after a run of them may start while every kernel of the run and the one before the run
     /// still run: that one must write no state. Without such kernels it is the one before.
-    /// (Conservative: it asks whether that kernel writes any state, not the states read next,
-    /// so a recurrence whose layer follows another's through products alone, as in a dense
-    /// model's decode step, reads its state after its wait.)
-    pub fn state_reads_may_lead(&self) -> bool {
-        state_reads_may_lead(self.launches_dependent(), self.state_writer_at.load(Ordering::Relaxed), self.ordered_at.load(Ordering::Relaxed))
+    /// That one may write states too (a dense model's decode step: a layer's recurrence, then
+    /// products alone up to the next layer's), but each layer's states are buffers of their
+    /// own, so the next layer's recurrence still reads its own before its wait.
+    pub fn state_reads_may_lead(&self, read: &[(u64, u64)]) -> bool {
+        let writer = self.state_writer.lock().unwrap_or_else(|e| e.into_inner());
+        let written: &[(u64, u64)] = if self.state_ranges { &writer.1 } else { &[(0, u64::MAX)] };
+        state_reads_may_lead(self.launches_dependent(), writer.0, self.ordered_at.load(Ordering::Relaxed), written, read)
     }
 
     /// Whether the one-row GEMVs, whose only reads before their wait are weights, let the
@@ -1026,12 +1041,17 @@ mod tests {
     /// them: the last launch, or the last ordered one before a run of early-triggering GEMVs.
     #[test]
     fn state_reads_lead_only_past_every_running_writer() {
-        // Launches 1..=5: 3 writes states and is ordered; 4 and 5 trigger early.
-        assert!(!state_reads_may_lead(true, 3, 3), "writer last among the ordered (4 and 5 early)");
-        assert!(!state_reads_may_lead(true, 5, 5), "writer just launched");
-        assert!(state_reads_may_lead(true, 3, 4), "an ordered kernel after the writer");
-        assert!(state_reads_may_lead(true, u64::MAX, 0), "no writer yet");
-        assert!(!state_reads_may_lead(false, 3, 4), "plain launches: the wait comes first anyway");
+        // Launches 1..=5: 3 writes states A and is ordered; 4 and 5 trigger early.
+        let (a, b): (&[(u64, u64)], &[(u64, u64)]) = (&[(0x1000, 0x2000), (0x8000, 0x9000)], &[(0x2000, 0x3000)]);
+        assert!(!state_reads_may_lead(true, 3, 3, a, a), "writer of the same states last among the ordered (4 and 5 early)");
+        assert!(!state_reads_may_lead(true, 3, 3, a, &[(0x1fff, 0x2001)]), "a read overlapping a written range by one byte");
+        assert!(!state_reads_may_lead(true, 3, 3, a, &[(0x4000, 0x5000), (0x8ff0, 0x9010)]), "one read range of several overlapping");
+        assert!(state_reads_may_lead(true, 3, 3, a, b), "writer last among the ordered, other states (the next layer's)");
+        assert!(!state_reads_may_lead(true, 5, 5, a, a), "writer just launched");
+        assert!(state_reads_may_lead(true, 5, 5, b, a), "writer of other states just launched");
+        assert!(state_reads_may_lead(true, 3, 4, a, a), "an ordered kernel after the writer");
+        assert!(state_reads_may_lead(true, u64::MAX, 0, &[], a), "no writer yet");
+        assert!(!state_reads_may_lead(false, 3, 4, a, b), "plain launches: the wait comes first anyway");
     }
 
     /// The rule that makes dependent launches safe (launch.cuh): the first statement of every

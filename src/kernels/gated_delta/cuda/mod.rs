@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN_SMEM;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 
-use crate::cuda::{driver_err, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
+use crate::cuda::{driver_err, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig, StateRanges};
 use crate::error::{Error, Result};
 use crate::kernels::gated_delta::{check_segments, DeltaRuleHeads, KeyHeadMap, L2_NORM_EPS};
 use crate::kernels::{check_len, Segment};
@@ -108,7 +108,7 @@ const DIRECT_SLOTS: i32 = 1;
 /// first. Measured on an H100 (35B-A3B shapes, graph replays): 4.045 -> 3.984 µs a step of one
 /// sequence, 0.2-0.4% at 16-256.
 const DIRECT_DECODE: i32 = 2;
-/// No kernel that may still run when this launch starts writes a state (`Gpu::state_reads_may_lead`:
+/// No kernel that may still run when this launch starts writes a state it reads (`Gpu::state_reads_may_lead`:
 /// a dependent launch, whose blocks start while the kernel before it runs): each warp requests
 /// its first state rows before it awaits that kernel, as the one-row GEMVs request their weights. In a decode step
 /// the recurrence follows the layer's input products and conv, so a layer's state streams in
@@ -262,12 +262,15 @@ pub enum GpuStates<'a, 'b> {
 
 impl GpuStates<'_, '_> {
     /// Checks the states against the batch (`per` elements a sequence) and returns the pool's
-    /// address (0 with a table) and the address table (with `Each`).
-    fn resolve(&mut self, gpu: &Gpu, what: &str, segs: &GpuSegments, per: usize) -> Result<(u64, Option<Arc<CudaSlice<u64>>>)> {
+    /// address (0 with a table), the address table (with `Each`), and the device bytes the
+    /// states span (the whole pool; each sequence's state), for [`Gpu::state_reads_may_lead`].
+    fn resolve(&mut self, gpu: &Gpu, what: &str, segs: &GpuSegments, per: usize) -> Result<(u64, Option<Arc<CudaSlice<u64>>>, StateRanges)> {
+        let span = |at: u64, len: usize| (at, at + 4 * len as u64);
         match self {
             GpuStates::Pool(pool) => {
                 segs.check_pool(what, pool.len(), per)?;
-                Ok((gpu.ptr(pool), None))
+                let at = gpu.ptr(&**pool);
+                Ok((at, None, vec![span(at, pool.len())]))
             }
             GpuStates::Each(states) => {
                 if states.len() != segs.n_seqs() {
@@ -277,7 +280,8 @@ impl GpuStates<'_, '_> {
                     return Err(Error::Shape(format!("{what}: a state of {} elements where {per} are expected", s.len())));
                 }
                 let addresses: Vec<u64> = states.iter().map(|s| gpu.ptr(&**s)).collect();
-                Ok((0, Some(gpu.address_table(&addresses)?)))
+                let ranges = addresses.iter().map(|&at| span(at, per)).collect();
+                Ok((0, Some(gpu.address_table(&addresses)?), ranges))
             }
         }
     }
@@ -894,7 +898,12 @@ impl GatedDeltaCuda {
             return Ok(());
         }
         // Width 1 keeps no history: no state to check (the kernel reads none).
-        let (pool, table) = if taps > 0 { conv_states.resolve(&self.gpu, "conv1d_silu conv states", segs, channels * taps)? } else { (0, None) };
+        let (pool, table) = if taps > 0 {
+            let (pool, table, _) = conv_states.resolve(&self.gpu, "conv1d_silu conv states", segs, channels * taps)?;
+            (pool, table)
+        } else {
+            (0, None)
+        };
         let ch = i32_of("conv channels", channels)?;
         // Positions per thread: a prompt's positions spread over many threads (see conv.cu);
         // at least the history length, so a later chunk's history lies in its own sequence.
@@ -1046,7 +1055,7 @@ impl GatedDeltaCuda {
         if segs.n_seqs() == 0 {
             return Ok(());
         }
-        let (pool, table) = states.resolve(&self.gpu, "delta_rule states", segs, heads.state_len())?;
+        let (pool, table, state_ranges) = states.resolve(&self.gpu, "delta_rule states", segs, heads.state_len())?;
         let groups = heads.d_v.div_ceil(rows);
         // The kernel numbers a sequence's row groups with 32-bit ints.
         i32_of("value heads × row groups", heads.n_v_heads * groups)?;
@@ -1092,7 +1101,7 @@ impl GatedDeltaCuda {
             q_scale: (1.0 / (heads.d_k as f64).sqrt()) as f32,
             slot_base: segs.first_slot,
             // With an address table the kernel takes each state from it and ignores the slots.
-            direct: if self.direct_addressing { segs.direct } else { 0 } | if self.early_state.unwrap_or_else(|| g.state_reads_may_lead()) { EARLY_STATE } else { 0 },
+            direct: if self.direct_addressing { segs.direct } else { 0 } | if self.early_state.unwrap_or_else(|| g.state_reads_may_lead(&state_ranges)) { EARLY_STATE } else { 0 },
         };
         let mut l = g.launch_builder(f);
         l.arg(&args);
@@ -1100,7 +1109,7 @@ impl GatedDeltaCuda {
         // lies inside its buffer and each sequence's state has its length (checked above); the
         // address table stays alive in the device table cache after this returns.
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_recurrence"))?;
-        g.note_state_writer();
+        g.note_state_writer(state_ranges);
         Ok(())
     }
 }
@@ -1121,7 +1130,7 @@ impl GatedDeltaCuda {
     ) -> Result<()> {
         self.check_inputs("delta_rule_chunked", heads, x, segs, out)?;
         Self::unfused("delta_rule_chunked", x)?;
-        let (pool, state_table) = states.resolve(&self.gpu, "delta_rule_chunked states", segs, heads.state_len())?;
+        let (pool, state_table, state_ranges) = states.resolve(&self.gpu, "delta_rule_chunked states", segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
         if d_k > MAX_CHUNK_HEAD_DIM || d_v > MAX_CHUNK_HEAD_DIM {
             return Err(Error::Shape(format!("delta_rule_chunked on CUDA: d_k {d_k}, d_v {d_v} (at most {MAX_CHUNK_HEAD_DIM})")));
@@ -1218,7 +1227,7 @@ impl GatedDeltaCuda {
         l.arg(&args);
         // SAFETY: as above; slots lie inside the state pool (checked).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_chunk_state"))?;
-        gpu.note_state_writer();
+        gpu.note_state_writer(state_ranges);
         // The chunk tables are freed when this returns; the stream orders that free after the
         // launches that read them.
         Ok(())
@@ -1254,7 +1263,7 @@ impl GatedDeltaCuda {
     ) -> Result<()> {
         self.check_inputs("delta_rule_chunked_fast", heads, x, segs, out)?;
         Self::unfused("delta_rule_chunked_fast", x)?;
-        let (pool, state_table) = states.resolve(&self.gpu, "delta_rule_chunked_fast states", segs, heads.state_len())?;
+        let (pool, state_table, state_ranges) = states.resolve(&self.gpu, "delta_rule_chunked_fast states", segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
         let FastVariant { rows, stages, compact, late_issue, tiled } = self.fast_variant;
         let prepare = self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f);
@@ -1354,7 +1363,7 @@ impl GatedDeltaCuda {
         l.arg(&args);
         // SAFETY: as above; slots lie inside the state pool (checked).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_tc_state"))?;
-        self.gpu.note_state_writer();
+        self.gpu.note_state_writer(state_ranges);
         Ok(())
     }
 }

@@ -121,7 +121,7 @@ struct tern_gdn_recurrence_args {
     // What the batch lets the kernel compute instead of load (DIRECT_* in mod.rs): bit 0, the
     // slots are consecutive from slot_base (pool states only); bit 1, sequence s is the one
     // token of row s. Then a decode step's first loads wait for no table. Bit 2 (EARLY_STATE):
-    // no kernel that may still run as this one starts writes a state (Gpu::state_reads_may_lead),
+    // no kernel that may still run as this one starts writes a state it reads (Gpu::state_reads_may_lead),
     // so the first state rows are requested before awaiting the kernel before
     // (tern_gdn_early_state).
     unsigned slot_base;
