@@ -70,9 +70,11 @@ pub type StateRanges = Vec<(u64, u64)>;
 /// states the kernel launched now reads. Kernels launched after `ordered_at` let the next be
 /// scheduled early and write no state, so a kernel launched now may start while they and the
 /// `ordered_at` kernel run, never an earlier one: only that kernel's writes can race the reads.
+/// (The ranges are compared only where that kernel is the writer: a round of many sequences
+/// has many of each.)
 fn state_reads_may_lead(dependent: bool, writer_at: u64, ordered_at: u64, written: &[(u64, u64)], read: &[(u64, u64)]) -> bool {
-    let overlap = written.iter().any(|&(ws, we)| read.iter().any(|&(rs, re)| rs < we && ws < re));
-    dependent && (writer_at != ordered_at || !overlap)
+    let overlap = || written.iter().any(|&(ws, we)| read.iter().any(|&(rs, re)| rs < we && ws < re));
+    dependent && (writer_at != ordered_at || !overlap())
 }
 
 /// Maps a driver error into tern's error, naming the operation.
@@ -465,14 +467,18 @@ impl Gpu {
     /// Kernels launched with [`KernelLaunch::triggers_early`] (one-row GEMVs, which write no
     /// state) let the next be scheduled before they await their own predecessor, so a kernel
     /// after a run of them may start while every kernel of the run and the one before the run
-    /// still run: that one must write no state. Without such kernels it is the one before.
-    /// That one may write states too (a dense model's decode step: a layer's recurrence, then
-    /// products alone up to the next layer's), but each layer's states are buffers of their
-    /// own, so the next layer's recurrence still reads its own before its wait.
+    /// still run: that one must write none of the states read. Without such kernels it is the
+    /// one before. It may write others (a dense model's decode step: a layer's recurrence, then
+    /// products alone up to the next layer's): each layer's states are buffers of their own,
+    /// so the next layer's recurrence still reads its own before its wait.
     pub fn state_reads_may_lead(&self, read: &[(u64, u64)]) -> bool {
         let writer = self.state_writer.lock().unwrap_or_else(|e| e.into_inner());
-        let written: &[(u64, u64)] = if self.state_ranges { &writer.1 } else { &[(0, u64::MAX)] };
-        state_reads_may_lead(self.launches_dependent(), writer.0, self.ordered_at.load(Ordering::Relaxed), written, read)
+        let (dependent, ordered_at) = (self.launches_dependent(), self.ordered_at.load(Ordering::Relaxed));
+        if !self.state_ranges {
+            // Every writer taken as writing every state: the rule before ranges were compared.
+            return dependent && writer.0 != ordered_at;
+        }
+        state_reads_may_lead(dependent, writer.0, ordered_at, &writer.1, read)
     }
 
     /// Whether the one-row GEMVs, whose only reads before their wait are weights, let the
@@ -828,7 +834,8 @@ pub struct KernelLaunch<'a> {
 impl<'a> KernelLaunch<'a> {
     /// Marks the kernel as one that lets the next be scheduled before it awaits the kernel
     /// before it (`tern_let_dependents_launch`, launch.cuh): a one-row GEMV launched with
-    /// `early` = 2. Only kernels that write no recurrent state may be so marked.
+    /// `early` = 2. Only kernels that write no delta-rule state may be so marked (the states
+    /// the recurrence reads before its wait; the conv GEMVs' histories are read after one).
     pub fn triggers_early(&mut self, on: bool) -> &mut Self {
         self.triggers_early = on;
         self
