@@ -68,8 +68,9 @@ struct Recorded {
     /// [`Gpu::address_table`], [`Gpu::hold_while_recorded`]).
     _buffers: Vec<crate::cuda::RecordedBuffer>,
     /// The pool of the buffers the step allocated while it was recorded, if it took one
-    /// ([`StepPool`]): dropped after the graph and the buffers above (fields drop in order).
-    pool: Option<StepPool>,
+    /// ([`StepPool`]; a round's is shared with every pooled round, `CudaOps::rounds_pool`):
+    /// dropped after the graph and the buffers above (fields drop in order).
+    pool: Option<Arc<StepPool>>,
 }
 
 /// One op inside a recorded step, between two timing events that are nodes of the graph.
@@ -236,6 +237,14 @@ pub struct CudaOps {
     /// [`GRAPH_CACHE`] graphs, where graphs' own allocations share their memory. One sequence's
     /// step keeps a few MB.
     step_pools: bool,
+    /// Whether decode rounds of several sequences take a step pool too, one pool shared by
+    /// every such recording (`rounds_pool`), so that the memory it keeps is the largest
+    /// round's, not one round's per graph (TERN_STEP_POOL_ROUNDS=1; off by default until it is
+    /// timed on a GPU). Sharing is safe for the reason a step's own buffers may share one
+    /// pool: the pool's buffers are used only by the recorded steps' kernels, and the steps
+    /// replay one after another on the one stream, each a full dependency of the next.
+    step_pool_rounds: bool,
+    rounds_pool: Mutex<Option<Arc<StepPool>>>,
     norm: NormCuda,
     activation: ActivationCuda,
     rope: RopeCuda,
@@ -324,6 +333,25 @@ impl CudaOps {
         self
     }
 
+    /// These ops recording decode rounds of several sequences with their buffers from the
+    /// shared rounds pool (`true`, with step pools on) or not, whatever TERN_STEP_POOL_ROUNDS
+    /// says: the device test compares them.
+    #[cfg(test)]
+    pub(crate) fn with_step_pool_rounds(mut self, on: bool) -> Self {
+        self.step_pool_rounds = on;
+        self
+    }
+
+    /// The pool every pooled round is recorded with, made at the first (see
+    /// `step_pool_rounds`); None where the driver has no pools of one's own.
+    fn rounds_pool(&self) -> Option<Arc<StepPool>> {
+        let mut shared = self.rounds_pool.lock().unwrap_or_else(|p| p.into_inner());
+        if shared.is_none() {
+            *shared = self.gpu.step_pool().ok().map(Arc::new);
+        }
+        shared.clone()
+    }
+
     /// These ops with decode attention in `form`, whatever TERN_KV_SPLITS and TERN_KV_WARPS
     /// say: the device test runs every form. Before the first LLM op (which builds its kernels).
     #[cfg(test)]
@@ -378,6 +406,8 @@ impl CudaOps {
         Ok(CudaOps {
             blas: Blas::new(gpu.clone(), precision == Precision::Bf16)?,
             step_pools: std::env::var("TERN_STEP_POOL").map_or(true, |v| v != "0"),
+            step_pool_rounds: std::env::var("TERN_STEP_POOL_ROUNDS").is_ok_and(|v| v == "1"),
+            rounds_pool: Mutex::new(None),
             norm: NormCuda::new(gpu.clone())?,
             activation: ActivationCuda::new(gpu.clone())?,
             rope: RopeCuda::new(gpu.clone())?,
@@ -872,8 +902,13 @@ impl Ops for CudaOps {
         self.gpu.take_recorded_buffers();
         // Where the driver has no pools of one's own, the step is recorded as captured, memory
         // nodes and all.
-        let pool = if self.step_pools && decode_launches.is_some() && segments.len() == 1 { self.gpu.step_pool().ok() } else { None };
-        self.gpu.allocate_from(pool.as_ref());
+        let pool = match (self.step_pools && decode_launches.is_some(), segments.len()) {
+            (false, _) => None,
+            (true, 1) => self.gpu.step_pool().ok().map(Arc::new),
+            (true, _) if self.step_pool_rounds => self.rounds_pool(),
+            (true, _) => None,
+        };
+        self.gpu.allocate_from(pool.as_deref());
         // A pool's allocations, on its own uncaptured stream, are calls the driver refuses
         // from a thread that is capturing in its own or the global mode
         // (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, measured on an H100): relaxed mode lets them

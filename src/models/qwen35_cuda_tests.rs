@@ -442,10 +442,11 @@ fn cuda_moe_sort_slots_matches_the_host_sort() {
 /// graph, so a dependent launch gets its programmatic edge between every pair of kernels) gives
 /// the same logits, bit for bit, as the step recorded with the stream's allocations, and every
 /// recording succeeds. Dense and MoE; f32, bf16 and Q8_0 weights; f32 and bf16 modes; one
-/// sequence (pooled) and two at once (rounds record as captured either way); steps replayed
-/// from their graphs (the first step of a shape runs plainly, the second records, later ones
-/// replay). The pooled model must have recorded with pools (hostcuda models pools of one's own
-/// too), the other without.
+/// sequence (pooled), and rounds of two and nine sequences (nine: more rows than the GEMV
+/// takes), recorded as captured by default and from the shared rounds pool with
+/// `with_step_pool_rounds`; steps replayed from their graphs (the first step of a shape runs
+/// plainly, the second records, later ones replay). The pooled models must have recorded with
+/// pools (hostcuda models pools of one's own too), rounds only where asked, the other without.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_step_pools_keep_the_bits() {
@@ -454,43 +455,50 @@ fn cuda_step_pools_keep_the_bits() {
     for rel in ["dense-untied", "dense-tied/gguf/dense-tied-f32.gguf", "dense-untied/gguf/dense-untied-q8_0.gguf", "moe/gguf/moe-bf16.gguf"] {
         let path = fixture(rel);
         for precision in [Precision::F32, Precision::Bf16] {
-            let load = |on| Qwen35::load_on(&path, CudaOps::new(g.clone(), precision).unwrap().with_step_pools(on)).unwrap();
-            let (stream, pooled) = (load(false), load(true));
+            let load = |pools, rounds| Qwen35::load_on(&path, CudaOps::new(g.clone(), precision).unwrap().with_step_pools(pools).with_step_pool_rounds(rounds)).unwrap();
+            let (stream, pooled, rounds) = (load(false, false), load(true, false), load(true, true));
             let vocab = stream.cfg.vocab_size as u32;
-            let prompts: Vec<Vec<u32>> = [20usize, 7].iter().map(|&n| (0..n).map(|_| rng.next_u32() % vocab).collect()).collect();
-            for sequences in [1usize, 2] {
+            let lens = [20usize, 7, 3, 12, 1, 5, 9, 2, 16];
+            let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| (0..n).map(|_| rng.next_u32() % vocab).collect()).collect();
+            for sequences in [1usize, 2, 9] {
                 let mut a: Vec<_> = (0..sequences).map(|_| stream.new_state().unwrap()).collect();
                 let mut b: Vec<_> = (0..sequences).map(|_| pooled.new_state().unwrap()).collect();
+                let mut c: Vec<_> = (0..sequences).map(|_| rounds.new_state().unwrap()).collect();
                 let mut feeds: Vec<Vec<u32>> = prompts[..sequences].to_vec();
                 for t in 0..6 {
                     let mut batch_a: Vec<(&[u32], &mut Qwen35State<CudaOps>)> = feeds.iter().map(|f| f.as_slice()).zip(a.iter_mut()).collect();
                     let want = stream.forward_batch(&mut batch_a).unwrap();
-                    let mut batch_b: Vec<(&[u32], &mut Qwen35State<CudaOps>)> = feeds.iter().map(|f| f.as_slice()).zip(b.iter_mut()).collect();
-                    let got = pooled.forward_batch(&mut batch_b).unwrap();
-                    for (s, (w, gl)) in want.iter().zip(&got).enumerate() {
-                        assert!(
-                            w.iter().zip(gl).all(|(x, y)| x.to_bits() == y.to_bits()),
-                            "{rel} {precision:?}, {sequences} sequence(s), step {t}, sequence {s}: the pooled step's logits differ"
-                        );
+                    for (m, states, what) in [(&pooled, &mut b, "pooled"), (&rounds, &mut c, "rounds-pooled")] {
+                        let mut batch: Vec<(&[u32], &mut Qwen35State<CudaOps>)> = feeds.iter().map(|f| f.as_slice()).zip(states.iter_mut()).collect();
+                        let got = m.forward_batch(&mut batch).unwrap();
+                        for (s, (w, gl)) in want.iter().zip(&got).enumerate() {
+                            assert!(
+                                w.iter().zip(gl).all(|(x, y)| x.to_bits() == y.to_bits()),
+                                "{rel} {precision:?}, {sequences} sequence(s), step {t}, sequence {s}: the {what} step's logits differ"
+                            );
+                        }
                     }
                     feeds = want.iter().map(|l| vec![argmax(l) as u32]).collect();
                 }
             }
-            for m in [&stream, &pooled] {
+            for m in [&stream, &pooled, &rounds] {
                 let (recorded, failed) = m.ops().graph_stats();
                 assert!(failed.is_empty() && recorded > 0, "{rel} {precision:?}: recordings {recorded}, failed {failed:?}");
             }
             assert!(stream.ops().pooled_graph_summaries().is_empty(), "{rel} {precision:?}: pools off, yet a recording took one");
-            let summaries = pooled.ops().pooled_graph_summaries();
-            assert!(!summaries.is_empty(), "{rel} {precision:?}: no recording took a pool");
+            let (one, all) = (pooled.ops().pooled_graph_summaries(), rounds.ops().pooled_graph_summaries());
+            assert!(!one.is_empty(), "{rel} {precision:?}: no recording took a pool");
+            // One sequence's steps (a shape each) pooled by both, the rounds of 2 and 9 by the
+            // second alone.
+            assert_eq!(all.len(), one.len() + 2, "{rel} {precision:?}: pooled recordings, rounds pooled or not");
             // What a pool is for: no memory node in the step's graph, so that every kernel can
             // follow the kernel before it through a programmatic edge.
-            for summary in summaries {
+            for summary in one.into_iter().chain(all) {
                 let s = summary.unwrap_or_else(|e| panic!("{rel} {precision:?}: {e}"));
                 assert!(!s.nodes.contains_key("mem_alloc") && !s.nodes.contains_key("mem_free"), "{rel} {precision:?}: a pooled step's graph holds memory nodes: {s}");
                 assert!(s.edges.keys().any(|k| k.starts_with("kernel->kernel:type1")), "{rel} {precision:?}: no programmatic kernel edge: {s}");
             }
-            eprintln!("{rel} {precision:?}: 6 steps of 1 and 2 sequences, pooled == stream-allocated");
+            eprintln!("{rel} {precision:?}: 6 steps of 1, 2 and 9 sequences, pooled (rounds too, or not) == stream-allocated");
         }
     }
 }

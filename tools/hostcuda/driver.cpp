@@ -299,7 +299,9 @@ struct Alloc {
 // memory (tern's step pools set the release threshold to its maximum). A free block is
 // poisoned again when taken and at every graph launch, so a recorded step that reads one of
 // its buffers before writing it reads poison at every replay, as a graph's own allocation
-// does. Destroying it unmaps the free blocks; a block still allocated is unmapped when it is
+// does. A range check takes a block's padded size (alloc_holding): a graph recorded with an
+// earlier buffer of the block still writes that buffer's length, so an overrun of a pool
+// buffer by less than its padding passes unseen. Destroying it unmaps the free blocks; a block still allocated is unmapped when it is
 // freed, as the driver defers the release until then.
 struct PoolOfOwn {
     std::vector<Alloc*> free_blocks;
@@ -406,7 +408,10 @@ Alloc* alloc_holding(uintptr_t p, size_t n) {
     --it;
     Alloc* a = it->second;
     uintptr_t start = reinterpret_cast<uintptr_t>(a->ptr);
-    if (p - start > a->size || n > a->size - (p - start)) return nullptr;
+    // A pool block serves every buffer of its padded size (PoolOfOwn), and graphs recorded
+    // with an earlier, longer buffer in it still reach its padded end, as on a GPU: its extent.
+    const size_t extent = a->pool ? round_up(a->size, 16) : a->size;
+    if (p - start > extent || n > extent - (p - start)) return nullptr;
     return a;
 }
 
