@@ -231,7 +231,7 @@ pub struct CudaOps {
     /// takes no dependent launch, so a pool of its own (a stream and fresh memory each) can only
     /// cost it (with every recording pooled a 16-token prompt measured 1 508, 2 653, 2 899 and
     /// 3 289 tok/s against 3 176 and 3 468: noisy, but no gain). Not decode rounds of several
-    /// sequences (untimed): each graph's pool keeps its step's largest buffers for as long as
+    /// sequences (by default: `step_pool_rounds`): a graph's own pool keeps its step's largest buffers for as long as
     /// the graph lives (a round of 128 sequences' logits alone are 127 MB at Qwen3.5's
     /// vocabulary), and a server's rounds change keys often enough to fill the cache of
     /// [`GRAPH_CACHE`] graphs, where graphs' own allocations share their memory. One sequence's
