@@ -18,6 +18,11 @@
 // runs at once, or is recorded into the graph when the stream captures, like any kernel. With
 // CUBLAS_POINTER_MODE_HOST, alpha and beta are read when the call is made; with
 // CUBLAS_POINTER_MODE_DEVICE, when the product runs.
+//
+// Workspace: as cuBLAS 12.2 on does, a product on a capturing stream of a handle with no
+// workspace of its own (cublasSetWorkspace) takes one with a stream-ordered allocation before
+// it and frees it after it, so that the captured graph holds a memory node pair per product,
+// as a GPU's does (a test that a recorded step's graph is free of memory nodes sees them).
 
 #include <math.h>
 #include <stdint.h>
@@ -39,6 +44,9 @@ typedef CUstream_st* cudaStream_t;
 extern "C" CUresult hostcuda_stream_enqueue(cudaStream_t s, const char* what, int (*run)(void*), void* data,
                                             void (*release)(void*));
 extern "C" CUresult hostcuda_check_range(const char* what, const char* which, CUdeviceptr p, size_t n);
+extern "C" CUresult cuStreamIsCapturing(cudaStream_t s, int* status);
+extern "C" CUresult cuMemAllocAsync(CUdeviceptr* out, size_t bytes, cudaStream_t s);
+extern "C" CUresult cuMemFreeAsync(CUdeviceptr p, cudaStream_t s);
 #pragma GCC visibility pop
 
 struct cublasContext {
@@ -307,6 +315,9 @@ bool supported(int a_type, int b_type, int c_type, int compute) {
     return c_type == R_32F || c_type == a_type;
 }
 
+// The stream-ordered workspace a product of a handle without one takes while capturing.
+constexpr size_t CAPTURED_WORKSPACE_BYTES = 1 << 20;
+
 cublasStatus_t submit(cublasHandle_t h, Gemm* g, const void* alpha, const void* beta) {
     if (!valid(h)) {
         delete g;
@@ -335,7 +346,16 @@ cublasStatus_t submit(cublasHandle_t h, Gemm* g, const void* alpha, const void* 
         g->beta = *static_cast<const float*>(beta);
     }
     const char* what = g->what;
+    // The workspace cuBLAS takes on a capturing stream when the handle has none (see the top).
+    int capturing = 0;
+    CUdeviceptr own_workspace = 0;
+    if (!h->workspace && cuStreamIsCapturing(h->stream, &capturing) == 0 && capturing == 1 &&
+        cuMemAllocAsync(&own_workspace, CAPTURED_WORKSPACE_BYTES, h->stream) != 0) {
+        delete g;
+        return CUBLAS_STATUS_ALLOC_FAILED;
+    }
     CUresult r = hostcuda_stream_enqueue(h->stream, what, run_gemm, g, free_gemm);
+    if (own_workspace && cuMemFreeAsync(own_workspace, h->stream) != 0 && r == 0) r = 1;
     if (r != 0) {
         fprintf(stderr, "hostcuda: %s failed (CUresult %d)\n", what, r);
         return CUBLAS_STATUS_EXECUTION_FAILED;

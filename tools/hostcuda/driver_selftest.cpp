@@ -185,6 +185,9 @@ int cublasCreate_v2(cublasHandle_t*);
 int cublasDestroy_v2(cublasHandle_t);
 int cublasSetStream_v2(cublasHandle_t, CUstream);
 int cublasSetPointerMode_v2(cublasHandle_t, int);
+int cublasSetWorkspace_v2(cublasHandle_t, void*, size_t);
+CUresult cuGraphGetNodes(CUgraph, void**, size_t*);
+CUresult cuGraphNodeGetType(void*, int*);
 int cublasGemmEx(cublasHandle_t, int, int, int, int, int, const void*, const void*, int, int, const void*, int, int,
                  const void*, void*, int, int, int, int);
 int cublasGemmStridedBatchedEx(cublasHandle_t, int, int, int, int, int, const void*, const void*, int, int, long long,
@@ -931,7 +934,30 @@ int main(int argc, char** argv) {
             std::vector<float> got = download<float>(dc, c.size());
             for (size_t i = 0; i < got.size(); i++) CHECK(got[i] == want[i]);
             OK(cuGraphExecDestroy(ge));
+            // The handle has no workspace: the captured product took one, an allocation
+            // before it and a free after it (CUgraphNodeType 10, host function 3, 11).
+            auto node_types = [](CUgraph graph) {
+                size_t n = 0;
+                OK(cuGraphGetNodes(graph, nullptr, &n));
+                std::vector<void*> nodes(n);
+                OK(cuGraphGetNodes(graph, nodes.data(), &n));
+                std::vector<int> types(n);
+                for (size_t i = 0; i < n; i++) OK(cuGraphNodeGetType(nodes[i], &types[i]));
+                return types;
+            };
+            CHECK((node_types(g) == std::vector<int>{10, 3, 11}));
             OK(cuGraphDestroy(g));
+            // With a workspace of its own, the captured product is its one node.
+            CUdeviceptr ws = upload(c.data(), 64);
+            OK(cublasSetWorkspace_v2(h, (void*)ws, 64));
+            OK(cuStreamBeginCapture_v2(st, 1));
+            float one = 1, zero = 0;
+            OK(cublasGemmEx(h, 0, 0, m, nn, k, &one, (void*)da, 0, m, (void*)db, 0, k, &zero, (void*)dc, 0, m, 68, -1));
+            OK(cuStreamEndCapture(st, &g));
+            CHECK((node_types(g) == std::vector<int>{3}));
+            OK(cuGraphDestroy(g));
+            OK(cublasSetWorkspace_v2(h, nullptr, 0));
+            OK(cuMemFree_v2(ws));
             // An operand past its buffer: the product fails, naming it, instead of reading on.
             float alpha = 1, beta = 0;
             CHECK(cublasGemmEx(h, 0, 0, m, nn, k + 1, &alpha, (void*)da, 0, m, (void*)db, 0, k + 1, &beta,
