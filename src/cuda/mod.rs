@@ -218,7 +218,7 @@ pub struct Gpu {
 
 /// A memory pool of one recorded step, for the buffers its ops allocate while it is recorded
 /// (one sequence's decode steps, unless TERN_STEP_POOL=0; [`Gpu::allocate_from`]), or of every
-/// recorded decode round of several sequences (TERN_STEP_POOL_ROUNDS=1, `CudaOps`).
+/// recorded decode round of several sequences (unless TERN_STEP_POOL_ROUNDS=0, `CudaOps`).
 ///
 /// Why: every op allocates its output on the stream and frees buffers as they drop, so a
 /// captured step holds a memory node between most pairs of its kernels (a tiny Qwen3.5 decode

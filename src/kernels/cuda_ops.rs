@@ -231,18 +231,22 @@ pub struct CudaOps {
     /// takes no dependent launch, so a pool of its own (a stream and fresh memory each) can only
     /// cost it (with every recording pooled a 16-token prompt measured 1 508, 2 653, 2 899 and
     /// 3 289 tok/s against 3 176 and 3 468: noisy, but no gain). Not decode rounds of several
-    /// sequences (by default: `step_pool_rounds`): a graph's own pool keeps its step's largest buffers for as long as
+    /// sequences a pool each: a graph's own pool keeps its step's largest buffers for as long as
     /// the graph lives (a round of 128 sequences' logits alone are 127 MB at Qwen3.5's
     /// vocabulary), and a server's rounds change keys often enough to fill the cache of
-    /// [`GRAPH_CACHE`] graphs, where graphs' own allocations share their memory. One sequence's
-    /// step keeps a few MB.
+    /// [`GRAPH_CACHE`] graphs; they share one (`step_pool_rounds`). One sequence's step keeps a
+    /// few MB.
     step_pools: bool,
     /// Whether decode rounds of several sequences take a step pool too, one pool shared by
     /// every such recording (`rounds_pool`), so that the memory it keeps is the largest
-    /// round's, not one round's per graph (TERN_STEP_POOL_ROUNDS=1; off by default until it is
-    /// timed on a GPU). Sharing is safe for the reason a step's own buffers may share one
-    /// pool: the pool's buffers are used only by the recorded steps' kernels, and the steps
-    /// replay one after another on the one stream, each a full dependency of the next.
+    /// round's, not one round's per graph (on with step pools, unless TERN_STEP_POOL_ROUNDS=0).
+    /// Sharing is safe for the reason a step's own buffers may share one pool: the pool's
+    /// buffers are used only by the recorded steps' kernels, and the steps replay one after
+    /// another on the one stream, each a full dependency of the next. H100, Qwen3.5-0.8B bf16,
+    /// two pairs in one call (2026-12-06, BENCHMARKS.md, twenty-fifth session): rounds of 8 /
+    /// 32 / 128 sequences 6 242 / 13 696 / 28 628 and 6 260 / 13 694 / 28 561 tok/s against
+    /// 6 043 / 13 422 / 28 363 and 6 037 / 13 421 / 28 391 (+3.5%, +2.0%, +0.8%); one
+    /// sequence level.
     step_pool_rounds: bool,
     rounds_pool: Mutex<Option<Arc<StepPool>>>,
     norm: NormCuda,
@@ -406,7 +410,7 @@ impl CudaOps {
         Ok(CudaOps {
             blas: Blas::new(gpu.clone(), precision == Precision::Bf16)?,
             step_pools: std::env::var("TERN_STEP_POOL").map_or(true, |v| v != "0"),
-            step_pool_rounds: std::env::var("TERN_STEP_POOL_ROUNDS").is_ok_and(|v| v == "1"),
+            step_pool_rounds: std::env::var("TERN_STEP_POOL_ROUNDS").map_or(true, |v| v != "0"),
             rounds_pool: Mutex::new(None),
             norm: NormCuda::new(gpu.clone())?,
             activation: ActivationCuda::new(gpu.clone())?,
