@@ -61,6 +61,19 @@ pub struct HeadOps<'a, O: Ops> {
     pub rope: Option<&'a O::Rope>,
 }
 
+/// A fused attention projection's rows, `stride` wide ([`Ops::projected_kv_attention`]): the
+/// first columns of its q, gate, k and v sections, and what [`Ops::head_prep`] does to the q
+/// and k heads.
+pub struct ProjectedHeads<'a, O: Ops> {
+    pub stride: usize,
+    pub q: usize,
+    pub gate: usize,
+    pub k: usize,
+    pub v: usize,
+    pub q_prep: HeadOps<'a, O>,
+    pub k_prep: HeadOps<'a, O>,
+}
+
 /// The sandwich-norm step after a sublayer's output y ([`Ops::ffn_add_norm`],
 /// [`Ops::attention_add_norm_next`]): `h = (h + rms(y)·weight)·post` per row of `d`, epsilon `eps`.
 pub struct SandwichNorm<'a, O: Ops> {
@@ -474,6 +487,19 @@ pub trait Ops: Send + Sync + Sized {
         caches: &mut [&mut Self::Kv],
         shape: &AttentionShape,
     ) -> Result<Self::Buf>;
+    /// [`Ops::head_prep`] of the q and k heads of the fused projection `y`, in place, then
+    /// [`Ops::kv_attention`] over its sections. A backend may prepare the heads inside the
+    /// attention instead (y's q and k then keep their projected values), with the same results.
+    fn projected_kv_attention(
+        &self,
+        y: &mut Self::Buf,
+        heads: ProjectedHeads<Self>,
+        batch: &Self::Batch,
+        caches: &mut [&mut Self::Kv],
+        shape: &AttentionShape,
+    ) -> Result<Self::Buf> {
+        projected_kv_attention_composed(self, y, heads, batch, caches, shape)
+    }
     /// A MoE layer's FFN for each row of `x` (rows of `d`): the routed experts' mix — softmax
     /// of the experts' logits in f32 → top-k → renormalised weights, Σ weight·down(silu(gate·x)·up·x)
     /// — then, with a shared expert, `+= sigmoid(g)·shared(x)`. `router_logits` is [rows][experts],
@@ -939,6 +965,22 @@ pub fn attention_add_norm_next_composed<O: Ops>(
 ) -> Result<()> {
     let att = ops.attention(q, k, v, batch, shape)?;
     ops.linear_add_norm_next(&att, rows, wo, h, weight, post, d, eps, next, out)
+}
+
+/// [`Ops::projected_kv_attention`] as the ops it is made of (the trait's form, and a backend's
+/// where it has nothing better for the batch at hand).
+pub fn projected_kv_attention_composed<O: Ops>(
+    ops: &O,
+    y: &mut O::Buf,
+    heads: ProjectedHeads<O>,
+    batch: &O::Batch,
+    caches: &mut [&mut O::Kv],
+    shape: &AttentionShape,
+) -> Result<O::Buf> {
+    let ProjectedHeads { stride, q, gate, k, v, q_prep, k_prep } = heads;
+    ops.head_prep(y, stride, batch, &[(q, q_prep), (k, k_prep)])?;
+    let view = |offset| View::new(&*y, offset, stride);
+    ops.kv_attention(view(q), view(k), view(v), view(gate), batch, caches, shape)
 }
 
 /// [`Ops::ffn_add_norm`] as the ops it is made of (the trait's form, and a backend's where it

@@ -17,9 +17,9 @@ use crate::cuda::{driver_err, CudaEvent, CudaSlice, Gpu, KernelSource, StepPool}
 use crate::error::{Error, Result};
 use crate::formats::Matrix;
 use crate::kernels::activation::cuda::ActivationCuda;
-use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch, GpuKv, KvAttentionCuda, KvForm};
+use crate::kernels::attention::cuda::{AttentionCuda, GpuAttentionBatch, GpuKv, KvAttentionCuda, KvForm, KvHeadPrep};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{attention_add_norm_next_composed, check_past, ffn_add_norm_composed, gated_delta_in_steps, linear_gelu_mul_composed, linears_conv_composed, split_rows, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, SandwichNorm, View};
+use crate::kernels::backend::{attention_add_norm_next_composed, check_past, ffn_add_norm_composed, gated_delta_in_steps, linear_gelu_mul_composed, linears_conv_composed, projected_kv_attention_composed, split_rows, matrix_shape, GatedActivation, GatedDeltaInputs, HeadOps, Ops, ProjectedHeads, SandwichNorm, View};
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::cuda::{ChunkAccumulate, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows, FUSED_MAX_DV};
 use crate::kernels::gated_delta::{DeltaRuleHeads, DELTA_RULE_CHUNK};
@@ -248,6 +248,12 @@ pub struct CudaOps {
     /// 6 043 / 13 422 / 28 363 and 6 037 / 13 421 / 28 391 (+3.5%, +2.0%, +0.8%); one
     /// sequence level.
     step_pool_rounds: bool,
+    /// Whether a decode step's attention prepares its q and k heads itself (PREP in
+    /// attention/kv.cu: one launch a layer fewer, the same bits), unless TERN_KV_PREP=0. H100,
+    /// Qwen3.5-0.8B bf16, two pairs in one call: decode 1 110.3 / 1 112.8 tok/s against
+    /// 1 102.3 / 1 110.3, after 512 tokens 1 068.6 / 1 070.9 against 1 056.1 / 1 059.4 (+1.1%),
+    /// rounds of 8 sequences +1%, of 32 and 128 level (BENCHMARKS.md, twenty-fifth session).
+    kv_prep: bool,
     rounds_pool: Mutex<Option<Arc<StepPool>>>,
     norm: NormCuda,
     activation: ActivationCuda,
@@ -337,6 +343,14 @@ impl CudaOps {
         self
     }
 
+    /// These ops with decode attention preparing its heads itself or not, whatever TERN_KV_PREP
+    /// says: the device test compares them.
+    #[cfg(test)]
+    pub(crate) fn with_kv_prep(mut self, on: bool) -> Self {
+        self.kv_prep = on;
+        self
+    }
+
     /// These ops recording decode rounds of several sequences with their buffers from the
     /// shared rounds pool (`true`, with step pools on) or not, whatever TERN_STEP_POOL_ROUNDS
     /// says: the device test compares them.
@@ -411,6 +425,7 @@ impl CudaOps {
             blas: Blas::new(gpu.clone(), precision == Precision::Bf16)?,
             step_pools: std::env::var("TERN_STEP_POOL").map_or(true, |v| v != "0"),
             step_pool_rounds: std::env::var("TERN_STEP_POOL_ROUNDS").map_or(true, |v| v != "0"),
+            kv_prep: std::env::var("TERN_KV_PREP").map_or(true, |v| v != "0"),
             rounds_pool: Mutex::new(None),
             norm: NormCuda::new(gpu.clone())?,
             activation: ActivationCuda::new(gpu.clone())?,
@@ -699,6 +714,11 @@ fn gated_output(act: GatedActivation) -> GemvOutput {
 /// Each row's position: sequence s's rows follow its `past[s]`.
 fn positions(segments: &[Segment], past: &[usize]) -> Vec<u32> {
     segments.iter().zip(past).flat_map(|(s, &p)| (p..p + s.len).map(|v| v as u32)).collect()
+}
+
+/// What [`Ops::head_prep`] does to each head, in the rope launcher's terms.
+fn gpu_head_prep<'a>(p: &HeadOps<'a, CudaOps>) -> GpuHeadPrep<'a> {
+    GpuHeadPrep { heads: p.heads, hd: p.hd, norm: p.norm, eps: p.eps, rope: p.rope }
 }
 
 impl Ops for CudaOps {
@@ -1112,10 +1132,7 @@ impl Ops for CudaOps {
 
     fn head_prep(&self, x: &mut CudaSlice<f32>, stride: usize, batch: &CudaBatch, sections: &[(usize, HeadOps<Self>)]) -> Result<()> {
         let _timer = self.op_timer("head_prep");
-        let sections: Vec<(usize, GpuHeadPrep)> = sections
-            .iter()
-            .map(|(offset, p)| (*offset, GpuHeadPrep { heads: p.heads, hd: p.hd, norm: p.norm, eps: p.eps, rope: p.rope }))
-            .collect();
+        let sections: Vec<(usize, GpuHeadPrep)> = sections.iter().map(|(offset, p)| (*offset, gpu_head_prep(p))).collect();
         self.rope.head_prep(x, stride, batch.att.rows, &batch.positions, batch.max_position, &sections)
     }
 
@@ -1409,8 +1426,31 @@ impl Ops for CudaOps {
         if batch.past.iter().all(|&p| p == 0) && views_fit && batch.att.rows > batch.past.len() {
             kv.prefill(&self.attention, q, k, v, gate, &batch.att, &batch.positions, caches, shape, &mut out, self.precision == Precision::Bf16)?;
         } else {
-            kv.kv_attention(q, k, v, gate, &batch.att.segments, &batch.past, &batch.positions, caches, shape, &mut out)?;
+            kv.kv_attention(q, k, v, gate, &batch.att.segments, &batch.past, &batch.positions, caches, shape, &mut out, None)?;
         }
+        Ok(out)
+    }
+
+    fn projected_kv_attention(
+        &self,
+        y: &mut CudaSlice<f32>,
+        heads: ProjectedHeads<Self>,
+        batch: &CudaBatch,
+        caches: &mut [&mut GpuKv],
+        shape: &AttentionShape,
+    ) -> Result<CudaSlice<f32>> {
+        // A decode step (each sequence one new row) prepares its heads in the attention.
+        let decode = !batch.att.segments.is_empty() && batch.att.segments.iter().all(|s| s.len == 1);
+        if !(self.kv_prep && decode) {
+            return projected_kv_attention_composed(self, y, heads, batch, caches, shape);
+        }
+        let _timer = self.op_timer("kv_attention (heads prepared)");
+        let ProjectedHeads { stride, q, gate, k, v, q_prep, k_prep } = heads;
+        let prep = KvHeadPrep { q: gpu_head_prep(&q_prep), k: gpu_head_prep(&k_prep), max_position: batch.max_position };
+        let mut out = self.gpu.alloc::<f32>(batch.att.rows * shape.q_heads * shape.hd)?;
+        let view = |offset| View::new(&*y, offset, stride);
+        let kv = &self.llm()?.kv;
+        kv.kv_attention(view(q), view(k), view(v), view(gate), &batch.att.segments, &batch.past, &batch.positions, caches, shape, &mut out, Some(&prep))?;
         Ok(out)
     }
 

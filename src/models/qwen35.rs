@@ -26,7 +26,7 @@ use crate::formats::gguf::GgufFile;
 use crate::formats::safetensors::SafetensorsWeights;
 use crate::formats::{Matrix, Tensor};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::backend::{CpuOps, GatedActivation, GatedDeltaInputs, HeadOps, Ops, View};
+use crate::kernels::backend::{CpuOps, GatedActivation, GatedDeltaInputs, HeadOps, Ops, ProjectedHeads};
 use crate::kernels::cuda_ops::CudaOps;
 use crate::models::Placement;
 use crate::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
@@ -884,10 +884,10 @@ impl<O: Ops> Qwen35<O> {
         };
         let q_prep = HeadOps::<O> { heads: c.q_heads, hd, norm: Some(Some(&m.q_norm)), eps: c.eps, rope: Some(&self.rope) };
         let k_prep = HeadOps { heads: c.kv_heads, norm: Some(Some(&m.k_norm)), ..q_prep };
-        ops.head_prep(&mut y, stride, b, &[(0, q_prep), (2 * qw, k_prep)])?;
+        // The rows are q | gate | k | v.
+        let heads = ProjectedHeads { stride, q: 0, gate: qw, k: 2 * qw, v: 2 * qw + kw, q_prep, k_prep };
         let shape = AttentionShape { q_heads: c.q_heads, kv_heads: c.kv_heads, hd, scale: (hd as f32).powf(-0.5), max_distance: None };
-        let view = |offset| View::new(&y, offset, stride);
-        ops.kv_attention(view(0), view(2 * qw), view(2 * qw + kw), view(qw), b, caches, &shape)
+        ops.projected_kv_attention(&mut y, heads, b, caches, &shape)
     }
 }
 

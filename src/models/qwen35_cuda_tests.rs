@@ -438,6 +438,109 @@ fn cuda_moe_sort_slots_matches_the_host_sort() {
     assert!(moe.sort_slots(&dids, 3, 4).is_err(), "2 ids are not rows of top-3");
 }
 
+/// Decode attention that prepares its q and k heads itself (PREP in attention/kv.cu) gives the
+/// bits of the head preparation's launch followed by the attention, outputs and caches alike,
+/// and the CPU's results to the f32 bound: GQA and not, heads of 32 to 512, partial, whole and
+/// no rotation, weighted and unweighted norms, both decode forms (wide blocks for one sequence,
+/// narrow for rounds); three sequences of different lengths, a prompt (prepared by its own
+/// launch in both) then decode steps. A decode batch past the rotation table, or a norm weight
+/// of the wrong width, is refused.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_projected_kv_attention_gives_the_composed_bits() {
+    use crate::kernels::backend::{HeadOps, ProjectedHeads};
+    use crate::kernels::rope::RopeTable;
+    let gpu = gpu();
+    let cpu = CpuOps;
+    let mut rng = rng("cuda_projected_kv_attention_gives_the_composed_bits");
+    let up = |v: &[f32]| gpu.upload(v).unwrap();
+    for form in [KvForm::DEFAULT, KvForm::BATCHED] {
+        let fused = CudaOps::new(gpu.clone(), Precision::F32).unwrap().with_kv_form(form).with_kv_prep(true);
+        let composed = CudaOps::new(gpu.clone(), Precision::F32).unwrap().with_kv_form(form).with_kv_prep(false);
+        // (q heads, kv heads, head size, rotated channels, weighted norms).
+        for &(qh, kvh, hd, rot, weighted) in &[
+            (8usize, 2usize, 256usize, 64usize, true),
+            (4, 4, 64, 64, false),
+            (2, 1, 128, 32, true),
+            (6, 3, 32, 0, true),
+            (2, 1, 512, 128, true),
+        ] {
+            let what = format!("{form:?} {qh}/{kvh}×{hd} rot {rot} weighted {weighted}");
+            let positions = 64;
+            let table = || RopeTable::new(1e6, rot.max(2), positions);
+            let (cpu_rope, fused_rope, composed_rope) = (cpu.rope(table()).unwrap(), fused.rope(table()).unwrap(), composed.rope(table()).unwrap());
+            let (qw_, kw_) = (rng.vec(hd, 0.5, 1.5), rng.vec(hd, 0.5, 1.5));
+            let (qw_f, kw_f, qw_c, kw_c) = (up(&qw_), up(&kw_), up(&qw_), up(&kw_));
+            let shape = AttentionShape { q_heads: qh, kv_heads: kvh, hd, scale: (hd as f32).powf(-0.5), max_distance: None };
+            let (qw, kw) = (qh * hd, kvh * hd);
+            let stride = 2 * qw + 2 * kw;
+            macro_rules! heads {
+                ($rope:expr, $qn:expr, $kn:expr) => {{
+                    let q_prep = HeadOps { heads: qh, hd, norm: Some(weighted.then_some($qn)), eps: 1e-6, rope: (rot > 0).then_some($rope) };
+                    let k_prep = HeadOps { heads: kvh, norm: Some(weighted.then_some($kn)), ..q_prep };
+                    ProjectedHeads { stride, q: 0, gate: qw, k: 2 * qw, v: 2 * qw + kw, q_prep, k_prep }
+                }};
+            }
+            let mut cpu_caches: Vec<_> = (0..3).map(|_| cpu.kv_cache(kw).unwrap()).collect();
+            let mut fused_caches: Vec<_> = (0..3).map(|_| fused.kv_cache(kw).unwrap()).collect();
+            let mut composed_caches: Vec<_> = (0..3).map(|_| composed.kv_cache(kw).unwrap()).collect();
+            let mut past = vec![0usize; 3];
+            for (call, lens) in [[3usize, 40, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1]].into_iter().enumerate() {
+                let segs = pack(lens);
+                let n: usize = lens.iter().sum();
+                let y = rng.vec(n * stride, -1.5, 1.5);
+                let ids = vec![0u32; n];
+                let mut yc = y.clone();
+                let mut cc: Vec<_> = cpu_caches.iter_mut().collect();
+                let want = cpu.projected_kv_attention(&mut yc, heads!(&cpu_rope, &qw_, &kw_), &cpu.batch_at(&segs, &ids, &past).unwrap(), &mut cc, &shape).unwrap();
+                let mut got = Vec::new();
+                for (ops, caches, rope, qn, kn) in [(&fused, &mut fused_caches, &fused_rope, &qw_f, &kw_f), (&composed, &mut composed_caches, &composed_rope, &qw_c, &kw_c)] {
+                    let batch = ops.batch_at(&segs, &ids, &past).unwrap();
+                    for ((c, &p), &l) in caches.iter_mut().zip(&past).zip(&lens) {
+                        ops.kv_reserve(c, p, p + l).unwrap();
+                    }
+                    let mut yg = up(&y);
+                    let mut gc: Vec<_> = caches.iter_mut().collect();
+                    got.push(gpu.download(&ops.projected_kv_attention(&mut yg, heads!(rope, qn, kn), &batch, &mut gc, &shape).unwrap()).unwrap());
+                }
+                check(&format!("projected kv_attention {what} call {call}"), &got[0], &want, BOUND);
+                assert!(got[0].iter().zip(&got[1]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what} call {call}: prepared in the attention != prepared before it");
+                past.iter_mut().zip(lens).for_each(|(p, l)| *p += l);
+            }
+            // The caches hold the prepared keys, as the CPU's and bit for bit as the composed path's.
+            for s in 0..3 {
+                let n = past[s] * kw;
+                let (fk, ck) = (gpu.download(&fused_caches[s].keys).unwrap(), gpu.download(&composed_caches[s].keys).unwrap());
+                assert_eq!(fk[..n].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), ck[..n].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{what}: sequence {s}'s keys");
+                check(&format!("{what}: sequence {s}'s keys against the CPU"), &fk[..n], &cpu_caches[s].keys[..n], BOUND);
+                assert_eq!(gpu.download(&fused_caches[s].values).unwrap()[..n], cpu_caches[s].values[..n], "{what}: sequence {s}'s values");
+            }
+            // A decode step past the rotation table (a cache of as many rows as the table holds
+            // positions), and a norm weight of the wrong width, are refused.
+            if rot > 0 {
+                let mut cache = fused.kv_cache(kw).unwrap();
+                fused.kv_reserve(&mut cache, 0, positions).unwrap();
+                let mut yp = up(&rng.vec(positions * stride, -1.0, 1.0));
+                let prompt = fused.batch_at(&pack([positions]), &vec![0u32; positions], &[0]).unwrap();
+                fused.projected_kv_attention(&mut yp, heads!(&fused_rope, &qw_f, &kw_f), &prompt, &mut [&mut cache], &shape).unwrap();
+                fused.kv_reserve(&mut cache, positions, positions + 1).unwrap();
+                let far = fused.batch_at(&pack([1]), &[0], &[positions]).unwrap();
+                let mut yg = up(&rng.vec(stride, -1.0, 1.0));
+                let err = fused.projected_kv_attention(&mut yg, heads!(&fused_rope, &qw_f, &kw_f), &far, &mut [&mut cache], &shape).unwrap_err();
+                assert!(err.to_string().contains("rope table"), "{what}: past the table: {err}");
+                let narrow = up(&qw_[..hd - 2]);
+                let mut fresh = fused.kv_cache(kw).unwrap();
+                fused.kv_reserve(&mut fresh, 0, 1).unwrap();
+                let mut bad = heads!(&fused_rope, &qw_f, &kw_f);
+                bad.q_prep.norm = Some(Some(&narrow));
+                let near = fused.batch_at(&pack([1]), &[0], &[0]).unwrap();
+                let err = fused.projected_kv_attention(&mut yg, bad, &near, &mut [&mut fresh], &shape).unwrap_err();
+                assert!(err.to_string().contains("norm weight"), "{what}: a norm weight of {} channels: {err}", hd - 2);
+            }
+        }
+    }
+}
+
 /// A step recorded with its buffers from a pool of its own (`StepPool`: no memory nodes in its
 /// graph, so a dependent launch gets its programmatic edge between every pair of kernels) gives
 /// the same logits, bit for bit, as the step recorded with the stream's allocations, and every

@@ -5,12 +5,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN_SMEM;
+use cudarc::driver::DeviceRepr;
 
 use crate::cuda::{driver_err, grid_for, int_arg, long_arg, CudaFunction, CudaSlice, Gpu, KernelLaunch, KernelSource, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::kernels::attention::AttentionShape;
 use crate::kernels::backend::{check_view, View};
 use crate::kernels::norm::cuda::NormOut;
+use crate::kernels::rope::cuda::GpuHeadPrep;
+use crate::kernels::rope::{check_head_prep, HeadPrepView};
 use crate::kernels::{check_len, Segment};
 
 pub const SOURCE: KernelSource =
@@ -495,6 +498,32 @@ struct RowTables {
     v_at: Arc<CudaSlice<u64>>,
 }
 
+/// Decode attention that prepares its q and k heads itself ([`KvAttentionCuda::kv_attention`]'s
+/// `prep`: PREP in kv.cu), as [`crate::kernels::rope::cuda::RopeCuda::head_prep`] would in place
+/// before it.
+pub struct KvHeadPrep<'a> {
+    pub q: GpuHeadPrep<'a>,
+    pub k: GpuHeadPrep<'a>,
+    /// The batch's largest position (the rotation tables must hold it).
+    pub max_position: usize,
+}
+
+/// Mirrors `tern_kv_prep` in kv.cu field for field (C layout), passed by value; `on` 0 (the
+/// default): the heads arrive prepared.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct KvPrepArgs {
+    w: [u64; 2],
+    cos: [u64; 2],
+    sin: [u64; 2],
+    norm: [i32; 2],
+    rot: [i32; 2],
+    eps: [f32; 2],
+    on: i32,
+}
+// SAFETY: plain integers and floats in the kernel's C layout.
+unsafe impl DeviceRepr for KvPrepArgs {}
+
 /// Launchers of `kv.cu`.
 pub struct KvAttentionCuda {
     gpu: Arc<Gpu>,
@@ -740,8 +769,11 @@ impl KvAttentionCuda {
 
     /// For each sequence: appends its rows of k and v to its cache, then its queries attend
     /// causally over the cache, times sigmoid(gate), into `out` [rows][q_heads·hd] (a decode
-    /// step, one row a sequence, in one launch: the attention appends them itself). CPU twin:
-    /// the CPU backend's kv_attention ([`super::causal_attention`] per sequence).
+    /// step, one row a sequence, in one launch: the attention appends them itself). With `prep`
+    /// (decode steps only), the q and k views hold the heads as projected and the launch
+    /// prepares them itself, with the bits of [`crate::kernels::rope::cuda::RopeCuda::head_prep`]
+    /// before it; the cache keeps the prepared keys. CPU twin: the CPU backend's kv_attention
+    /// ([`super::causal_attention`] per sequence), after its head_prep with `prep`.
     #[allow(clippy::too_many_arguments)]
     pub fn kv_attention(
         &self,
@@ -755,6 +787,7 @@ impl KvAttentionCuda {
         caches: &mut [&mut GpuKv],
         shape: &AttentionShape,
         out: &mut CudaSlice<f32>,
+        prep: Option<&KvHeadPrep>,
     ) -> Result<()> {
         let AttentionShape { q_heads, kv_heads, hd, scale, max_distance } = *shape;
         if kv_heads == 0 || q_heads % kv_heads != 0 || max_distance.is_some() || hd == 0 || hd > MAX_HEAD_DIM {
@@ -795,6 +828,32 @@ impl KvAttentionCuda {
         // key and value from the views and appends them itself; otherwise (a continued prompt,
         // whose rows also see each other's keys) they are appended first.
         let fresh = segments.iter().all(|s| s.len == 1);
+        let prep = match prep {
+            None => KvPrepArgs::default(),
+            Some(_) if !fresh => return Err(Error::Shape("kv_attention: heads are prepared in the attention in decode steps only (one row a sequence)".into())),
+            Some(p) => {
+                let mut args = KvPrepArgs { on: 1, ..Default::default() };
+                for (sec, (what, prep, view, heads)) in [("q", &p.q, &q, q_heads), ("k", &p.k, &k, kv_heads)].into_iter().enumerate() {
+                    if prep.heads != heads || prep.hd != hd {
+                        return Err(Error::Shape(format!("kv_attention: {what} heads prepared as {}×{}, attended as {heads}×{hd}", prep.heads, prep.hd)));
+                    }
+                    check_head_prep(
+                        HeadPrepView { len: view.buf.len(), offset: view.offset, stride: view.stride, rows, heads, hd },
+                        prep.norm.flatten().map(CudaSlice::len),
+                        prep.rope.map(|t| (t.rot, t.positions)),
+                        positions.len(),
+                        Some(p.max_position),
+                    )?;
+                    args.w[sec] = g.ptr_opt(prep.norm.flatten());
+                    args.norm[sec] = prep.norm.is_some() as i32;
+                    args.eps[sec] = prep.eps;
+                    if let Some(t) = prep.rope {
+                        (args.cos[sec], args.sin[sec], args.rot[sec]) = (g.ptr(&t.cos), g.ptr(&t.sin), int_arg("rotated channels", t.rot)?);
+                    }
+                }
+                args
+            }
+        };
         if !fresh {
             self.append_rows(&k, &v, rows, kw, positions, &tables)?;
         }
@@ -821,7 +880,7 @@ impl KvAttentionCuda {
         let attend = KV_LANE_VALUES.iter().position(|&per| 32 * per >= hd).map(|at| &kernels[at]).expect("hd <= MAX_HEAD_DIM");
         let mut l = g.launch_builder(attend);
         l.arg(&qp).arg(&q_off).arg(&q_ld).arg(&gp).arg(&g_off).arg(&g_ld);
-        l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&fresh);
+        l.arg(&kp).arg(&k_off).arg(&k_ld).arg(&vp).arg(&v_off).arg(&v_ld).arg(&fresh).arg(&prep);
         l.buf(&*tables.k_at).buf(&*tables.v_at).buf(positions);
         // Keys a split takes at least (one round of the kernel's KB keys a warp: 2 for heads of
         // more than 256 values, else 4); 0 (TERN_KV_SHORT_SPLITS=0): every row takes `splits`.
@@ -831,7 +890,8 @@ impl KvAttentionCuda {
             Error::Shape(format!("kv_attention: {rows} new rows, at most 65535 per launch"))
         })?;
         let cfg = LaunchConfig { grid_dim: (q_heads as u32, grid_rows, splits as u32), block_dim: (32 * warps as u32, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: argument types match tern_kv_attention; row i (position p_i, the batch's)
+        // SAFETY: argument types match tern_kv_attention (prep: its heads' views, weights and
+        // tables checked above, each table holding the batch's largest position); row i (position p_i, the batch's)
         // reads rows ≤ p_i of its own cache, which the append above filled or earlier steps
         // did (fresh: rows < p_i, and row p_i from the k, v views, which hold the rows:
         // checked, and which one block writes into the cache's reserved row p_i), and writes

@@ -64,12 +64,87 @@ extern "C" __global__ void tern_kv_append(const float* __restrict__ k, long long
 // a batch's KB scores before any enters the softmax (SCORES_FIRST below). Other warps, other
 // partial sums: 4 and 16 warps agree to f32 rounding, not bit for bit.
 #define TERN_KV_MAX_SPLITS 16
+
+// PREP (a decode step whose q and k heads arrive as projected, prep.on): each block prepares
+// its query head, and the row's own key where it writes that key to the cache or walks it, in
+// shared memory, as tern_head_prep (rope.cu) would in place before the launch: RMS norm (with
+// the weight w, unweighted where w is null; norm 0: none) over each head, then the rotation of
+// its first rot channels (0: none) at the row's position. The same products and sums in the
+// same order, so the same bits as the two launches, one launch fewer a layer: the preparation
+// is a few hundred values, and a launch of its own costs a decode step more than its work. The
+// cache keeps the prepared key, as it would after tern_head_prep. Section 0 is q, 1 is k;
+// mirrors KvPrepArgs in cuda.rs field for field (C layout).
+struct tern_kv_prep {
+    unsigned long long w[2];
+    unsigned long long cos_t[2];
+    unsigned long long sin_t[2];
+    int norm[2];
+    int rot[2];
+    float eps[2];
+    int on;
+};
+
+// One warp prepares head `src` (hd values) of section `sec` at position `pos` into `s` (shared),
+// as tern_head_prep_regs does: the values, the weight and the position's cos/sin requested
+// together, the sum of squares in double in the lanes' channel order, then the rotation's
+// pairs through the shared row.
+template <int PER>
+__device__ __forceinline__ void tern_kv_prep_head(float* __restrict__ s, const float* __restrict__ src, int hd,
+                                                  const tern_kv_prep& p, int sec, size_t pos, int lane) {
+    const float* w = (const float*)p.w[sec];
+    const int half = p.rot[sec] / 2;
+    float x[PER], wv[PER], cs[PER / 2], sn[PER / 2];
+#pragma unroll
+    for (int t = 0; t < PER; ++t) {
+        const int c = lane + 32 * t;
+        x[t] = c < hd ? src[c] : 0.0f;
+        wv[t] = p.norm[sec] && w && c < hd ? w[c] : 0.0f;
+    }
+    // half <= hd / 2 <= 16 · PER: channel lane + 32·j of the first half has j < PER / 2.
+    if (half > 0) {
+        const float* ct = (const float*)p.cos_t[sec] + pos * half;
+        const float* st = (const float*)p.sin_t[sec] + pos * half;
+#pragma unroll
+        for (int j = 0; j < PER / 2; ++j) {
+            const int c = lane + 32 * j;
+            cs[j] = c < half ? ct[c] : 0.0f;
+            sn[j] = c < half ? st[c] : 0.0f;
+        }
+    }
+    if (p.norm[sec]) {
+        double ss = 0.0;
+#pragma unroll
+        for (int t = 0; t < PER; ++t)
+            if (lane + 32 * t < hd) ss += (double)x[t] * (double)x[t];
+        const float inv = tern_inv_rms_of(tern_warp_sum_d(ss), hd, p.eps[sec]);
+#pragma unroll
+        for (int t = 0; t < PER; ++t)
+            if (lane + 32 * t < hd) x[t] = w ? (x[t] * inv) * wv[t] : x[t] * inv;
+    }
+#pragma unroll
+    for (int t = 0; t < PER; ++t)
+        if (lane + 32 * t < hd) s[lane + 32 * t] = x[t];
+    __syncwarp();
+    if (half > 0) {
+#pragma unroll
+        for (int j = 0; j < PER / 2; ++j) {
+            const int c = lane + 32 * j;
+            if (c < half) {
+                const float a = s[c], b = s[c + half];
+                s[c] = a * cs[j] - b * sn[j];
+                s[c + half] = b * cs[j] + a * sn[j];
+            }
+        }
+        __syncwarp();
+    }
+}
 template <int PER, int KB, int WARPS>
 __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__ q, long long q_off, long long q_ld,
                                                        const float* __restrict__ gate, long long g_off, long long g_ld,
                                                        const float* __restrict__ k_new, long long k_off, long long k_ld,
                                                        const float* __restrict__ v_new, long long v_off, long long v_ld,
-                                                       int fresh, const unsigned long long* __restrict__ k_at,
+                                                       int fresh, const tern_kv_prep& prep,
+                                                       const unsigned long long* __restrict__ k_at,
                                                        const unsigned long long* __restrict__ v_at,
                                                        const unsigned* __restrict__ positions, int q_heads, int kv_heads,
                                                        int hd, float scale, int min_keys, float* __restrict__ partial,
@@ -89,11 +164,14 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
     // FRESH: the row's own key and value rows in the projection.
     const float* kr_new = k_new + k_off + (size_t)i * k_ld + (size_t)kvh * hd;
     const float* vr_new = v_new + v_off + (size_t)i * v_ld + (size_t)kvh * hd;
-    if (fresh && split == 0 && h % group == 0) {
-        const size_t at = (size_t)(keys - 1) * kw + (size_t)kvh * hd;
+    // The block that writes the row's own key and value to the cache (PREP: after preparing it).
+    const bool writes_own = fresh && split == 0 && h % group == 0;
+    const bool prep_on = fresh && prep.on;
+    const size_t own_at = (size_t)(keys - 1) * kw + (size_t)kvh * hd;
+    if (writes_own && !prep_on) {
         for (int c = threadIdx.x; c < hd; c += blockDim.x) {
-            k_cache[at + c] = kr_new[c];
-            v_cache[at + c] = vr_new[c];
+            k_cache[own_at + c] = kr_new[c];
+            v_cache[own_at + c] = vr_new[c];
         }
     }
     // The splits this row's keys take: with min_keys set, as many as give each at least
@@ -104,16 +182,29 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
     const int used = min_keys > 0 ? min(splits, (keys + min_keys - 1) / min_keys) : splits;
     if (split >= used) return;
     __shared__ float qs[HD];
+    __shared__ float ks[HD];  // PREP: the row's own key, prepared
     __shared__ float warp_max[WARPS], warp_sum[WARPS];
     __shared__ float warp_acc[WARPS][HD];
     __shared__ bool last;
-    const float* qr = q + q_off + (size_t)i * q_ld + (size_t)h * hd;
-    for (int c = threadIdx.x; c < hd; c += blockDim.x) qs[c] = qr[c];
-    __syncthreads();
-
     // This block's keys: the split-th of `keys` in `used` ranges (the first always holds key 0).
     const int chunk = (keys + used - 1) / used;
     const int j0 = split * chunk, j1 = min(keys, j0 + chunk);
+    const float* qr = q + q_off + (size_t)i * q_ld + (size_t)h * hd;
+    if (prep_on) {
+        // Warp 0 prepares the query head; warp 1 the row's own key (the last, keys - 1) where
+        // this block writes it to the cache or walks it. Blocks have at least 4 warps.
+        if (warp == 0) tern_kv_prep_head<PER>(qs, qr, hd, prep, 0, keys - 1, lane);
+        else if (warp == 1 && (writes_own || (keys - 1) / chunk == split)) tern_kv_prep_head<PER>(ks, kr_new, hd, prep, 1, keys - 1, lane);
+    } else {
+        for (int c = threadIdx.x; c < hd; c += blockDim.x) qs[c] = qr[c];
+    }
+    __syncthreads();
+    if (writes_own && prep_on) {
+        for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+            k_cache[own_at + c] = ks[c];
+            v_cache[own_at + c] = vr_new[c];
+        }
+    }
     float m = -tern_inf(), l = 0.0f, acc[PER];
 #pragma unroll
     for (int t = 0; t < PER; ++t) acc[t] = 0.0f;
@@ -129,7 +220,7 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
             for (int t = 0; t < PER; ++t) {
                 const int c = lane + 32 * t;
                 const bool in = j < j1 && c < hd;
-                kv[u][t] = in ? kr[c] : 0.0f;
+                kv[u][t] = in ? (own && prep_on ? ks[c] : kr[c]) : 0.0f;
                 vv[u][t] = in ? vr[c] : 0.0f;
             }
         }
@@ -253,13 +344,13 @@ __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__
     extern "C" __global__ void BOUNDS NAME(                                                     \
         const float* __restrict__ q, long long q_off, long long q_ld, const float* __restrict__ gate, long long g_off,  \
         long long g_ld, const float* __restrict__ k_new, long long k_off, long long k_ld,                              \
-        const float* __restrict__ v_new, long long v_off, long long v_ld, int fresh,                                   \
+        const float* __restrict__ v_new, long long v_off, long long v_ld, int fresh, const tern_kv_prep prep,          \
         const unsigned long long* __restrict__ k_at, const unsigned long long* __restrict__ v_at,                      \
         const unsigned* __restrict__ positions, int q_heads, int kv_heads, int hd, float scale, int min_keys,          \
         float* __restrict__ partial, unsigned* __restrict__ counters, float* __restrict__ out) {                       \
         tern_await_prior_kernel();                                                                                     \
         tern_kv_attention_body<PER, KB, WARPS>(q, q_off, q_ld, gate, g_off, g_ld, k_new, k_off, k_ld, v_new, v_off,   \
-                                               v_ld, fresh, k_at, v_at, positions, q_heads, kv_heads, hd, scale,       \
+                                               v_ld, fresh, prep, k_at, v_at, positions, q_heads, kv_heads, hd, scale, \
                                                min_keys, partial, counters, out);                                      \
     }
 #define TERN_KV_ATTENTION(PER, KB)                                                                                     \

@@ -15,8 +15,8 @@ pub const SOURCE: KernelSource =
 pub struct GpuRope {
     pub rot: usize,
     pub positions: usize,
-    cos: CudaSlice<f32>,
-    sin: CudaSlice<f32>,
+    pub(crate) cos: CudaSlice<f32>,
+    pub(crate) sin: CudaSlice<f32>,
 }
 
 impl GpuRope {
