@@ -445,7 +445,7 @@ fn check_args(
 }
 
 pub const SOURCE_KV: KernelSource =
-    KernelSource { name: "tern_attention_kv", code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("kv.cu")) };
+    KernelSource { name: "tern_attention_kv", code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("../rope/head.cuh"), "\n", include_str!("kv.cu")) };
 
 /// One sequence's KV cache of one layer on the device: `width` keys and values per row, in
 /// buffers of `capacity` rows that grow by doubling (a copy) when a step needs more. The

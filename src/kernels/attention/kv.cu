@@ -85,58 +85,14 @@ struct tern_kv_prep {
 };
 
 // One warp prepares head `src` (hd values) of section `sec` at position `pos` into `s` (shared),
-// as tern_head_prep_regs does: the values, the weight and the position's cos/sin requested
-// together, the sum of squares in double in the lanes' channel order, then the rotation's
-// pairs through the shared row.
+// as tern_head_prep_regs does (rope/head.cuh).
 template <int PER>
 __device__ __forceinline__ void tern_kv_prep_head(float* __restrict__ s, const float* __restrict__ src, int hd,
                                                   const tern_kv_prep& p, int sec, size_t pos, int lane) {
-    const float* w = (const float*)p.w[sec];
     const int half = p.rot[sec] / 2;
-    float x[PER], wv[PER], cs[PER / 2], sn[PER / 2];
-#pragma unroll
-    for (int t = 0; t < PER; ++t) {
-        const int c = lane + 32 * t;
-        x[t] = c < hd ? src[c] : 0.0f;
-        wv[t] = p.norm[sec] && w && c < hd ? w[c] : 0.0f;
-    }
-    // half <= hd / 2 <= 16 · PER: channel lane + 32·j of the first half has j < PER / 2.
-    if (half > 0) {
-        const float* ct = (const float*)p.cos_t[sec] + pos * half;
-        const float* st = (const float*)p.sin_t[sec] + pos * half;
-#pragma unroll
-        for (int j = 0; j < PER / 2; ++j) {
-            const int c = lane + 32 * j;
-            cs[j] = c < half ? ct[c] : 0.0f;
-            sn[j] = c < half ? st[c] : 0.0f;
-        }
-    }
-    if (p.norm[sec]) {
-        double ss = 0.0;
-#pragma unroll
-        for (int t = 0; t < PER; ++t)
-            if (lane + 32 * t < hd) ss += (double)x[t] * (double)x[t];
-        const float inv = tern_inv_rms_of(tern_warp_sum_d(ss), hd, p.eps[sec]);
-#pragma unroll
-        for (int t = 0; t < PER; ++t)
-            if (lane + 32 * t < hd) x[t] = w ? (x[t] * inv) * wv[t] : x[t] * inv;
-    }
-#pragma unroll
-    for (int t = 0; t < PER; ++t)
-        if (lane + 32 * t < hd) s[lane + 32 * t] = x[t];
-    __syncwarp();
-    if (half > 0) {
-#pragma unroll
-        for (int j = 0; j < PER / 2; ++j) {
-            const int c = lane + 32 * j;
-            if (c < half) {
-                const float a = s[c], b = s[c + half];
-                s[c] = a * cs[j] - b * sn[j];
-                s[c + half] = b * cs[j] + a * sn[j];
-            }
-        }
-        __syncwarp();
-    }
+    const float* c = half > 0 ? (const float*)p.cos_t[sec] + pos * half : nullptr;
+    const float* sn = half > 0 ? (const float*)p.sin_t[sec] + pos * half : nullptr;
+    tern_prep_head_to_shared<PER>(s, src, hd, p.norm[sec], (const float*)p.w[sec], p.eps[sec], half, c, sn, lane);
 }
 template <int PER, int KB, int WARPS>
 __device__ __forceinline__ void tern_kv_attention_body(const float* __restrict__ q, long long q_off, long long q_ld,

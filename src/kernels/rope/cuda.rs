@@ -9,7 +9,7 @@ use crate::error::Result;
 use crate::kernels::rope::{check_head_prep, HeadPrepView, RopeTable};
 
 pub const SOURCE: KernelSource =
-    KernelSource { name: "tern_rope", code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("rope.cu")) };
+    KernelSource { name: "tern_rope", code: concat!(include_str!("../prelude.cuh"), "\n", include_str!("head.cuh"), "\n", include_str!("rope.cu")) };
 
 /// A RoPE table on the device: the CPU table's cos/sin values, uploaded once.
 pub struct GpuRope {

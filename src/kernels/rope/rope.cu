@@ -88,57 +88,14 @@ extern "C" __global__ void tern_head_prep_regs(float* __restrict__ x, long long 
     if (!s.norm[sec] && rot == 0) return;
     const float* w = (const float*)s.w[sec];
     float* v = x + s.off[sec] + r * ld + (size_t)h * hd;
-    // Loads in the order that keeps them in flight together: the position, the values and
-    // the weight (independent), then the position's cos/sin (which wait for it).
+    // The position first, then the values and the weight (tern_prep_head_to_shared), then the
+    // position's cos/sin, which wait for it.
     const size_t p = rot > 0 ? positions[r] : 0;
-    float vals[TERN_PREP_SLOTS], wv[TERN_PREP_SLOTS];
+    const float* c = rot > 0 ? (const float*)s.cos_t[sec] + p * half : nullptr;
+    const float* sn = rot > 0 ? (const float*)s.sin_t[sec] + p * half : nullptr;
+    float* row = row_of_warp[threadIdx.x / 32];
+    tern_prep_head_to_shared<TERN_PREP_SLOTS>(row, v, hd, s.norm[sec], w, s.eps[sec], half, c, sn, lane);
 #pragma unroll
-    for (int j = 0; j < TERN_PREP_SLOTS; ++j) vals[j] = lane + 32 * j < hd ? v[lane + 32 * j] : 0.f;
-#pragma unroll
-    for (int j = 0; j < TERN_PREP_SLOTS; ++j) wv[j] = s.norm[sec] && w && lane + 32 * j < hd ? w[lane + 32 * j] : 0.f;
-    float cs[TERN_PREP_SLOTS / 2], sn[TERN_PREP_SLOTS / 2];
-    if (rot > 0) {
-        const float* c = (const float*)s.cos_t[sec] + p * half;
-        const float* sg = (const float*)s.sin_t[sec] + p * half;
-#pragma unroll
-        for (int j = 0; j < TERN_PREP_SLOTS / 2; ++j) {
-            const int i = lane + 32 * j;
-            cs[j] = i < half ? c[i] : 0.f;
-            sn[j] = i < half ? sg[i] : 0.f;
-        }
-    }
-    if (s.norm[sec]) {
-        double ss = 0.0;
-#pragma unroll
-        for (int j = 0; j < TERN_PREP_SLOTS; ++j)
-            if (lane + 32 * j < hd) ss += (double)vals[j] * (double)vals[j];
-        const float inv = tern_inv_rms_of(tern_warp_sum_d(ss), hd, s.eps[sec]);
-#pragma unroll
-        for (int j = 0; j < TERN_PREP_SLOTS; ++j)
-            if (lane + 32 * j < hd) vals[j] = w ? (vals[j] * inv) * wv[j] : vals[j] * inv;
-    }
-    if (rot > 0) {
-        float* row = row_of_warp[threadIdx.x / 32];
-#pragma unroll
-        for (int j = 0; j < TERN_PREP_SLOTS; ++j)
-            if (lane + 32 * j < hd) row[lane + 32 * j] = vals[j];
-        __syncwarp();
-#pragma unroll
-        for (int j = 0; j < TERN_PREP_SLOTS / 2; ++j) {
-            const int i = lane + 32 * j;
-            if (i < half) {
-                const float a = row[i], b = row[i + half];
-                row[i] = a * cs[j] - b * sn[j];
-                row[i + half] = b * cs[j] + a * sn[j];
-            }
-        }
-        __syncwarp();
-#pragma unroll
-        for (int j = 0; j < TERN_PREP_SLOTS; ++j)
-            if (lane + 32 * j < hd) v[lane + 32 * j] = row[lane + 32 * j];
-    } else {
-#pragma unroll
-        for (int j = 0; j < TERN_PREP_SLOTS; ++j)
-            if (lane + 32 * j < hd) v[lane + 32 * j] = vals[j];
-    }
+    for (int j = 0; j < TERN_PREP_SLOTS; ++j)
+        if (lane + 32 * j < hd) v[lane + 32 * j] = row[lane + 32 * j];
 }
