@@ -15,7 +15,7 @@ use crate::kernels::backend::View;
 use crate::kernels::cuda_ops::Precision;
 use crate::kernels::embedding::cuda::{EmbeddingCuda, GpuIds};
 use crate::kernels::gated_delta::test_util::rel_err;
-use crate::kernels::matmul::cuda::{Blas, GEMV_MAX_ROWS};
+use crate::kernels::matmul::cuda::{Blas, GpuMatrix, GEMV_MAX_ROWS};
 use crate::kernels::matmul::{quantize_q8_0, Weights};
 use crate::kernels::norm::cuda::{NormCuda, NormOut};
 use crate::kernels::pool::cuda::PoolCuda;
@@ -924,6 +924,37 @@ fn cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows() {
         let mut y = nan(&gpu, 8 * out_f);
         ahead.linear(&gpu.upload(&x).unwrap(), 8, &mqa, &mut y).unwrap();
         assert_eq!(gpu.download(&y).unwrap(), got_q, "mma gemv q8_0 {out_f}x{in_f}, four steps ahead");
+        // More rows than one tile (a decode round of many sequences): tiles of 8 rows, the
+        // last one partial, each row's bits those it gets in any tile (rows 0-7 as in the
+        // 8-row product, rows 8-15 as in an 8-row product of their own); against the CPU on
+        // the rounded rows; past the bound (or with the tiles off) the GEMM of the expanded
+        // weights, to the same bound.
+        let x_many = rng.vec(40 * in_f, -1.0, 1.0);
+        let want_many = super::matmul::linear(&round(&x_many), 40, &deq16, out_f, in_f).unwrap();
+        let tiled = |blas: &Blas, m: &GpuMatrix, rows: usize| -> Vec<f32> {
+            let mut y = nan(&gpu, rows * out_f);
+            blas.linear(&gpu.upload(&x_many[..rows * in_f]).unwrap(), rows, m, &mut y).unwrap();
+            gpu.download(&y).unwrap()
+        };
+        let mut e_many = 0.0f64;
+        for rows in [9usize, 17, 40] {
+            let got = tiled(&blas_q8, &mq, rows);
+            e_many = e_many.max(check(&format!("mma row tiles q8_0 {out_f}x{in_f}, {rows} rows"), &got, &want_many[..rows * out_f], BOUND));
+            assert_eq!(got[..8 * out_f], tiled(&blas_q8, &mq, 8)[..], "q8_0 {out_f}x{in_f}: tile 0 of {rows} rows vs 8 rows alone");
+            let mut y = nan(&gpu, 8 * out_f);
+            blas_q8.linear(&gpu.upload(&x_many[8 * in_f..16 * in_f]).unwrap(), 8, &mq, &mut y).unwrap();
+            let second = gpu.download(&y).unwrap();
+            let n = (rows - 8).min(8);
+            assert_eq!(got[8 * out_f..(8 + n) * out_f], second[..n * out_f], "q8_0 {out_f}x{in_f}: tile 1 of {rows} rows vs its rows alone");
+            assert_eq!(tiled(&ahead, &mqa, rows), got, "q8_0 {out_f}x{in_f}: {rows} rows, four steps ahead");
+        }
+        let gemm = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_q8(true).with_mma_rows_max(0);
+        let mg = gemm.matrix(&Weights::Q8_0(&q8), out_f, in_f).unwrap();
+        let e_gemm = check(&format!("q8_0 {out_f}x{in_f} GEMM of 17 rows"), &tiled(&gemm, &mg, 17), &want_many[..17 * out_f], BOUND);
+        let short = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_q8(true).with_mma_rows_max(16);
+        let ms = short.matrix(&Weights::Q8_0(&q8), out_f, in_f).unwrap();
+        let e_past = check(&format!("q8_0 {out_f}x{in_f} past the tiles' rows"), &tiled(&short, &ms, 17), &want_many[..17 * out_f], BOUND);
+        eprintln!("mma row tiles q8_0 {out_f}x{in_f}: {e_many:.2e}; GEMM {e_gemm:.2e}, past the bound {e_past:.2e}");
         let mut et = Vec::new();
         for name in ["bf16", "q8_0"] {
             // Two experts' matrices as stored, and the bf16 values the tensor cores multiply.

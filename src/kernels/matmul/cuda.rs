@@ -45,6 +45,16 @@ pub const SOURCE: KernelSource = KernelSource {
 /// Products of at most this many rows take the GEMV kernel (they read the weights once, and
 /// a GEMM's tiles would be mostly empty).
 pub const GEMV_MAX_ROWS: usize = 8;
+/// The most rows fast mode's products of Q8_0 weights take on the tensor-core GEMV, in tiles of
+/// [`GEMV_MAX_ROWS`] ([`Blas::linear`]; a decode round of up to this many sequences, a prompt of
+/// up to this many tokens), where a GEMM would expand the whole matrix to bf16 first. H100,
+/// Qwen3.5-0.8B's Q8_0 GGUF, fast mode, tok/s with the tiles against the GEMM, same calls
+/// (BENCHMARKS.md, twenty-fifth session): rounds of 32 sequences 8 526 against 6 310, of 48
+/// 9 693 / 9 697 against 8 727 / 8 736; prompts of 16 tokens 5 272 against 2 903, of 48
+/// 7 982 / 8 058 against 6 457 / 6 573. Past it the GEMM wins: rounds of 64 sequences 10 229 /
+/// 10 246 against 10 906 / 10 937 (prompts of 64 tokens still gain 12%), of 128 10 836
+/// against 17 552.
+pub const MMA_ROW_TILES_MAX_ROWS: usize = 48;
 /// Most scratch bytes a prompt's MoE products expand Q8_0 experts into at once
 /// ([`Blas::grouped_linear`]): a chunk of experts per launch, not the whole layer's. The unit
 /// tests' tiny experts take many chunks.
@@ -427,6 +437,11 @@ pub struct Blas {
     /// mode, on / off: prompts of 16, 128, 512 tokens 2 880 / 2 375, 14 350 / 7 689,
     /// 29 935 / 11 289 tokens/s; decode rounds of 8 sequences 4 374 / 3 428.
     gemv_mma_q8: bool,
+    /// Fast mode's plain products of Q8_0 weights for more rows than [`GEMV_MAX_ROWS`], up to
+    /// this many, on the tensor-core GEMV in tiles of 8 rows ([`Blas::linear`]) rather than a
+    /// GEMM of the matrix expanded to bf16 at every product: [`MMA_ROW_TILES_MAX_ROWS`], or
+    /// TERN_GEMV_MMA_ROWS (0: none, to measure the two on the same run).
+    mma_rows_max: usize,
     /// The tensor-core GEMV: [bf16, Q8_0 weights][plain, silu-gated, gelu-gated output].
     mma_kernels: [[CudaFunction; 3]; 2],
     /// The same with four steps' loads in flight (`tern_gemv_mma_ahead_*`), taken when
@@ -527,6 +542,7 @@ impl Blas {
                 .collect::<Result<_>>()?,
             gemv_mma: std::env::var("TERN_GEMV_MMA").map_or(true, |v| v != "0"),
             gemv_mma_q8: std::env::var("TERN_GEMV_MMA_Q8").map_or(true, |v| v != "0"),
+            mma_rows_max: std::env::var("TERN_GEMV_MMA_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(MMA_ROW_TILES_MAX_ROWS),
             mma_kernels: [
                 [f("tern_gemv_mma_bf16")?, f("tern_gemv_mma_silu_bf16")?, f("tern_gemv_mma_gelu_bf16")?],
                 [f("tern_gemv_mma_q8")?, f("tern_gemv_mma_silu_q8")?, f("tern_gemv_mma_gelu_q8")?],
@@ -669,6 +685,10 @@ impl Blas {
         if self.gemv_fits(rows, w) {
             return self.gemv(x, GemvOutput::Plain, rows, &mut [(w, y)]);
         }
+        if self.mma_row_tiles(rows, w) {
+            let (r, inp) = (int_arg("gemv rows", rows)?, int_arg("gemv in", w.inp)?);
+            return self.gemv_mma(x, GemvOutput::Plain, r, inp, &mut [(w, y)], None);
+        }
         let g = &self.gpu;
         let n = w.out * w.inp;
         let f32_operands = |wp: u64| (wp, blas_sys::cudaDataType_t::CUDA_R_32F, g.ptr(x), blas_sys::cudaDataType_t::CUDA_R_32F);
@@ -701,7 +721,15 @@ impl Blas {
     /// producer may write its rows as bf16 and hand them to [`Blas::linear_bf16`], sparing the
     /// f32 rows' write and the conversion pass's read.
     pub fn takes_bf16_rows(&self, rows: usize, w: &GpuMatrix) -> bool {
-        self.tensor_cores && !matches!(w.w, GpuWeights::F32(_)) && !self.gemv_fits(rows, w)
+        self.tensor_cores && !matches!(w.w, GpuWeights::F32(_)) && !self.gemv_fits(rows, w) && !self.mma_row_tiles(rows, w)
+    }
+
+    /// Whether [`Blas::linear`] of `rows` rows through `w` runs on the tensor-core GEMV in tiles
+    /// of [`GEMV_MAX_ROWS`] rows: fast mode, Q8_0 weights it takes, more rows than the GEMV's
+    /// and at most `mma_rows_max` (Q8_0 weights would otherwise be expanded to bf16 for a GEMM
+    /// at every product; bf16 weights go to the GEMM as stored).
+    fn mma_row_tiles(&self, rows: usize, w: &GpuMatrix) -> bool {
+        rows > GEMV_MAX_ROWS && rows <= self.mma_rows_max && self.mma_kind(w.kind()) == Some(1) && w.inp % 32 == 0
     }
 
     /// [`Blas::linear`] from rows already rounded to bf16, as its tensor-core path rounds f32
@@ -1344,6 +1372,14 @@ impl Blas {
         self
     }
 
+    /// This handle with fast mode's Q8_0 products of up to `rows` rows on the tensor-core GEMV's
+    /// row tiles (0: none), whatever TERN_GEMV_MMA_ROWS says: the device test runs both.
+    #[cfg(test)]
+    pub(crate) fn with_mma_rows_max(mut self, rows: usize) -> Self {
+        self.mma_rows_max = rows;
+        self
+    }
+
     /// This handle with Q8_0 weights on the tensor-core GEMV (`true`) or not: the device test
     /// runs it whatever TERN_GEMV_MMA_Q8 says.
     #[cfg(test)]
@@ -1380,11 +1416,14 @@ impl Blas {
         let xp = g.ptr(x);
         let mut l = g.launch_builder(kernel);
         l.arg(&p).arg(&xp).arg(&rows).arg(&inp);
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
+        // Tiles of 8 rows (one where rows <= 8: Blas::linear's row tiles take more).
+        let tiles = (rows.max(1) as u32).div_ceil(GEMV_MAX_ROWS as u32);
+        let cfg = LaunchConfig { grid_dim: (blocks, tiles, 1), block_dim: (32 * GEMV_WARPS as u32, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_gemv_mma_* (both forms); each part's out × in weights of the
         // kernel's type (in % 32 == 0: whole chunks of 8-weight loads) and rows × features
-        // outputs (lengths checked by the callers); x holds rows <= 8 rows of in values; a
-        // gelu_by view holds rows rows of out values (checked by linear_gelu_by).
+        // outputs (lengths checked by the callers); x holds rows rows of in values, tile t
+        // reading and writing rows 8t .. min(8t + 8, rows); a gelu_by view holds rows rows of out
+        // values (checked by linear_gelu_by).
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemv_mma"))?;
         Ok(())
     }

@@ -820,13 +820,21 @@ __device__ __forceinline__ void tern_gemv_mma_block(const W& w, int out, int o0,
         }
 }
 
-// The parts of p, 16 features a block.
+// The parts of p, 16 features a block, for the rows of tile blockIdx.y (rows 8y .. 8y + 7):
+// one tile where rows <= 8. More rows (fast mode's products of Q8_0 weights for a round of
+// several sequences, Blas::linear) take a tile each; each tile reads the matrix, the first
+// from memory and the rest mostly from L2 (a layer's Q8_0 matrix is a few MB), where a GEMM
+// would first expand the whole matrix to bf16. A row's result is the one it gets in any tile:
+// it depends on its own x and the matrix only.
 template <int OMODE, typename W, bool AHEAD = false>
 __device__ __forceinline__ void tern_gemv_mma(const tern_gemv_parts& p, const float* __restrict__ x, int rows, int in) {
     int part = 0;
     while (part + 1 < p.n && (int)blockIdx.x >= p.block0[part + 1]) ++part;
-    tern_gemv_mma_block<OMODE, W, AHEAD>(W(p.w[part], p.scales[part]), p.out[part], ((int)blockIdx.x - p.block0[part]) * 16, x,
-                                         rows, in, (float*)p.y[part], (const float*)p.up, p.up_ld);
+    const int r0 = 8 * (int)blockIdx.y, out = p.out[part];
+    const float* up = (const float*)p.up;
+    tern_gemv_mma_block<OMODE, W, AHEAD>(W(p.w[part], p.scales[part]), out, ((int)blockIdx.x - p.block0[part]) * 16,
+                                         x + (size_t)r0 * in, min(8, rows - r0), in, (float*)p.y[part] + (size_t)r0 * out,
+                                         up ? up + (size_t)r0 * p.up_ld : up, p.up_ld);
 }
 
 // Fast mode's tiles of a prompt's expert rows (tern_gemv_tiles) on the tensor cores: tile
