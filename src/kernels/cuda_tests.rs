@@ -936,14 +936,16 @@ fn cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows() {
             blas.linear(&gpu.upload(&x_many[..rows * in_f]).unwrap(), rows, m, &mut y).unwrap();
             gpu.download(&y).unwrap()
         };
+        // Rows 0-7 and rows 8-15, each as an 8-row product of their own.
+        let first = tiled(&blas_q8, &mq, 8);
+        let mut y = nan(&gpu, 8 * out_f);
+        blas_q8.linear(&gpu.upload(&x_many[8 * in_f..16 * in_f]).unwrap(), 8, &mq, &mut y).unwrap();
+        let second = gpu.download(&y).unwrap();
         let mut e_many = 0.0f64;
         for rows in [9usize, 17, 40] {
             let got = tiled(&blas_q8, &mq, rows);
             e_many = e_many.max(check(&format!("mma row tiles q8_0 {out_f}x{in_f}, {rows} rows"), &got, &want_many[..rows * out_f], BOUND));
-            assert_eq!(got[..8 * out_f], tiled(&blas_q8, &mq, 8)[..], "q8_0 {out_f}x{in_f}: tile 0 of {rows} rows vs 8 rows alone");
-            let mut y = nan(&gpu, 8 * out_f);
-            blas_q8.linear(&gpu.upload(&x_many[8 * in_f..16 * in_f]).unwrap(), 8, &mq, &mut y).unwrap();
-            let second = gpu.download(&y).unwrap();
+            assert_eq!(got[..8 * out_f], first[..], "q8_0 {out_f}x{in_f}: tile 0 of {rows} rows vs 8 rows alone");
             let n = (rows - 8).min(8);
             assert_eq!(got[8 * out_f..(8 + n) * out_f], second[..n * out_f], "q8_0 {out_f}x{in_f}: tile 1 of {rows} rows vs its rows alone");
             assert_eq!(tiled(&ahead, &mqa, rows), got, "q8_0 {out_f}x{in_f}: {rows} rows, four steps ahead");
