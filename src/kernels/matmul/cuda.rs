@@ -729,7 +729,7 @@ impl Blas {
     /// and at most `mma_rows_max` (Q8_0 weights would otherwise be expanded to bf16 for a GEMM
     /// at every product; bf16 weights go to the GEMM as stored).
     fn mma_row_tiles(&self, rows: usize, w: &GpuMatrix) -> bool {
-        rows > GEMV_MAX_ROWS && rows <= self.mma_rows_max && self.mma_kind(w.kind()) == Some(1) && w.inp % 32 == 0
+        rows > GEMV_MAX_ROWS && rows <= self.mma_rows_max && w.kind() == KIND_Q8 && self.mma_kind(KIND_Q8).is_some() && w.inp % 32 == 0
     }
 
     /// [`Blas::linear`] from rows already rounded to bf16, as its tensor-core path rounds f32
