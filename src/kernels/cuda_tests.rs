@@ -449,6 +449,44 @@ fn cuda_pool_embedding_and_linear_match_cpu() {
     }
 }
 
+/// The expansion of stored weights into a GEMM operand (the products of many rows): Q8_0 to
+/// bf16 (d·q rounded to nearest even) and to f32, bf16 to f32, every value equal to the CPU's,
+/// through the kernels' eight-a-thread path, the one-a-thread tail and a start off the wide
+/// accesses' alignment, the outputs poisoned first.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_expanded_weights_equal_the_cpu_values() {
+    let gpu = gpu();
+    let mut rng = rng("cuda_expanded_weights_equal_the_cpu_values");
+    let blas = Blas::new(gpu.clone(), false).unwrap();
+    let (out_f, in_f) = (37usize, 96usize);
+    let w = rng.vec(out_f * in_f, -2.0, 2.0);
+    let q = quantize_q8_0(&w);
+    let deq: Vec<f32> = Weights::Q8_0(&q).to_f32(in_f).unwrap();
+    let mq = blas.matrix(&Weights::Q8_0(&q), out_f, in_f).unwrap();
+    let n = out_f * in_f;
+    // Whole eights, a tail after them (45 = 5 eights + 5), a start one block in.
+    for (skip, count) in [(0usize, n), (0, 45), (32, n - 32), (64, 7)] {
+        let want = &deq[skip..skip + count];
+        let got = blas.expanded(&mq, skip, count, false).unwrap();
+        assert_eq!(got, want, "Q8_0 -> f32, weights {skip}.. ({count})");
+        let want16: Vec<f32> = want.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        let got = blas.expanded(&mq, skip, count, true).unwrap();
+        assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want16.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "Q8_0 -> bf16, weights {skip}.. ({count})");
+    }
+    assert!(blas.expanded(&mq, 16, 8, true).is_err(), "a Q8_0 start inside a block");
+    assert!(blas.expanded(&mq, 0, n + 1, false).is_err(), "past the matrix");
+    // bf16 rows of 5 (85 weights: ten eights and a tail); starts 1 (2 bytes off the 16-byte
+    // alignment: every weight one a thread) and 8 (aligned again).
+    let (out_b, in_b) = (17usize, 5usize);
+    let wb: Vec<u16> = rng.vec(out_b * in_b, -3.0, 3.0).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    let mb = blas.matrix(&Weights::Bf16(&wb), out_b, in_b).unwrap();
+    for (skip, count) in [(0usize, 85usize), (1, 84), (8, 77), (3, 2)] {
+        let want: Vec<f32> = wb[skip..skip + count].iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+        assert_eq!(blas.expanded(&mb, skip, count, false).unwrap(), want, "bf16 -> f32, weights {skip}.. ({count})");
+    }
+}
+
 /// The decode-step fusions of the matmul: several products of one input in one GEMV launch
 /// (`Blas::linears`), and a gate|up product writing its gated activation (`Blas::glu`),
 /// each against the CPU's separate activation and products, every weight type, row counts

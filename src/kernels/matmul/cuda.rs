@@ -1658,11 +1658,46 @@ impl Blas {
             l.arg(p);
         }
         l.arg(&count).arg(&dst);
-        let cfg = LaunchConfig { grid_dim: (grid_for(n, 256)?.min(65_535 * 8), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // Eight weights a thread (the kernels' step; a grid-stride loop past the bound).
+        let cfg = LaunchConfig { grid_dim: (grid_for(n.div_ceil(8), 256)?.min(65_535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types match tern_expand_*; the weights hold n values (and n / 32
-        // scales) and dst n operands (allocated by the caller).
+        // scales) and dst n operands (allocated by the caller); the kernels take their wide
+        // accesses only where both buffers are aligned for them.
         unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_expand"))?;
         Ok(())
+    }
+
+    /// Weights `skip .. skip + n` of `w` as the products expand them: bf16 bits (fast mode,
+    /// Q8_0 weights) or f32 (f32 mode, bf16 or Q8_0 weights). For the device tests, which reach
+    /// the kernels' wide and one-a-thread paths through the count and the start (a bf16 start
+    /// off 16 bytes; Q8_0 starts are whole 32-weight blocks).
+    #[cfg(test)]
+    pub(crate) fn expanded(&self, w: &GpuMatrix, skip: usize, n: usize, to_bf16: bool) -> Result<Vec<f32>> {
+        let g = &self.gpu;
+        if skip + n > w.out * w.inp || (matches!(w.w, GpuWeights::Q8 { .. }) && skip % 32 != 0) {
+            return Err(Error::Shape(format!("weights {skip}..{} of a {}×{} matrix", skip + n, w.out, w.inp)));
+        }
+        let (p, sp) = w.pointers(g);
+        let ptrs = match w.w {
+            GpuWeights::Q8 { .. } => vec![p + skip as u64, sp + (2 * (skip / 32)) as u64],
+            _ => vec![p + (2 * skip) as u64],
+        };
+        match (&w.w, to_bf16) {
+            (GpuWeights::Q8 { .. }, true) => {
+                let mut e = g.alloc::<u16>(n)?;
+                g.poison(&mut e)?;
+                self.expand(&self.expand_q8_bf16, &ptrs, n, g.ptr(&e))?;
+                Ok(g.download(&e)?.into_iter().map(|b| half::bf16::from_bits(b).to_f32()).collect())
+            }
+            (GpuWeights::Q8 { .. }, false) | (GpuWeights::Bf16(_), false) => {
+                let kernel = if matches!(w.w, GpuWeights::Q8 { .. }) { &self.expand_q8_f32 } else { &self.expand_bf16_f32 };
+                let mut e = g.alloc::<f32>(n)?;
+                g.poison(&mut e)?;
+                self.expand(kernel, &ptrs, n, g.ptr(&e))?;
+                g.download(&e)
+            }
+            _ => Err(Error::Shape("no expansion of these weights to that operand".into())),
+        }
     }
 }
 

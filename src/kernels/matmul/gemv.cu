@@ -1108,40 +1108,68 @@ TERN_GEMV_ROUTED_RESIDUAL_KERNEL(tern_gemv_routed_res_f32, TernWeightsF32)
 TERN_GEMV_ROUTED_RESIDUAL_KERNEL(tern_gemv_routed_res_bf16, TernWeightsBf16)
 TERN_GEMV_ROUTED_RESIDUAL_KERNEL(tern_gemv_routed_res_q8, TernWeightsQ8)
 
-// Stored weights expanded to a GEMM operand (prefill): bf16 -> f32 (exact), Q8_0 -> f32
-// (exact) or -> bf16 (d·q rounded to nearest even: the fast mode's operand rounding).
+// Stored weights expanded to a GEMM operand (prefill, and fast mode's products of more rows
+// than the tensor-core GEMV takes): bf16 -> f32 (exact), Q8_0 -> f32 (exact) or -> bf16 (d·q
+// rounded to nearest even: the fast mode's operand rounding, tern_weights_bf16x8's value per
+// weight). Eight weights a thread, as the GEMV reads them (one 16-byte load of bf16, or an
+// 8-byte load of quants and their block's scale), stored in 16-byte pieces: one weight a
+// thread, with byte loads and 2-byte stores, ran at a fraction of the copy rate, and a round of
+// many sequences through Q8_0 weights paid it at every product. Weights past the last whole
+// eight (bf16 rows of in % 8 != 0; Q8_0 holds whole 32-weight blocks) and buffers not aligned
+// for the wide accesses (an expert's weights inside its layer's tensor) go one a thread.
+__device__ __forceinline__ void tern_expand_store8(float* y, size_t g, const float (&v)[8]) {
+    float4* o = reinterpret_cast<float4*>(y) + 2 * g;
+    o[0] = make_float4(v[0], v[1], v[2], v[3]);
+    o[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void tern_expand_store8(tern_bf16* y, size_t g, const float (&v)[8]) {
+    reinterpret_cast<uint4*>(y)[g] = make_uint4(tern_bf16_pair(v[0], v[1]), tern_bf16_pair(v[2], v[3]), tern_bf16_pair(v[4], v[5]),
+                                                tern_bf16_pair(v[6], v[7]));
+}
+__device__ __forceinline__ void tern_expand_store1(float* y, size_t e, float v) { y[e] = v; }
+__device__ __forceinline__ void tern_expand_store1(tern_bf16* y, size_t e, float v) { y[e] = tern_bf16_from_f32(v); }
+__device__ __forceinline__ float tern_expand_one(const TernWeightsBf16& w, size_t e) { return tern_bf16_to_f32(w.w[e]); }
+__device__ __forceinline__ float tern_expand_one(const TernWeightsQ8& w, size_t e) { return tern_f16_to_f32(w.d[e / 32]) * (float)w.q[e]; }
+__device__ __forceinline__ bool tern_expand_wide(const TernWeightsBf16& w) { return ((unsigned long long)w.w & 15) == 0; }
+__device__ __forceinline__ bool tern_expand_wide(const TernWeightsQ8& w) { return ((unsigned long long)w.q & 7) == 0; }
+
+// Weights 0 .. n - 1 of w into y, over the grid's x dimension.
+template <typename W, typename T>
+__device__ __forceinline__ void tern_expand(const W& w, size_t n, T* __restrict__ y) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x, first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t n8 = tern_expand_wide(w) && ((unsigned long long)y & 15) == 0 ? n / 8 : 0;
+    for (size_t g = first; g < n8; g += stride) {
+        float v[8];
+        w.load(8 * g, v);
+        tern_expand_store8(y, g, v);
+    }
+    for (size_t e = 8 * n8 + first; e < n; e += stride) tern_expand_store1(y, e, tern_expand_one(w, e));
+}
+
 extern "C" __global__ void tern_expand_bf16_f32(const tern_bf16* __restrict__ w, size_t n, float* __restrict__ y) {
     tern_await_prior_kernel();
-    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x)
-        y[e] = tern_bf16_to_f32(w[e]);
+    tern_expand(TernWeightsBf16((unsigned long long)w, 0), n, y);
 }
 
 extern "C" __global__ void tern_expand_q8_f32(const signed char* __restrict__ q, const unsigned short* __restrict__ d,
                                               size_t n, float* __restrict__ y) {
     tern_await_prior_kernel();
-    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x)
-        y[e] = tern_f16_to_f32(d[e / 32]) * (float)q[e];
+    tern_expand(TernWeightsQ8((unsigned long long)q, (unsigned long long)d), n, y);
 }
 
 extern "C" __global__ void tern_expand_q8_bf16(const signed char* __restrict__ q, const unsigned short* __restrict__ d,
                                                size_t n, tern_bf16* __restrict__ y) {
     tern_await_prior_kernel();
-    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x)
-        y[e] = tern_bf16_from_f32(tern_f16_to_f32(d[e / 32]) * (float)q[e]);
+    tern_expand(TernWeightsQ8((unsigned long long)q, (unsigned long long)d), n, y);
 }
 
 // Many Q8_0 matrices of n weights each at once (a MoE layer's experts for a prompt's products):
 // matrix blockIdx.y's quants and scales at quants[y] and scales[y], expanded as
-// tern_expand_q8_bf16 does (the same value per weight) into y + blockIdx.y·n. Eight weights a
-// thread (tern_weights_bf16x8: one 8-byte load and one 16-byte store): the per-weight form's
-// byte loads and 2-byte stores reach a fraction of the bandwidth, and one launch per matrix is
-// a launch per expert. n % 32 == 0; each buffer 8-byte (quants) and 16-byte (output) aligned.
+// tern_expand_q8_bf16 does into y + blockIdx.y·n (one launch for a chunk of experts instead of
+// one per expert).
 extern "C" __global__ void tern_expand_q8_bf16_many(const unsigned long long* __restrict__ quants,
                                                     const unsigned long long* __restrict__ scales, size_t n,
                                                     tern_bf16* __restrict__ y) {
     tern_await_prior_kernel();
-    const TernWeightsQ8 w(quants[blockIdx.y], scales[blockIdx.y]);
-    uint4* out = reinterpret_cast<uint4*>(y + (size_t)blockIdx.y * n);
-    for (size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x; g < n / 8; g += (size_t)gridDim.x * blockDim.x)
-        out[g] = tern_weights_bf16x8(w, 8 * g);
+    tern_expand(TernWeightsQ8(quants[blockIdx.y], scales[blockIdx.y]), n, y + (size_t)blockIdx.y * n);
 }
