@@ -450,6 +450,11 @@ impl Gpu {
         DecodeStep(self)
     }
 
+    /// Whether the launches now queued are a decode step's ([`Gpu::decode_step`]).
+    pub fn in_decode_step(&self) -> bool {
+        self.in_decode_step.load(Ordering::Relaxed)
+    }
+
     /// Records that the kernel just launched writes the recurrent states `written` (the
     /// gated-delta recurrence and the chunked prefill's state pass), for
     /// [`Gpu::state_reads_may_lead`].
@@ -498,7 +503,7 @@ impl Gpu {
     fn launches_dependent(&self) -> bool {
         match self.dependent_launch {
             DependentLaunch::Never => false,
-            DependentLaunch::DecodeSteps => self.in_decode_step.load(Ordering::Relaxed),
+            DependentLaunch::DecodeSteps => self.in_decode_step(),
             DependentLaunch::Always => true,
         }
     }

@@ -899,7 +899,7 @@ fn cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows() {
     let blas = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_ahead(false);
     // The four-steps-ahead form: the same bits for plain, gated and Q8_0 products. Rows of
     // 1792 and 2048 weights take it 4 + 2 + 1 and 4 + 4 steps a warp.
-    let ahead = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_ahead(true).with_gemv_mma_q8(true);
+    let ahead = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_ahead(true).with_gemv_mma_q8(true).with_mma_rows_max(48);
     let round = |v: &[f32]| -> Vec<f32> { v.iter().map(|&a| half::bf16::from_f32(a).to_f32()).collect() };
     for &(out_f, in_f) in &[(1280usize, 768usize), (100, 64), (48, 1152), (34, 96), (64, 2048), (40, 1792)] {
         let bits: Vec<u16> = rng.vec(out_f * in_f, -0.1, 0.1).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
@@ -949,7 +949,7 @@ fn cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows() {
         // Q8_0 weights (switched on whatever TERN_GEMV_MMA_Q8 says): d·q rounded to bf16, against the CPU's product of those
         // weights and the rounded rows; and tiles of an expert's rows (two experts, bf16 and
         // Q8_0) against the CPU's product of each tile's expert.
-        let blas_q8 = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_q8(true);
+        let blas_q8 = Blas::new(gpu.clone(), true).unwrap().with_gemv_mma_q8(true).with_mma_rows_max(48);
         let q8 = quantize_q8_0(&rng.vec(out_f * in_f, -0.1, 0.1));
         let deq16 = round(&Weights::Q8_0(&q8).to_f32(in_f).unwrap());
         let mq = blas_q8.matrix(&Weights::Q8_0(&q8), out_f, in_f).unwrap();
@@ -962,11 +962,11 @@ fn cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows() {
         let mut y = nan(&gpu, 8 * out_f);
         ahead.linear(&gpu.upload(&x).unwrap(), 8, &mqa, &mut y).unwrap();
         assert_eq!(gpu.download(&y).unwrap(), got_q, "mma gemv q8_0 {out_f}x{in_f}, four steps ahead");
-        // More rows than one tile (a decode round of many sequences): tiles of 8 rows, the
-        // last one partial, each row's bits those it gets in any tile (rows 0-7 as in the
-        // 8-row product, rows 8-15 as in an 8-row product of their own); against the CPU on
-        // the rounded rows; past the bound (or with the tiles off) the GEMM of the expanded
-        // weights, to the same bound.
+        // More rows than one tile (a decode round of many sequences; both handles take the
+        // tiles up to 48 rows): tiles of 8 rows, the last one partial, each row's bits those it
+        // gets in any tile (rows 0-7 as in the 8-row product, rows 8-15 as in an 8-row product
+        // of their own); against the CPU on the rounded rows; past the bound (or with the
+        // tiles off) the GEMM of the expanded weights, to the same bound.
         let x_many = rng.vec(40 * in_f, -1.0, 1.0);
         let want_many = super::matmul::linear(&round(&x_many), 40, &deq16, out_f, in_f).unwrap();
         let tiled = |blas: &Blas, m: &GpuMatrix, rows: usize| -> Vec<f32> {
@@ -1012,6 +1012,47 @@ fn cuda_mma_gemv_matches_cpu_on_bf16_rounded_rows() {
             et.push(check(&format!("mma tiles {name} {out_f}x{in_f}"), &gpu.download(&y).unwrap(), &want, BOUND));
         }
         eprintln!("mma gemv q8_0 {out_f}x{in_f}: {eq:.2e}; tiles bf16 {:.2e}, q8_0 {:.2e}", et[0], et[1]);
+    }
+}
+
+/// Fast mode's products of many rows through Q8_0 weights read as stored (`tern_gemm_q8`):
+/// against the CPU's product of the bf16-rounded operands and against the GEMM of the expanded
+/// weights, to the same bound; run twice, bit-identical; from f32 rows and from rows already
+/// rounded to bf16 (`Blas::linear_bf16`), the same bits. Shapes with a partial block of features
+/// and of rows, a partial stage of k, one stage of k, and k split in parts.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_gemm_q8_matches_cpu_and_the_expanded_gemm() {
+    let gpu = gpu();
+    let mut rng = rng("cuda_gemm_q8_matches_cpu_and_the_expanded_gemm");
+    let fused = Blas::new(gpu.clone(), true).unwrap().with_mma_rows_max(16).with_gemm_q8_rows_max(4096);
+    let expanded = Blas::new(gpu.clone(), true).unwrap().with_mma_rows_max(16).with_gemm_q8_rows_max(0);
+    let round = |v: &[f32]| -> Vec<f32> { v.iter().map(|&a| half::bf16::from_f32(a).to_f32()).collect() };
+    for &(rows, out_f, in_f) in &[(17usize, 100usize, 1056usize), (70, 130, 96), (64, 1024, 640), (129, 72, 2080), (17, 64, 32)] {
+        let w = rng.vec(out_f * in_f, -0.1, 0.1);
+        let q = quantize_q8_0(&w);
+        let deq16 = round(&Weights::Q8_0(&q).to_f32(in_f).unwrap());
+        let x = rng.vec(rows * in_f, -1.0, 1.0);
+        let want = super::matmul::linear(&round(&x), rows, &deq16, out_f, in_f).unwrap();
+        let dx = gpu.upload(&x).unwrap();
+        let run = |blas: &Blas| -> Vec<f32> {
+            let m = blas.matrix(&Weights::Q8_0(&q), out_f, in_f).unwrap();
+            let mut y = nan(&gpu, rows * out_f);
+            blas.linear(&dx, rows, &m, &mut y).unwrap();
+            gpu.download(&y).unwrap()
+        };
+        let got = run(&fused);
+        let e = check(&format!("gemm q8_0 {rows}x{in_f} -> {out_f}"), &got, &want, BOUND);
+        assert_eq!(run(&fused), got, "gemm q8_0 {rows}x{in_f} -> {out_f}: a second run");
+        let e_gemm = check(&format!("gemm q8_0 {rows}x{in_f} -> {out_f} vs the expanded GEMM"), &got, &run(&expanded), BOUND);
+        let m = fused.matrix(&Weights::Q8_0(&q), out_f, in_f).unwrap();
+        assert!(fused.gemm_q8_fits(rows, &m) && !expanded.gemm_q8_fits(rows, &m), "the two handles take the two paths");
+        assert!(fused.takes_bf16_rows(rows, &m), "rows past the tiles take bf16 rows");
+        let x16: Vec<u16> = x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let mut y = nan(&gpu, rows * out_f);
+        fused.linear_bf16(&gpu.upload(&x16).unwrap(), rows, &m, &mut y).unwrap();
+        assert_eq!(gpu.download(&y).unwrap(), got, "gemm q8_0 {rows}x{in_f} -> {out_f} from bf16 rows");
+        eprintln!("gemm q8_0 {rows}x{in_f} -> {out_f}: {e:.2e} vs the CPU, {e_gemm:.2e} vs the expanded GEMM");
     }
 }
 

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 
 use crate::cuda::{cublas_available, driver_err, grid_for, int_arg, CudaFunction, CudaSlice, Gpu, KernelSource, LaunchConfig};
+use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN_SMEM;
 use cudarc::driver::DeviceRepr;
 use crate::error::{Error, Result};
 use crate::kernels::backend::{check_view, View};
@@ -38,7 +39,9 @@ pub const SOURCE: KernelSource = KernelSource {
         "\n",
         include_str!("convert.cu"),
         "\n",
-        include_str!("gemv.cu")
+        include_str!("gemv.cu"),
+        "\n",
+        include_str!("gemm_q8.cu")
     ),
 };
 
@@ -46,15 +49,28 @@ pub const SOURCE: KernelSource = KernelSource {
 /// a GEMM's tiles would be mostly empty).
 pub const GEMV_MAX_ROWS: usize = 8;
 /// The most rows fast mode's products of Q8_0 weights take on the tensor-core GEMV, in tiles of
-/// [`GEMV_MAX_ROWS`] ([`Blas::linear`]; a decode round of up to this many sequences, a prompt of
-/// up to this many tokens), where a GEMM would expand the whole matrix to bf16 first. H100,
-/// Qwen3.5-0.8B's Q8_0 GGUF, fast mode, tok/s with the tiles against the GEMM, same calls
-/// (BENCHMARKS.md, twenty-fifth session): rounds of 32 sequences 8 526 against 6 310, of 48
-/// 9 693 / 9 697 against 8 727 / 8 736; prompts of 16 tokens 5 272 against 2 903, of 48
-/// 7 982 / 8 058 against 6 457 / 6 573. Past it the GEMM wins: rounds of 64 sequences 10 229 /
-/// 10 246 against 10 906 / 10 937 (prompts of 64 tokens still gain 12%), of 128 10 836
-/// against 17 552.
-pub const MMA_ROW_TILES_MAX_ROWS: usize = 48;
+/// [`GEMV_MAX_ROWS`] ([`Blas::linear`]), where a GEMM would expand the whole matrix to bf16 first:
+/// [prompts and other products, a decode step's]. The two differ because a decode step replays
+/// from a graph, where only the GPU's time counts, while a prompt's products are launched one by
+/// one, and the GEMM's three launches (expansion, x to bf16, the GEMM) cost host time the tiles'
+/// one does not. H100, Qwen3.5-0.8B's Q8_0 GGUF, fast mode, tok/s with the tiles against the
+/// GEMM, same call, since the expansion runs at the copy rate (BENCHMARKS.md, twenty-sixth
+/// session): rounds of 16 sequences 6 715 / 6 720 against 6 302, of 32 8 643 / 8 662 against
+/// 10 922, of 48 9 765 / 9 795 against 14 379; prompts of 16 tokens 5 175 / 5 230 against 3 870,
+/// of 32 7 084 / 7 174 against 6 521, of 48 7 893 / 7 943 against 8 247.
+pub const MMA_ROW_TILES_MAX_ROWS: [usize; 2] = [32, 16];
+/// The most rows fast mode's products of Q8_0 weights take on `tern_gemm_q8` (the quants read
+/// as stored) past the row tiles' bound, where a GEMM would expand the whole matrix to bf16
+/// first; TERN_GEMM_Q8_ROWS sets it (0: never).
+pub const GEMM_Q8_MAX_ROWS: usize = 256;
+/// `tern_gemm_q8`'s tile: features and rows a block, weights of k a stage, stages in flight
+/// (gemm_q8.cu), and its dynamic shared memory (the staged bf16 rows, padded by 32 values).
+const GEMM_Q8_TILE: (usize, usize, usize, usize) = (64, 64, 128, 3);
+const GEMM_Q8_SMEM_BYTES: usize = GEMM_Q8_TILE.3 * GEMM_Q8_TILE.1 * (GEMM_Q8_TILE.2 + 32) * 2;
+/// Blocks a multiprocessor `tern_gemm_q8` aims at (three fit: 138 registers and 61 KB of shared
+/// memory a block of 128 threads): products of few features (a 1024-feature projection)
+/// split k to reach them.
+const GEMM_Q8_BLOCKS_PER_SM: usize = 2;
 /// Most scratch bytes a prompt's MoE products expand Q8_0 experts into at once
 /// ([`Blas::grouped_linear`]): a chunk of experts per launch, not the whole layer's. The unit
 /// tests' tiny experts take many chunks.
@@ -284,6 +300,15 @@ fn gemv_outputs_per_warp(rows: usize, output: GemvOutput, narrow: bool) -> usize
     }
 }
 
+/// The k splits of a `tern_gemm_q8` product: enough blocks for [`GEMM_Q8_BLOCKS_PER_SM`] a
+/// multiprocessor, each split at least two stages of k, at most 16 parts.
+fn gemm_q8_splits(out: usize, rows: usize, inp: usize, multiprocessors: usize) -> usize {
+    let (bm, bn, kc, _) = GEMM_Q8_TILE;
+    let blocks = out.div_ceil(bm) * rows.div_ceil(bn);
+    let want = (GEMM_Q8_BLOCKS_PER_SM * multiprocessors).div_ceil(blocks);
+    want.min(inp.div_ceil(kc) / 2).clamp(1, 16)
+}
+
 /// Warps per output feature of a GEMV launch over `features` features (all its matrices) of
 /// `inp` inputs (the kernels' ks, see gemv.cu): a launch of few features takes more warps per
 /// row, until the launch has [`GEMV_SPLIT_WARPS`] warps per multiprocessor, each keeping at
@@ -439,9 +464,15 @@ pub struct Blas {
     gemv_mma_q8: bool,
     /// Fast mode's plain products of Q8_0 weights for more rows than [`GEMV_MAX_ROWS`], up to
     /// this many, on the tensor-core GEMV in tiles of 8 rows ([`Blas::linear`]) rather than a
-    /// GEMM of the matrix expanded to bf16 at every product: [`MMA_ROW_TILES_MAX_ROWS`], or
-    /// TERN_GEMV_MMA_ROWS (0: none, to measure the two on the same run).
-    mma_rows_max: usize,
+    /// GEMM of the matrix expanded to bf16 at every product: [outside, inside a decode step],
+    /// [`MMA_ROW_TILES_MAX_ROWS`], or TERN_GEMV_MMA_ROWS and TERN_GEMV_MMA_STEP_ROWS (0: none,
+    /// to measure the two on the same run).
+    mma_rows_max: [usize; 2],
+    /// `tern_gemm_q8` and the sum of its k splits, taken for rows up to `gemm_q8_rows_max`
+    /// ([`Blas::gemm_q8_fits`]).
+    gemm_q8: CudaFunction,
+    gemm_q8_sum: CudaFunction,
+    gemm_q8_rows_max: usize,
     /// The tensor-core GEMV: [bf16, Q8_0 weights][plain, silu-gated, gelu-gated output].
     mma_kernels: [[CudaFunction; 3]; 2],
     /// The same with four steps' loads in flight (`tern_gemv_mma_ahead_*`), taken when
@@ -542,7 +573,15 @@ impl Blas {
                 .collect::<Result<_>>()?,
             gemv_mma: std::env::var("TERN_GEMV_MMA").map_or(true, |v| v != "0"),
             gemv_mma_q8: std::env::var("TERN_GEMV_MMA_Q8").map_or(true, |v| v != "0"),
-            mma_rows_max: std::env::var("TERN_GEMV_MMA_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(MMA_ROW_TILES_MAX_ROWS),
+            mma_rows_max: [("TERN_GEMV_MMA_ROWS", MMA_ROW_TILES_MAX_ROWS[0]), ("TERN_GEMV_MMA_STEP_ROWS", MMA_ROW_TILES_MAX_ROWS[1])]
+                .map(|(var, default)| std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default)),
+            gemm_q8: {
+                let k = f("tern_gemm_q8")?;
+                k.set_attribute(MAX_DYN_SMEM, GEMM_Q8_SMEM_BYTES as i32).map_err(driver_err("allowing tern_gemm_q8's shared memory"))?;
+                k
+            },
+            gemm_q8_sum: f("tern_gemm_q8_sum")?,
+            gemm_q8_rows_max: std::env::var("TERN_GEMM_Q8_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(GEMM_Q8_MAX_ROWS),
             mma_kernels: [
                 [f("tern_gemv_mma_bf16")?, f("tern_gemv_mma_silu_bf16")?, f("tern_gemv_mma_gelu_bf16")?],
                 [f("tern_gemv_mma_q8")?, f("tern_gemv_mma_silu_q8")?, f("tern_gemv_mma_gelu_q8")?],
@@ -707,9 +746,12 @@ impl Blas {
                 f32_operands(g.ptr(e))
             }
             (_, true) => {
-                let wp = self.bf16_weights(w, &mut w16)?;
                 let xb = x16.insert(g.alloc::<u16>(x.len())?);
                 self.to_bf16(x, xb)?;
+                if self.gemm_q8_fits(rows, w) {
+                    return self.gemm_q8(g.ptr(xb), rows, w, y);
+                }
+                let wp = self.bf16_weights(w, &mut w16)?;
                 (wp, blas_sys::cudaDataType_t::CUDA_R_16BF, g.ptr(xb), blas_sys::cudaDataType_t::CUDA_R_16BF)
             }
         };
@@ -726,10 +768,13 @@ impl Blas {
 
     /// Whether [`Blas::linear`] of `rows` rows through `w` runs on the tensor-core GEMV in tiles
     /// of [`GEMV_MAX_ROWS`] rows: fast mode, Q8_0 weights it takes, more rows than the GEMV's
-    /// and at most `mma_rows_max` (Q8_0 weights would otherwise be expanded to bf16 for a GEMM
-    /// at every product; bf16 weights go to the GEMM as stored).
+    /// and at most `mma_rows_max`'s bound for where the product runs (Q8_0 weights would
+    /// otherwise be expanded to bf16 for a GEMM at every product; bf16 weights go to the GEMM as
+    /// stored). A decode step's plain run and its recording take the same bound, so the same
+    /// path and bits.
     fn mma_row_tiles(&self, rows: usize, w: &GpuMatrix) -> bool {
-        rows > GEMV_MAX_ROWS && rows <= self.mma_rows_max && w.kind() == KIND_Q8 && self.mma_kind(KIND_Q8).is_some() && w.inp % 32 == 0
+        let bound = self.mma_rows_max[usize::from(self.gpu.in_decode_step())];
+        rows > GEMV_MAX_ROWS && rows <= bound && w.kind() == KIND_Q8 && self.mma_kind(KIND_Q8).is_some() && w.inp % 32 == 0
     }
 
     /// [`Blas::linear`] from rows already rounded to bf16, as its tensor-core path rounds f32
@@ -745,6 +790,9 @@ impl Blas {
             return Ok(());
         }
         let g = &self.gpu;
+        if self.gemm_q8_fits(rows, w) {
+            return self.gemm_q8(g.ptr(x16), rows, w, y);
+        }
         let mut w16 = None;
         let wp = self.bf16_weights(w, &mut w16)?;
         let bf16 = blas_sys::cudaDataType_t::CUDA_R_16BF;
@@ -899,6 +947,48 @@ impl Blas {
             )
         }
         .map_err(blas_err("cuBLAS GEMM"))
+    }
+
+    /// Whether fast mode's product of `rows` rows through `w` (past the GEMV and its row tiles)
+    /// takes `tern_gemm_q8`: Q8_0 weights, at most `gemm_q8_rows_max` rows.
+    pub(crate) fn gemm_q8_fits(&self, rows: usize, w: &GpuMatrix) -> bool {
+        self.tensor_cores && w.kind() == KIND_Q8 && rows <= self.gemm_q8_rows_max && w.inp % 32 == 0
+    }
+
+    /// Y = X·Wᵀ for `rows` bf16 rows at `x16` through Q8_0 weights, read as stored
+    /// (`tern_gemm_q8`; k split over [`gemm_q8_splits`] launches' worth of blocks, the parts
+    /// then summed in split order by `tern_gemm_q8_sum`).
+    fn gemm_q8(&self, x16: u64, rows: usize, w: &GpuMatrix, y: &mut CudaSlice<f32>) -> Result<()> {
+        let g = &self.gpu;
+        let GpuWeights::Q8 { quants, scales } = &w.w else {
+            return Err(Error::Shape("tern_gemm_q8 of weights other than Q8_0".into()));
+        };
+        let (bm, bn, _, _) = GEMM_Q8_TILE;
+        let splits = gemm_q8_splits(w.out, rows, w.inp, self.multiprocessors);
+        let parts = if splits > 1 { Some(g.alloc::<f32>(splits * rows * w.out)?) } else { None };
+        let dst = parts.as_ref().map_or(g.ptr(&*y), |p| g.ptr(p));
+        let (qp, sp) = (g.ptr(quants), g.ptr(scales));
+        let (r, out, inp, ks) = (int_arg("gemm rows", rows)?, int_arg("gemm out", w.out)?, int_arg("gemm in", w.inp)?, splits as i32);
+        let mut l = g.launch_builder(&self.gemm_q8);
+        l.arg(&qp).arg(&sp).arg(&x16).arg(&dst).arg(&r).arg(&out).arg(&inp).arg(&ks);
+        let cfg = LaunchConfig {
+            grid_dim: (grid_for(w.out, bm as u32)?, grid_for(rows, bn as u32)?, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: GEMM_Q8_SMEM_BYTES as u32,
+        };
+        // SAFETY: argument types match tern_gemm_q8; the weights hold out × in quants (in % 32
+        // == 0, checked by gemm_q8_fits) and their scales, x16 rows × in bf16 values (checked
+        // by the callers), dst splits × rows × out values (y's, or the parts allocated above).
+        unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemm_q8"))?;
+        if let Some(parts) = &parts {
+            let (pp, yp, n) = (g.ptr(parts), g.ptr(&*y), (rows * w.out) as u64);
+            let mut l = g.launch_builder(&self.gemm_q8_sum);
+            l.arg(&pp).arg(&ks).arg(&n).arg(&yp);
+            let cfg = LaunchConfig { grid_dim: (grid_for(rows * w.out, 256)?.min(65_535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: argument types match tern_gemm_q8_sum; parts holds splits × n values, y n.
+            unsafe { l.launch(cfg) }.map_err(driver_err("launching tern_gemm_q8_sum"))?;
+        }
+        Ok(())
     }
 
     /// Whether a product of `rows` rows with `w` takes the GEMV kernel (few rows; rows of
@@ -1372,11 +1462,20 @@ impl Blas {
         self
     }
 
+    /// This handle with fast mode's Q8_0 products of up to `rows` rows on `tern_gemm_q8` (0:
+    /// none), whatever TERN_GEMM_Q8_ROWS says: the device test runs both.
+    #[cfg(test)]
+    pub(crate) fn with_gemm_q8_rows_max(mut self, rows: usize) -> Self {
+        self.gemm_q8_rows_max = rows;
+        self
+    }
+
     /// This handle with fast mode's Q8_0 products of up to `rows` rows on the tensor-core GEMV's
-    /// row tiles (0: none), whatever TERN_GEMV_MMA_ROWS says: the device test runs both.
+    /// row tiles (0: none), in decode steps and out of them, whatever TERN_GEMV_MMA_ROWS and
+    /// TERN_GEMV_MMA_STEP_ROWS say: the device test runs both.
     #[cfg(test)]
     pub(crate) fn with_mma_rows_max(mut self, rows: usize) -> Self {
-        self.mma_rows_max = rows;
+        self.mma_rows_max = [rows; 2];
         self
     }
 
@@ -1775,6 +1874,25 @@ mod tests {
         assert_eq!(std::mem::size_of::<GemvParts>(), 272);
         let code = include_str!("gemv.cu");
         assert!(code.contains("static_assert(sizeof(tern_gemv_parts) == 272,"));
+    }
+
+    #[test]
+    fn gemm_q8_splits_fill_the_multiprocessors_with_whole_stages() {
+        // Qwen3.5-0.8B's FFN down projection (1024 x 3584) for 64 rows on 132 multiprocessors:
+        // 16 blocks want 17 splits, bounded by 28 stages of k in twos.
+        assert_eq!(gemm_q8_splits(1024, 64, 3584, 132), 14);
+        // Its gate|up (7168 x 1024): 112 blocks, 3 splits; for 256 rows 448 blocks, none.
+        assert_eq!(gemm_q8_splits(7168, 64, 1024, 132), 3);
+        assert_eq!(gemm_q8_splits(7168, 256, 1024, 132), 1);
+        // One stage of k cannot split; at most 16 parts.
+        assert_eq!(gemm_q8_splits(64, 9, 96, 132), 1);
+        assert_eq!(gemm_q8_splits(64, 9, 1 << 16, 132), 16);
+        let code = include_str!("gemm_q8.cu");
+        let (bm, bn, kc, stages) = GEMM_Q8_TILE;
+        for (name, v) in [("BM", bm), ("BN", bn), ("KC", kc), ("STAGES", stages)] {
+            assert!(code.contains(&format!("#define TERN_GEMM_Q8_{name} {v}")), "gemm_q8.cu's TERN_GEMM_Q8_{name} is not {v}");
+        }
+        assert!(code.contains("#define TERN_GEMM_Q8_LD (TERN_GEMM_Q8_KC + 32)"), "the staged row's padding");
     }
 
     #[test]
