@@ -58,8 +58,8 @@ __device__ __forceinline__ void tern_gemm_q8_weights(uint4 (&a)[4][2], const Ter
 extern "C" __global__ void __launch_bounds__(128) tern_gemm_q8(const signed char* __restrict__ q, const unsigned short* __restrict__ d,
                                                               const tern_bf16* __restrict__ x, float* __restrict__ y, int rows,
                                                               int out, int in, int splits) {
-    extern __shared__ __align__(16) tern_bf16 tern_gemm_q8_xs[];
     tern_await_prior_kernel();
+    extern __shared__ __align__(16) tern_bf16 tern_gemm_q8_xs[];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
     const int o0 = (int)blockIdx.x * TERN_GEMM_Q8_BM + 16 * warp, r0 = (int)blockIdx.y * TERN_GEMM_Q8_BN;
     const int chunks = (in + TERN_GEMM_Q8_KC - 1) / TERN_GEMM_Q8_KC;
