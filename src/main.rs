@@ -148,6 +148,9 @@ struct SamplingArgs {
     /// End the generation before this text (repeatable).
     #[arg(long = "stop")]
     stop: Vec<String>,
+    /// Go on past end-of-turn tokens until --max-tokens (a fixed length, for timing).
+    #[arg(long)]
+    ignore_eos: bool,
 }
 
 #[derive(Args)]
@@ -447,7 +450,7 @@ fn sampling_options(llm: &Llm, a: &SamplingArgs) -> GenerateOptions {
         seed: a.seed.unwrap_or_else(clock_seed),
         ..d.clone()
     };
-    GenerateOptions { max_tokens: a.max_tokens, sampling, stop: a.stop.clone(), keep_logits: false }
+    GenerateOptions { max_tokens: a.max_tokens, sampling, stop: a.stop.clone(), keep_logits: false, ignore_eos: a.ignore_eos }
 }
 
 fn parse_ids(items: &[String]) -> Result<Vec<u32>> {

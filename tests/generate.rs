@@ -185,7 +185,7 @@ fn chat_template_comes_from_the_checkpoint_and_the_gguf() {
 }
 
 fn greedy(max_tokens: usize) -> GenerateOptions {
-    GenerateOptions { max_tokens, sampling: SamplingOptions::greedy(), stop: vec![], keep_logits: true }
+    GenerateOptions { max_tokens, sampling: SamplingOptions::greedy(), stop: vec![], keep_logits: true, ignore_eos: false }
 }
 
 /// Turn two runs only its own tokens, the text the model has seen is exactly the template's
@@ -258,6 +258,42 @@ fn seeded_sampling_is_reproducible_and_stop_strings_cut() {
     let out = tern(&["generate", "--model", m, "--prompt", "The model reads a prompt.", "--max-tokens", "24", "--temperature", "0"]);
     assert!(out.status.success());
     assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{text}\n"));
+}
+
+/// `ignore_eos` goes on past an end-of-turn token to the token limit: the same tokens up to
+/// and including it, none of its text, then more tokens, finish "length"; without it the same
+/// seed stops there. (Seeds are tried until one stops early; the tiny random model emits its
+/// end-of-turn tokens within a few hundred sampled tokens.)
+#[test]
+fn ignore_eos_generates_to_the_token_limit() {
+    let index = qwen35_index();
+    let llm = Llm::load(&qwen35_model(&index, "dense-untied", None), 2).unwrap();
+    let prompt = llm.tokenizer.encode_text("The model reads a prompt.").unwrap();
+    let opts = |seed: u64, ignore_eos: bool| GenerateOptions {
+        max_tokens: 400,
+        sampling: SamplingOptions { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed, ..SamplingOptions::greedy() },
+        stop: vec![],
+        keep_logits: false,
+        ignore_eos,
+    };
+    let run = |seed: u64, ignore_eos: bool| {
+        let mut session = llm.new_session().unwrap();
+        llm.generate(&mut session, &prompt, &opts(seed, ignore_eos), &mut |_| true).unwrap()
+    };
+    let (seed, stopped) = (0..200u64)
+        .map(|seed| (seed, run(seed, false)))
+        .find(|(_, g)| g.finish_reason == FinishReason::Stop)
+        .expect("no seed of 200 met an end-of-turn token within 400 tokens");
+    let end = *stopped.generated_ids.last().unwrap();
+    assert!(llm.stop_ids.contains(&end));
+    let going = run(seed, true);
+    assert_eq!(going.finish_reason, FinishReason::Length, "seed {seed}");
+    assert_eq!(going.generated_ids.len(), 400);
+    assert_eq!(going.generated_ids[..stopped.generated_ids.len()], stopped.generated_ids[..], "seed {seed}: the tokens up to the end of turn");
+    // The text holds the stopped generation's text and nothing of any end-of-turn token.
+    assert!(going.text.starts_with(&stopped.text), "seed {seed}");
+    let shown: Vec<u8> = going.generated_ids.iter().filter(|id| !llm.stop_ids.contains(id)).flat_map(|&id| llm.token_bytes(id).to_vec()).collect();
+    assert_eq!(going.text, String::from_utf8_lossy(&shown), "seed {seed}");
 }
 
 #[test]

@@ -71,6 +71,10 @@ pub struct GenerateOptions {
     pub stop: Vec<String>,
     /// Keep the logits that chose each token ([n_generated, vocab]).
     pub keep_logits: bool,
+    /// Go on past end-of-turn tokens (not written to the text) until `max_tokens`, the
+    /// context's end or a stop string: what a benchmark of a fixed generation length asks
+    /// (vLLM's and llama.cpp's servers take the same `ignore_eos`).
+    pub ignore_eos: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -384,11 +388,12 @@ impl Generator<'_> {
         session.ids.push(token);
         session.pending = Some(token);
         let mut text = String::new();
-        if self.llm.stop_ids.contains(&token) {
+        let end_of_turn = self.llm.stop_ids.contains(&token);
+        if end_of_turn && !self.opts.ignore_eos {
             self.out.finish_reason = FinishReason::Stop;
             self.finished = true;
         } else {
-            let (emit, stopped) = self.stream.push(self.llm.token_bytes(token));
+            let (emit, stopped) = if end_of_turn { (String::new(), false) } else { self.stream.push(self.llm.token_bytes(token)) };
             text = emit;
             if stopped {
                 self.out.finish_reason = FinishReason::Stop;

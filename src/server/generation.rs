@@ -206,7 +206,7 @@ fn generate_options(body: &Json, llm: &Llm, prompt_len: usize) -> ApiResult<Gene
     if stop.len() > 16 {
         return Err(bad(format!("{} stop strings: at most 16", stop.len())));
     }
-    Ok(GenerateOptions { max_tokens, sampling, stop, keep_logits: false })
+    Ok(GenerateOptions { max_tokens, sampling, stop, keep_logits: false, ignore_eos: flag(body, "ignore_eos")? })
 }
 
 fn flag(body: &Json, key: &str) -> ApiResult<bool> {

@@ -183,6 +183,7 @@ def test_malformed(a):
         ("negative max_tokens", "/v1/chat/completions", json.dumps({"model": a.chat_model, "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}), 400, "invalid_value"),
         ("temperature as a string", "/v1/chat/completions", json.dumps({"model": a.chat_model, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}), 400, "invalid_type"),
         ("top_p out of range", "/v1/completions", json.dumps({"model": a.chat_model, "prompt": "x", "top_p": 7}), 400, "invalid_value"),
+        ("ignore_eos of wrong type", "/v1/completions", json.dumps({"model": a.chat_model, "prompt": "x", "ignore_eos": "yes"}), 400, "invalid_type"),
         ("n > 1", "/v1/completions", json.dumps({"model": a.chat_model, "prompt": "x", "n": 3}), 400, "invalid_value"),
         ("prompt id out of vocabulary", "/v1/completions", json.dumps({"model": a.chat_model, "prompt": [1, 10 ** 6]}), 400, "invalid_input"),
         ("prompt over the context", "/v1/completions", json.dumps({"model": a.chat_model, "prompt": [5] * 5000}), 400, "invalid_input"),
@@ -203,8 +204,10 @@ def test_backpressure_and_disconnect(a):
     """The busy server allows one request at a time: a stream holds the slot, so another request
     gets 429 at once; closing the stream frees the slot and its sequence."""
     client = OpenAI(base_url=a.busy_url + "/v1", api_key="none", max_retries=0)
+    # ignore_eos: the tiny random model may sample an end of turn within a few tokens, which
+    # would free the slot before the second request arrives.
     stream = client.chat.completions.create(model=a.chat_model, messages=[{"role": "user", "content": "go"}], max_tokens=3000,
-                                            temperature=1.0, stream=True)
+                                            temperature=1.0, stream=True, extra_body={"ignore_eos": True})
     it = iter(stream)
     next(it)
     next(it)
