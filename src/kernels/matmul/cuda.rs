@@ -61,8 +61,9 @@ pub const GEMV_MAX_ROWS: usize = 8;
 pub const MMA_ROW_TILES_MAX_ROWS: [usize; 2] = [32, 16];
 /// The most rows fast mode's products of Q8_0 weights take on `tern_gemm_q8` (the quants read
 /// as stored) past the row tiles' bound, where a GEMM would expand the whole matrix to bf16
-/// first; TERN_GEMM_Q8_ROWS sets it (0: never).
-pub const GEMM_Q8_MAX_ROWS: usize = 256;
+/// first; TERN_GEMM_Q8_ROWS sets it. 0 (off) until it has been timed on a GPU: built and
+/// checked against the CPU on hostcuda only (BENCHMARKS.md, twenty-sixth session).
+pub const GEMM_Q8_MAX_ROWS: usize = 0;
 /// `tern_gemm_q8`'s tile: features and rows a block, weights of k a stage, stages in flight
 /// (gemm_q8.cu), and its dynamic shared memory (the staged bf16 rows, padded by 32 values).
 const GEMM_Q8_TILE: (usize, usize, usize, usize) = (64, 64, 128, 3);
