@@ -3,6 +3,8 @@
 // with f32 accumulation, the values cuBLAS multiplies after tern_expand_q8_bf16 (CPU twin: the
 // product of the bf16-rounded operands). The expansion writes the whole matrix as bf16 (twice
 // its quants' bytes) for the GEMM to read back, at every product of a prompt or a decode round.
+// Opt-in (TERN_GEMM_Q8_ROWS): this form measured slower than the expansion and cuBLAS on an
+// H100 (BENCHMARKS.md, twenty-sixth session), so it is a start for a faster one, not the path.
 //
 // A block is 64 features (four warps of 16) by 64 rows. The rows' bf16 values come through
 // shared memory in stages of 128 weights (cp.async, three stages in flight); each warp reads its
