@@ -736,7 +736,7 @@ impl Blas {
         let n = w.out * w.inp;
         let f32_operands = |wp: u64| (wp, blas_sys::cudaDataType_t::CUDA_R_32F, g.ptr(x), blas_sys::cudaDataType_t::CUDA_R_32F);
         // Scratch operands live until the product is queued (the stream orders their reuse).
-        let (mut w32, mut w16, mut x16) = (None, None, None);
+        let (mut w32, mut x16) = (None, None);
         let operands = match (&w.w, self.tensor_cores) {
             (GpuWeights::F32(wd), _) => f32_operands(g.ptr(wd)),
             (GpuWeights::Bf16(wd), false) => {
@@ -752,11 +752,7 @@ impl Blas {
             (_, true) => {
                 let xb = x16.insert(g.alloc::<u16>(x.len())?);
                 self.to_bf16(x, xb)?;
-                if self.gemm_q8_fits(rows, w) {
-                    return self.gemm_q8(g.ptr(xb), rows, w, y);
-                }
-                let wp = self.bf16_weights(w, &mut w16)?;
-                (wp, blas_sys::cudaDataType_t::CUDA_R_16BF, g.ptr(xb), blas_sys::cudaDataType_t::CUDA_R_16BF)
+                return self.product_of_bf16_rows(g.ptr(xb), rows, w, y);
             }
         };
         self.gemm(operands, rows, w, g.ptr(y))
@@ -793,14 +789,21 @@ impl Blas {
         if rows == 0 || w.out == 0 {
             return Ok(());
         }
-        let g = &self.gpu;
+        self.product_of_bf16_rows(self.gpu.ptr(x16), rows, w, y)
+    }
+
+    /// Y = X·Wᵀ for `rows` bf16 rows at `x16` on the tensor cores ([`Blas::linear`]'s fast path
+    /// past the GEMV, and [`Blas::linear_bf16`]): `tern_gemm_q8` where it takes the product, else
+    /// cuBLAS's GEMM of the weights as bf16 (Q8_0 expanded into scratch that lives until the
+    /// product is queued).
+    fn product_of_bf16_rows(&self, x16: u64, rows: usize, w: &GpuMatrix, y: &mut CudaSlice<f32>) -> Result<()> {
         if self.gemm_q8_fits(rows, w) {
-            return self.gemm_q8(g.ptr(x16), rows, w, y);
+            return self.gemm_q8(x16, rows, w, y);
         }
         let mut w16 = None;
         let wp = self.bf16_weights(w, &mut w16)?;
         let bf16 = blas_sys::cudaDataType_t::CUDA_R_16BF;
-        self.gemm((wp, bf16, g.ptr(x16), bf16), rows, w, g.ptr(y))
+        self.gemm((wp, bf16, x16, bf16), rows, w, self.gpu.ptr(y))
     }
 
     /// The bf16 operand of a tensor-core product through `w`: its own bf16 weights, or Q8_0
