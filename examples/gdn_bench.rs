@@ -17,7 +17,7 @@
 //! the layer must move (q, k, v read and the output written once, f32) at the copy bandwidth.
 
 use tern::cuda::{CudaSlice, Gpu};
-use tern::kernels::gated_delta::cuda::{ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, FAST_VARIANT, FAST_VARIANTS, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
+use tern::kernels::gated_delta::cuda::{ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, FAST_VARIANT, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
@@ -292,19 +292,20 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
             let name = acc.map_or("fast".to_string(), |a| format!("{a:?}"));
             println!("RESULT prefill_split tokens={t} mode={name} total_ms={ms:.4} parallel_pass_ms={prep:.4} state_pass_ms={:.4}", ms - prep);
             if acc.is_none() {
-                for v in FAST_VARIANTS {
+                for v in k.fast_variants() {
                     k.set_fast_variant(v)?;
                     let vms = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
                     k.set_chunk_prepare_only(true);
                     let vprep = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
                     k.set_chunk_prepare_only(false);
                     println!(
-                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}",
+                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} cluster={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}",
                         v.rows,
                         v.stages,
                         v.compact,
                         v.late_issue,
                         v.tiled,
+                        v.cluster,
                         vms - vprep
                     );
                 }

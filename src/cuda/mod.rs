@@ -507,6 +507,13 @@ impl Gpu {
             DependentLaunch::Always => true,
         }
     }
+    /// Whether kernels can be launched in thread block clusters (sm_90 and later;
+    /// [`KernelLaunch::cluster`]).
+    pub fn cluster_launch(&self) -> Result<bool> {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH as CLUSTERS;
+        self.ctx.attribute(CLUSTERS).map(|n| n != 0).map_err(driver_err("reading whether clusters can be launched"))
+    }
+
     /// Streaming multiprocessors on the device.
     pub fn multiprocessors(&self) -> Result<usize> {
         use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
@@ -544,7 +551,7 @@ impl Gpu {
     /// device (every kernel of tern starts with `tern_await_prior_kernel()`, launch.cuh);
     /// recorded graphs keep the relation as programmatic edges. Otherwise a plain launch.
     pub fn launch_builder<'a>(&'a self, func: &'a CudaFunction) -> KernelLaunch<'a> {
-        KernelLaunch { gpu: self, func, args: Vec::new(), addresses: Vec::new(), triggers_early: false }
+        KernelLaunch { gpu: self, func, args: Vec::new(), addresses: Vec::new(), triggers_early: false, cluster: None }
     }
 
     /// Refuses a copy between host and device while the stream is being recorded into a
@@ -835,6 +842,8 @@ pub struct KernelLaunch<'a> {
     /// Whether the kernel lets the next be scheduled before it awaits the one before it
     /// (`tern_let_dependents_launch`; [`Gpu::state_reads_may_lead`] counts these).
     triggers_early: bool,
+    /// Blocks per thread block cluster in x, y, z, or None for no clusters.
+    cluster: Option<(u32, u32, u32)>,
 }
 
 impl<'a> KernelLaunch<'a> {
@@ -844,6 +853,13 @@ impl<'a> KernelLaunch<'a> {
     /// the recurrence reads before its wait; the conv GEMVs' histories are read after one).
     pub fn triggers_early(&mut self, on: bool) -> &mut Self {
         self.triggers_early = on;
+        self
+    }
+
+    /// Launches the grid in clusters of x × y × z blocks (the grid a whole number of them; only
+    /// where [`Gpu::cluster_launch`] holds).
+    pub fn cluster(&mut self, dims: (u32, u32, u32)) -> &mut Self {
+        self.cluster = Some(dims);
         self
     }
 
@@ -870,11 +886,22 @@ impl<'a> KernelLaunch<'a> {
     pub unsafe fn launch(&mut self, cfg: LaunchConfig) -> std::result::Result<(), DriverError> {
         use cudarc::driver::sys;
         self.gpu.ctx.bind_to_thread()?;
-        // SAFETY: a zeroed attribute is a valid "ignore" value; id and the union member are set
-        // together below.
-        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        // SAFETY: a zeroed attribute is a valid "ignore" value; each id is set together with its
+        // union member.
+        let mut attrs: [sys::CUlaunchAttribute; 2] = [std::mem::zeroed(), std::mem::zeroed()];
+        let mut n_attrs = 0;
+        if self.gpu.launches_dependent() {
+            attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
+            n_attrs += 1;
+        }
+        if let Some((x, y, z)) = self.cluster {
+            attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n_attrs].value.clusterDim.x = x;
+            attrs[n_attrs].value.clusterDim.y = y;
+            attrs[n_attrs].value.clusterDim.z = z;
+            n_attrs += 1;
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -884,8 +911,8 @@ impl<'a> KernelLaunch<'a> {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.gpu.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: self.gpu.launches_dependent() as std::ffi::c_uint,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n_attrs as std::ffi::c_uint,
         };
         // SAFETY: the caller vouches for the arguments (see above); `args` points at values
         // borrowed for 'a, alive during the call, which copies them.

@@ -575,6 +575,19 @@ struct tern_gdn_tc_state_smem {
     tern_gdn_bf16 dt[tern_gdn_tc_bv * tern_gdn_tc_ldc];  // e^{G_L - G_c} Delta, [j][c]
 };
 
+// The same with the stages' barriers of the cluster form (MC).
+template <int DK, int NS>
+struct tern_gdn_tc_state_smem_mc {
+    tern_gdn_tc_state_smem<DK, NS> base;
+    unsigned long long full[NS];   // the stage's bytes have landed (this block's arrival + bytes)
+    unsigned long long empty[NS];  // every block of the cluster has left the stage's chunk
+};
+
+// The host sizes the launch by the same sums (tc_state_smem in mod.rs; its test pins these).
+static_assert(sizeof(tern_gdn_tc_state_smem<128, 3>) == 219136, "state pass at d_k 128, 3 stages: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_smem_mc<128, 3>) == 219184, "state pass in clusters at d_k 128: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_smem_mc<64, 3>) == 141360, "state pass in clusters at d_k 64: as mod.rs sizes it");
+
 template <int DK>
 __device__ void tern_gdn_tc_issue(tern_gdn_tc_stage<DK>& st, const tern_gdn_tc_state_args& a, int chunk, int h, int kh, int j0) {
     constexpr int C = tern_gdn_tc_c, R = DK / 8;  // 16-byte pieces per row
@@ -599,12 +612,128 @@ __device__ void tern_gdn_tc_issue(tern_gdn_tc_stage<DK>& st, const tern_gdn_tc_s
 
 __device__ __forceinline__ void tern_gdn_tc_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
+// The state pass in clusters (MC below). The blocks of one value head and sequence (its
+// d_v / 32 slices of state rows) read the same W, q, k and read-out tiles of every chunk: alone,
+// each block fetches them from L2 (under ncu on an H100 the pass was bound by its L2 traffic,
+// 71% of the L2's throughput, four times its operands' bytes). In a cluster each block fetches
+// only its share of their rows with bulk copies multicast into every block of the cluster, and
+// its own U slice and decays with plain bulk copies; all land on the block's `full` barrier of
+// the stage (transaction bytes). A stage is refilled only when every block of the cluster has
+// left the chunk that read it (each block arrives on every block's `empty` barrier of the
+// stage). sm_90 and later; hostcuda (no clusters) never sees these instructions.
+__device__ __forceinline__ void tern_gdn_tc_bar_init(unsigned long long* bar, unsigned count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(tern_gdn_tc_saddr(bar)), "r"(count) : "memory");
+#endif
+}
+
+// Every block's barriers initialised and visible to the cluster before any block copies into
+// another or arrives on its barriers; at the end, no block leaves while another may still.
+__device__ __forceinline__ void tern_gdn_tc_cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;\n\tbarrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ unsigned tern_gdn_tc_cluster_rank() {
+    unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ unsigned tern_gdn_tc_cluster_blocks() {
+    unsigned n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+    return n;
+}
+
+// Spins until the barrier's phase of the given parity has completed (acquire at cluster scope:
+// `empty` phases complete by other blocks' arrivals).
+__device__ __forceinline__ void tern_gdn_tc_bar_wait(unsigned long long* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(tern_gdn_tc_saddr(bar)), "r"(parity) : "memory");
+#endif
+}
+
+// This block's arrival that also announces the bytes its stage will receive.
+__device__ __forceinline__ void tern_gdn_tc_bar_expect(unsigned long long* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(tern_gdn_tc_saddr(bar)), "r"(bytes) : "memory");
+#endif
+}
+
+// An arrival on the barrier at the same place in block `rank` of the cluster.
+__device__ __forceinline__ void tern_gdn_tc_bar_arrive_at(unsigned long long* bar, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(tern_gdn_tc_saddr(bar)), "r"(rank));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+#endif
+}
+
+// `bytes` (a multiple of 16, both ends 16-byte aligned) from global memory to the same place in
+// the shared memory of every block of `mask`, each copy completing on that block's barrier.
+__device__ __forceinline__ void tern_gdn_tc_bulk_multicast(void* smem, const void* gmem, unsigned bytes, unsigned long long* bar, unsigned short mask) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;"
+                 ::"r"(tern_gdn_tc_saddr(smem)), "l"(gmem), "r"(bytes), "r"(tern_gdn_tc_saddr(bar)), "h"(mask) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void tern_gdn_tc_bulk(void* smem, const void* gmem, unsigned bytes, unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(tern_gdn_tc_saddr(smem)), "l"(gmem), "r"(bytes), "r"(tern_gdn_tc_saddr(bar)) : "memory");
+#endif
+}
+
+// The bytes that land in one block's stage per chunk: W, q, k rows, the read-out tile, the U
+// slice and the decays.
+template <int DK>
+__device__ __forceinline__ unsigned tern_gdn_tc_stage_bytes() {
+    return 64u * (3u * DK * 2u + 64u * 2u) + 64u * tern_gdn_tc_bv * 2u + 128u * 4u;
+}
+
+// Chunk `chunk`'s operands into stage `st` of every block of the cluster (this block's share of
+// the shared tiles' rows) and into this block's own (its U slice and the decays), on the
+// stage's barrier `full` of each block. One bulk copy a thread.
+template <int DK>
+__device__ void tern_gdn_tc_issue_cluster(tern_gdn_tc_stage<DK>& st, unsigned long long* full, const tern_gdn_tc_state_args& a, int chunk, int h, int kh, int j0,
+                                          unsigned rank, unsigned blocks) {
+    constexpr int C = tern_gdn_tc_c;
+    const size_t ch = (size_t)chunk * a.nv + h, chk = (size_t)chunk * a.nk + kh;
+    const int share = C / (int)blocks, shared_copies = 4 * share;
+    const unsigned short everyone = (unsigned short)((1u << blocks) - 1u);
+    const int t = threadIdx.x;
+    if (t < shared_copies) {
+        const int tile = t / share, r = (int)rank * share + t % share;
+        if (tile == 0) tern_gdn_tc_bulk_multicast(st.w + r * (DK + 8), a.w_s + (ch * C + r) * DK, DK * 2, full, everyone);
+        else if (tile == 1) tern_gdn_tc_bulk_multicast(st.q + r * (DK + 8), a.qn_s + (chk * C + r) * DK, DK * 2, full, everyone);
+        else if (tile == 2) tern_gdn_tc_bulk_multicast(st.k + r * (DK + 8), a.kn_s + (chk * C + r) * DK, DK * 2, full, everyone);
+        else tern_gdn_tc_bulk_multicast(st.qk + r * tern_gdn_tc_ldc, a.qk_s + (ch * C + r) * C, C * 2, full, everyone);
+    } else if (t < shared_copies + C) {
+        const int r = t - shared_copies;
+        tern_gdn_tc_bulk(st.u + r * (tern_gdn_tc_bv + 8), a.u_s + (ch * C + r) * a.dv + j0, tern_gdn_tc_bv * 2, full);
+    } else if (t == shared_copies + C) {
+        tern_gdn_tc_bulk(st.dec, a.dec_s + ch * 2 * C, 2 * C * 4, full);
+    }
+}
+
 // NS: pipeline stages (2 or 3): chunk n + NS - 1 is requested while chunk n is computed. LATE:
 // where chunk n's copies of chunk n + NS - 1 are issued: right after the barrier that opens
 // chunk n (all 8 warps then spend ~15 cp.async and their addresses before the first mma), or
-// after the Delta and P products, whose dependent mma chains leave issue slots free. The
-// results do not depend on NS or LATE.
-template <int DK, int NS, bool LATE>
+// after the Delta and P products, whose dependent mma chains leave issue slots free. MC: the
+// blocks of a value head run as one cluster and share the chunks' tiles (bulk copies
+// multicast, tern_gdn_tc_issue_cluster) instead of each copying them with cp.async. The
+// results do not depend on NS, LATE or MC.
+template <int DK, int NS, bool LATE, bool MC>
 __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
     constexpr int C = tern_gdn_tc_c, BV = tern_gdn_tc_bv, LDK = DK + 8, LDC = tern_gdn_tc_ldc, NI = DK / 32;
     const int h = blockIdx.x, j0 = blockIdx.y * BV, seq = blockIdx.z;
@@ -613,6 +742,31 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
     const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
     extern __shared__ __align__(16) unsigned char tern_gdn_tc_smem[];
     tern_gdn_tc_state_smem<DK, NS>& sm = *reinterpret_cast<tern_gdn_tc_state_smem<DK, NS>*>(tern_gdn_tc_smem);
+    tern_gdn_tc_state_smem_mc<DK, NS>& smc = *reinterpret_cast<tern_gdn_tc_state_smem_mc<DK, NS>*>(tern_gdn_tc_smem);
+    const unsigned rank = MC ? tern_gdn_tc_cluster_rank() : 0u, blocks = MC ? tern_gdn_tc_cluster_blocks() : 1u;
+    if constexpr (MC) {
+        if (threadIdx.x == 0)
+            for (int p = 0; p < NS; p++) {
+                tern_gdn_tc_bar_init(&smc.full[p], 1);
+                tern_gdn_tc_bar_init(&smc.empty[p], blocks);
+            }
+        tern_gdn_tc_cluster_sync();
+    }
+    // Chunk m's operands into its stage: in a cluster, once every block has left chunk m - NS
+    // (the stage's previous tenant), with this block's arrival on its own barrier announcing
+    // the stage's bytes.
+    const auto issue = [&](int m, int c) {
+        tern_gdn_tc_stage<DK>& st = sm.st[m % NS];
+        if constexpr (MC) {
+            // Only the threads that copy into other blocks wait (tern_gdn_tc_issue_cluster's
+            // first 4 x 64 / blocks); this block left chunk m - NS at the barrier of chunk n.
+            if (m >= NS && threadIdx.x < 4 * (tern_gdn_tc_c / blocks)) tern_gdn_tc_bar_wait(&smc.empty[m % NS], (unsigned)(m / NS - 1) & 1u);
+            if (threadIdx.x == 0) tern_gdn_tc_bar_expect(&smc.full[m % NS], tern_gdn_tc_stage_bytes<DK>());
+            tern_gdn_tc_issue_cluster<DK>(st, &smc.full[m % NS], a, c, h, kh, j0, rank, blocks);
+        } else {
+            tern_gdn_tc_issue<DK>(st, a, c, h, kh, j0);
+        }
+    };
 
     // The update's tiles: warp w owns state rows 16 (w % 2).. (j) and key columns ib.. (i).
     const int mj = 16 * (warp & 1), ib = (warp >> 1) * (DK / 4);
@@ -636,18 +790,23 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
     // One commit group per chunk slot, empty past the last chunk, so that "all but the newest
     // NS - 2 groups complete" always means "this chunk's operands are in".
     for (int p = 0; p < NS - 1; p++) {
-        if (p < nc) tern_gdn_tc_issue<DK>(sm.st[p], a, c0 + p, h, kh, j0);
-        tern_gdn_tc_commit();
+        if (p < nc) issue(p, c0 + p);
+        if constexpr (!MC) tern_gdn_tc_commit();
     }
     for (int n = 0; n < nc; n++) {
         const int chunk = c0 + n;
         tern_gdn_tc_stage<DK>& st = sm.st[n % NS];
-        asm volatile("cp.async.wait_group %0;" ::"n"(NS - 2) : "memory");
+        if constexpr (MC) tern_gdn_tc_bar_wait(&smc.full[n % NS], (unsigned)(n / NS) & 1u);
+        else asm volatile("cp.async.wait_group %0;" ::"n"(NS - 2) : "memory");
         __syncthreads();  // this chunk's operands and the state copy are in; the stage of chunk n - 1 is free
+        if constexpr (MC) {
+            // ... in this block: tell every block of the cluster.
+            if (n > 0 && threadIdx.x < blocks) tern_gdn_tc_bar_arrive_at(&smc.empty[(n - 1) % NS], threadIdx.x);
+        }
         // One commit group per chunk wherever it is issued, so the wait above keeps its meaning.
         const auto issue_ahead = [&]() {
-            if (n + NS - 1 < nc) tern_gdn_tc_issue<DK>(sm.st[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
-            tern_gdn_tc_commit();
+            if (n + NS - 1 < nc) issue(n + NS - 1, chunk + NS - 1);
+            if constexpr (!MC) tern_gdn_tc_commit();
         };
         if constexpr (!LATE) issue_ahead();
         const size_t t0 = a.chunk_t0[chunk];
@@ -736,6 +895,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
             const int j = mj + g + 8 * hf, i = ib + 8 * n + 2 * q;
             *reinterpret_cast<float2*>(state + (size_t)j * DK + i) = make_float2(s[n][2 * hf], s[n][2 * hf + 1]);
         }
+    if constexpr (MC) tern_gdn_tc_cluster_sync();  // no block leaves while another may arrive on its barriers
 }
 
 // Prepare kernels by head sizes and fetch rows: _r{NR} in the wide layout (two blocks a
@@ -767,11 +927,17 @@ TERN_GDN_TC_PREPARE_TILED(64, 64)
 TERN_GDN_TC_PREPARE_TILED(64, 128)
 TERN_GDN_TC_PREPARE_TILED(128, 64)
 TERN_GDN_TC_PREPARE_TILED(128, 128)
-// State kernels by d_k and stages; _s3l issues the copies late (LATE above).
+// State kernels by d_k and stages; _s3l issues the copies late (LATE above); _s3lm in clusters
+// (MC above: sm_90 and later only, launched with a cluster of the head's d_v / 32 blocks).
 #define TERN_GDN_TC_STATE(DK, NS, LATE, SUFFIX)                                                                      \
     extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk##DK##_s##NS##SUFFIX(tern_gdn_tc_state_args a) { \
         tern_await_prior_kernel();                                                                                     \
-        tern_gdn_tc_state_body<DK, NS, LATE>(a);                                                                       \
+        tern_gdn_tc_state_body<DK, NS, LATE, false>(a);                                                                \
+    }
+#define TERN_GDN_TC_STATE_CLUSTER(DK, NS, LATE, SUFFIX)                                                              \
+    extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk##DK##_s##NS##SUFFIX##m(tern_gdn_tc_state_args a) { \
+        tern_await_prior_kernel();                                                                                     \
+        tern_gdn_tc_state_body<DK, NS, LATE, true>(a);                                                                 \
     }
 TERN_GDN_TC_STATE(64, 2, false, )
 TERN_GDN_TC_STATE(64, 3, false, )
@@ -779,3 +945,7 @@ TERN_GDN_TC_STATE(64, 3, true, l)
 TERN_GDN_TC_STATE(128, 2, false, )
 TERN_GDN_TC_STATE(128, 3, false, )
 TERN_GDN_TC_STATE(128, 3, true, l)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+TERN_GDN_TC_STATE_CLUSTER(64, 3, true, l)
+TERN_GDN_TC_STATE_CLUSTER(128, 3, true, l)
+#endif

@@ -369,9 +369,9 @@ pub struct GatedDeltaCuda {
     /// incomplete), so that the two passes can be timed apart.
     chunk_prepare_only: bool,
     /// Fast mode: prepare kernels by (d_k, d_v, rows, compact, tiled) and state kernels by
-    /// (d_k, stages, late issue).
+    /// (d_k, stages, late issue, in clusters); those in clusters only where the device has them.
     tc_prepare: Vec<((usize, usize, usize, bool, bool), CudaFunction)>,
-    tc_state: Vec<((usize, usize, bool), CudaFunction)>,
+    tc_state: Vec<((usize, usize, bool, bool), CudaFunction)>,
     fast_variant: FastVariant,
     /// Per-(chunk, head) intermediates of the chunked prefill (either mode), grown on demand.
     /// Shared with the graphs of the steps that used it: a recorded prefill holds its address,
@@ -483,14 +483,19 @@ pub struct FastVariant {
     /// The prepare pass's block rows of T in register tiles and its stores in whole 16-byte
     /// pieces (`TILED` in chunked_tc.cu; compact layout, 8 rows only).
     pub tiled: bool,
+    /// The state pass in thread block clusters: the d_v / 32 blocks of a value head share each
+    /// chunk's W, q, k and read-out tiles (bulk copies multicast into the cluster) instead of
+    /// each reading them from L2 (`MC` in chunked_tc.cu; 3 stages, late issue; sm_90 and later,
+    /// [`GatedDeltaCuda::fast_variants`]).
+    pub cluster: bool,
 }
 
 const fn fast(rows: usize, stages: usize, compact: bool, late_issue: bool) -> FastVariant {
-    FastVariant { rows, stages, compact, late_issue, tiled: false }
+    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false }
 }
 
-/// The fast variants compiled.
-pub const FAST_VARIANTS: [FastVariant; 9] = [
+/// The fast variants compiled (those in clusters only for devices that launch clusters).
+pub const FAST_VARIANTS: [FastVariant; 10] = [
     fast(1, 2, false, false),
     fast(8, 2, false, false),
     fast(1, 3, false, false),
@@ -500,6 +505,7 @@ pub const FAST_VARIANTS: [FastVariant; 9] = [
     fast(8, 3, false, true),
     fast(8, 3, true, true),
     FAST_VARIANT,
+    FastVariant { cluster: true, ..FAST_VARIANT },
 ];
 /// The default fast variant: the compact prepare layout (three blocks a multiprocessor), TILED,
 /// with the state pass's late copies: the fastest at 2k, 8k and 32k tokens. Untiled it was the
@@ -524,10 +530,11 @@ fn tc_prepare_smem(d_k: usize, d_v: usize, compact: bool) -> usize {
 }
 
 /// `sizeof(tern_gdn_tc_state_smem<d_k, stages>)`: per stage W, Q, K (bf16 rows of d_k + 8), the
-/// read-out weights, the U slice and the decays; then the state copy and the two Delta tiles.
-fn tc_state_smem(d_k: usize, stages: usize) -> usize {
+/// read-out weights, the U slice and the decays; then the state copy and the two Delta tiles;
+/// in clusters (`tern_gdn_tc_state_smem_mc`) two barriers a stage after them.
+fn tc_state_smem(d_k: usize, stages: usize, cluster: bool) -> usize {
     let stage = 2 * (3 * CHUNK * (d_k + 8) + CHUNK * 72 + CHUNK * (TC_STATE_ROWS + 8)) + 4 * 2 * CHUNK;
-    stages * stage + 2 * (TC_STATE_ROWS * (d_k + 8) + 2 * TC_STATE_ROWS * 72)
+    stages * stage + 2 * (TC_STATE_ROWS * (d_k + 8) + 2 * TC_STATE_ROWS * 72) + if cluster { 2 * 8 * stages } else { 0 }
 }
 
 /// Mirrors `tern_gdn_tc_prep_args` in chunked_tc.cu field for field (C layout).
@@ -727,7 +734,12 @@ impl GatedDeltaCuda {
             }
             for (stages, late) in [(2, false), (3, false), (3, true)] {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s{stages}{}", if late { "l" } else { "" });
-                tc_state.push(((dk, stages, late), fc(&name, tc_state_smem(dk, stages))?));
+                tc_state.push(((dk, stages, late, false), fc(&name, tc_state_smem(dk, stages, false))?));
+            }
+            // Compiled for sm_90 and later only (chunked_tc.cu).
+            if gpu.cluster_launch()? {
+                let name = format!("tern_gdn_tc_state_dk{dk}_s3lm");
+                tc_state.push(((dk, 3, true, true), fc(&name, tc_state_smem(dk, 3, true))?));
             }
         }
         Ok(GatedDeltaCuda {
@@ -779,11 +791,20 @@ impl GatedDeltaCuda {
         Ok(())
     }
 
-    /// Selects how the fast mode's kernels are built (one of [`FAST_VARIANTS`]); results are
-    /// bit-identical for every choice.
+    /// The fast variants this device runs: [`FAST_VARIANTS`] less those in clusters where the
+    /// device cannot launch clusters.
+    pub fn fast_variants(&self) -> Vec<FastVariant> {
+        let has = |v: &FastVariant| self.tc_state.iter().any(|((_, stages, late, cluster), _)| (*stages, *late, *cluster) == (v.stages, v.late_issue, v.cluster));
+        FAST_VARIANTS.into_iter().filter(has).collect()
+    }
+
+    /// Selects how the fast mode's kernels are built (one of [`Self::fast_variants`]); results
+    /// are bit-identical for every choice.
     pub fn set_fast_variant(&mut self, variant: FastVariant) -> Result<()> {
-        if !FAST_VARIANTS.contains(&variant) {
-            return Err(Error::Input(format!("fast variant {variant:?}: expected one of {FAST_VARIANTS:?}")));
+        let offered = self.fast_variants();
+        if !offered.contains(&variant) {
+            let why = if FAST_VARIANTS.contains(&variant) { " on this device (it launches no thread block clusters)" } else { "" };
+            return Err(Error::Input(format!("fast variant {variant:?}: not available{why}; expected one of {offered:?}")));
         }
         self.fast_variant = variant;
         Ok(())
@@ -1265,9 +1286,9 @@ impl GatedDeltaCuda {
         Self::unfused("delta_rule_chunked_fast", x)?;
         let (pool, state_table, state_ranges) = states.resolve(&self.gpu, "delta_rule_chunked_fast states", segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
-        let FastVariant { rows, stages, compact, late_issue, tiled } = self.fast_variant;
+        let FastVariant { rows, stages, compact, late_issue, tiled, cluster } = self.fast_variant;
         let prepare = self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f);
-        let state = self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue)).map(|(_, f)| f);
+        let state = self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster)).map(|(_, f)| f);
         let (Some(prepare), Some(state)) = (prepare, state) else {
             return Err(Error::Shape(format!(
                 "delta_rule_chunked_fast on CUDA: d_k {d_k}, d_v {d_v} (each must be one of {FAST_CHUNK_HEAD_DIMS:?})"
@@ -1354,13 +1375,18 @@ impl GatedDeltaCuda {
             dv,
             grouped,
         };
+        let slices = (d_v / TC_STATE_ROWS) as u32;
         let cfg = LaunchConfig {
-            grid_dim: (n_v_heads as u32, (d_v / TC_STATE_ROWS) as u32, segs.n_seqs() as u32),
+            grid_dim: (n_v_heads as u32, slices, segs.n_seqs() as u32),
             block_dim: (CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: tc_state_smem(d_k, stages) as u32,
+            shared_mem_bytes: tc_state_smem(d_k, stages, cluster) as u32,
         };
         let mut l = self.gpu.launch_builder(state);
         l.arg(&args);
+        if cluster {
+            // The slices of one value head and sequence: 2 or 4 blocks (d_v 64 or 128).
+            l.cluster((1, slices, 1));
+        }
         // SAFETY: as above; slots lie inside the state pool (checked).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_tc_state"))?;
         self.gpu.note_state_writer(state_ranges);

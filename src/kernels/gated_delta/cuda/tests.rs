@@ -38,6 +38,22 @@ fn fast_prepare_layouts_fit_their_blocks() {
     }
 }
 
+/// The fast state pass's shared memory: the sizes chunked_tc.cu asserts, and one block a
+/// multiprocessor (227 KB at most a block) with three stages, in clusters (two barriers a stage
+/// more) or not.
+#[test]
+fn fast_state_layouts_fit_a_multiprocessor() {
+    assert_eq!(tc_state_smem(128, 3, false), 219_136);
+    assert_eq!(tc_state_smem(128, 3, true), 219_184);
+    assert_eq!(tc_state_smem(64, 3, true), 141_360);
+    for dk in FAST_CHUNK_HEAD_DIMS {
+        for cluster in [false, true] {
+            let bytes = tc_state_smem(dk, 3, cluster);
+            assert!(bytes <= 227 * 1024, "d_k {dk}, clusters {cluster}: {bytes} bytes");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
 fn cuda_gates_match_cpu() {
@@ -626,7 +642,7 @@ fn cuda_chunked_fast_matches_cpu_scan() {
         failures.push(format!("strong decay: output {eo:e}, state {es:e}"));
     }
     // Every fast variant computes the same bits (the default one ran above).
-    for (dk, dv) in [(128usize, 128usize), (64, 128)] {
+    for (dk, dv) in [(128usize, 128usize), (64, 128), (128, 64)] {
         let heads = DeltaRuleHeads { n_k_heads: 2, n_v_heads: 4, d_k: dk, d_v: dv, key_head: Tiled };
         let lengths = [300usize, 64, 1];
         let tokens: usize = lengths.iter().sum();
@@ -637,7 +653,9 @@ fn cuda_chunked_fast_matches_cpu_scan() {
         let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 2 * dk), k: Rows::contiguous(&dk_, 2 * dk), v: Rows::contiguous(&dv_, 4 * dv), g: &dg, beta: &db, normalize_qk: false, fused: None };
         let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
         let mut kv = GatedDeltaCuda::new(gpu.clone()).unwrap();
-        for v in FAST_VARIANTS {
+        // Those in clusters where the device launches them (hostcuda does not: named below).
+        let variants = kv.fast_variants();
+        for v in variants.iter().copied() {
             kv.set_fast_variant(v).unwrap();
             let mut p = up(&pool);
             let mut o = nan(&gpu, tokens * 4 * dv);
@@ -651,7 +669,14 @@ fn cuda_chunked_fast_matches_cpu_scan() {
                 }
             }
         }
-        eprintln!("fast d_k {dk} d_v {dv}: variants {FAST_VARIANTS:?} agree bit for bit");
+        let skipped: Vec<_> = FAST_VARIANTS.iter().filter(|v| !variants.contains(v)).collect();
+        eprintln!("fast d_k {dk} d_v {dv}: variants {variants:?} agree bit for bit; not run on this device (no clusters): {skipped:?}");
+        // A cluster variant, where it runs, is among those compared; elsewhere it is refused.
+        let in_clusters = FastVariant { cluster: true, ..FAST_VARIANT };
+        assert_eq!(variants.contains(&in_clusters), gpu.cluster_launch().unwrap(), "cluster variant offered exactly where clusters launch");
+        if !gpu.cluster_launch().unwrap() {
+            assert!(matches!(kv.set_fast_variant(in_clusters), Err(Error::Input(_))));
+        }
     }
     // Head sizes without a fast kernel are a clear error, not a launch.
     let heads = DeltaRuleHeads { n_k_heads: 1, n_v_heads: 1, d_k: 256, d_v: 256, key_head: Grouped };
