@@ -14,7 +14,10 @@
 //     cores, and writes W, U, the decayed read-out weights and the decays (per value head) and
 //     the normalised bf16 q and k (per key head, by the first value head that reads it).
 //  2. tern_gdn_tc_state_*: one block per (value head, 32 state rows, sequence), walking the
-//     chunks in order with the next chunks' operands in flight (cp.async, 2 or 3 stages). Per
+//     chunks in order with the next chunks' operands in flight (cp.async, 2 or 3 stages). The
+//     prepare pass stores those operands as the state pass keeps them in shared memory (rows
+//     unpadded, pieces permuted: tern_gdn_tc_swz; U in slices of 32 columns), so they are
+//     copied verbatim, in whole runs. Per
 //     chunk: Delta = U - W S and P = Q S (one pass over S), o = e^G P + QKd Delta,
 //     S = e^{G_L} S + K^T (e^{G_L - G_c} Delta). The state's 32 x d_k slice lives in the
 //     accumulators of the update product; a bf16 copy in shared memory feeds the next chunk.
@@ -89,6 +92,25 @@ __device__ __forceinline__ void tern_gdn_tc_frag_b_kn(unsigned (&r)[4], const te
     tern_gdn_tc_ldm_t(r, x + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
 }
 
+// The tiles the prepare pass hands to the state pass (W, q, k, the read-out weights) are stored
+// in rows of `row` bf16 without padding, each row's 16-byte pieces permuted: piece p of row r
+// at piece p ^ (r % 8). Copied verbatim into shared memory (16-byte cp.async pieces, or whole
+// runs of rows as one bulk copy), the eight rows of an 8 x 8 matrix that ldmatrix reads then
+// fall on eight distinct bank groups, as the padded rows did. Element (r, c):
+__device__ __forceinline__ int tern_gdn_tc_swz(int r, int c, int row) {
+    return r * row + ((((c >> 3) ^ r) & 7) | ((c >> 3) & ~7)) * 8 + (c & 7);
+}
+
+__device__ __forceinline__ void tern_gdn_tc_frag_a_swz(unsigned (&r)[4], const tern_gdn_bf16* x, int row, int m0, int k0) {
+    const int lane = threadIdx.x & 31;
+    tern_gdn_tc_ldm(r, x + tern_gdn_tc_swz(m0 + (lane & 15), k0 + (lane >> 4) * 8, row));
+}
+
+__device__ __forceinline__ void tern_gdn_tc_frag_b_kn_swz(unsigned (&r)[4], const tern_gdn_bf16* x, int row, int n0, int k0) {
+    const int lane = threadIdx.x & 31;
+    tern_gdn_tc_ldm_t(r, x + tern_gdn_tc_swz(k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8, row));
+}
+
 struct tern_gdn_tc_prep_args {
     const float* q; long long q_stride;
     const float* k; long long k_stride;
@@ -137,7 +159,7 @@ __device__ void tern_gdn_tc_put(tern_gdn_bf16* dst, float (&x)[NR][D / 32], int 
         for (int e = 0; e < E; e++) {
             const tern_gdn_bf16 b = tern_gdn_tc_bf16(x[u][e]);
             dst[r * (D + 8) + lane + 32 * e] = b;
-            if (out) out[r * D + lane + 32 * e] = b;
+            if (out) out[tern_gdn_tc_swz(r, lane + 32 * e, D)] = b;
         }
     }
 }
@@ -176,14 +198,23 @@ __device__ __forceinline__ uint4 tern_gdn_tc_quad_transpose(const unsigned (&w)[
     return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// Where element (r, c) of a chunk's [64][N] result goes in global memory: W's rows permuted by
+// pieces (tern_gdn_tc_swz), or U's columns in slices of the state pass's 32 rows, [N / 32][64][32],
+// so that each state block's slice is one run of bytes.
+template <int N, bool SLICED>
+__device__ __forceinline__ int tern_gdn_tc_out_at(int r, int c) {
+    if constexpr (SLICED) return (c >> 5) * (64 * tern_gdn_tc_bv) + r * tern_gdn_tc_bv + (c & 31);
+    else return tern_gdn_tc_swz(r, c, N);
+}
+
 // out[r][n] = sum_c X[r][c] Y[c][n] for the chunk's 64 rows and N columns (X [64][64] with the
-// padded row, Y [64][N] row-major with row N + 8), to global bf16 rows of N. Eight warps: warp
+// padded row, Y [64][N] row-major with row N + 8), to global bf16 (tern_gdn_tc_out_at). Eight warps: warp
 // w owns rows 16 (w % 4).. and half of the columns, taken GROUP n8 tiles at a time (X's
 // fragments loaded again for each group): all of them (NT) in one pass, or 4 (32 columns) with
 // WIDE_STORES, which then fit the compact layout's 80 registers at N = 128 (in one pass the
 // fragment addresses spill) and leave as 16-byte stores (tern_gdn_tc_quad_transpose). Each
 // accumulator sums over the same k in the same order either way: the same bits.
-template <int N, bool WIDE_STORES>
+template <int N, bool WIDE_STORES, bool SLICED>
 __device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y, tern_gdn_bf16* out) {
     constexpr int NT = N / 16;  // n8 tiles per warp
     constexpr int GROUP = WIDE_STORES ? 4 : NT;
@@ -217,7 +248,7 @@ __device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y
                 unsigned w[4];
 #pragma unroll
                 for (int u = 0; u < 4; u++) w[u] = tern_gdn_tc_pack(acc[u][2 * hf], acc[u][2 * hf + 1]);
-                *reinterpret_cast<uint4*>(out + (m0 + g + 8 * hf) * N + nb + 8 * q) = tern_gdn_tc_quad_transpose(w);
+                *reinterpret_cast<uint4*>(out + tern_gdn_tc_out_at<N, SLICED>(m0 + g + 8 * hf, nb + 8 * q)) = tern_gdn_tc_quad_transpose(w);
             }
         } else {
 #pragma unroll
@@ -225,7 +256,7 @@ __device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
                     const int r = m0 + g + 8 * hf, c = nb + 8 * n + 2 * q;
-                    *reinterpret_cast<unsigned*>(out + r * N + c) = tern_gdn_tc_pack(acc[n][2 * hf], acc[n][2 * hf + 1]);
+                    *reinterpret_cast<unsigned*>(out + tern_gdn_tc_out_at<N, SLICED>(r, c)) = tern_gdn_tc_pack(acc[n][2 * hf], acc[n][2 * hf + 1]);
                 }
         }
     }
@@ -473,10 +504,10 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
                         dq[e] = qk[n][2 * hf + e] * decay;
                     }
                     words[n] = tern_gdn_tc_pack(dq[0], dq[1]);
-                    if constexpr (!TILED) *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + r * C + c) = words[n];
+                    if constexpr (!TILED) *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + tern_gdn_tc_swz(r, c, C)) = words[n];
                 }
                 if constexpr (TILED)
-                    *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + r * C + n0 + 8 * q) = tern_gdn_tc_quad_transpose(words);
+                    *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_swz(r, n0 + 8 * q, C)) = tern_gdn_tc_quad_transpose(words);
             }
         }
     }
@@ -542,8 +573,8 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     }
     __syncthreads();
     // W = T diag(beta e^G) K and U = T diag(beta) V (rows past len come out 0: beta is 0 there).
-    tern_gdn_tc_apply<DK, TILED>(Tw, Kb, a.w_s + ch * C * DK);
-    tern_gdn_tc_apply<DV, TILED>(Tu, Vb, a.u_s + ch * C * DV);
+    tern_gdn_tc_apply<DK, TILED, false>(Tw, Kb, a.w_s + ch * C * DK);
+    tern_gdn_tc_apply<DV, TILED, true>(Tu, Vb, a.u_s + ch * C * DV);
 }
 
 struct tern_gdn_tc_state_args {
@@ -559,11 +590,11 @@ struct tern_gdn_tc_state_args {
 // One pipeline stage of the state pass: the chunk's operands, bf16 unless noted.
 template <int DK>
 struct tern_gdn_tc_stage {
-    tern_gdn_bf16 w[64 * (DK + 8)];
-    tern_gdn_bf16 q[64 * (DK + 8)];
-    tern_gdn_bf16 k[64 * (DK + 8)];
-    tern_gdn_bf16 qk[64 * tern_gdn_tc_ldc];
-    tern_gdn_bf16 u[64 * (tern_gdn_tc_bv + 8)];
+    tern_gdn_bf16 w[64 * DK];                // pieces permuted (tern_gdn_tc_swz), as stored
+    tern_gdn_bf16 q[64 * DK];                // the same
+    tern_gdn_bf16 k[64 * DK];                // the same
+    tern_gdn_bf16 qk[64 * 64];               // the same
+    tern_gdn_bf16 u[64 * tern_gdn_tc_bv];    // this block's slice, [c][j]
     float dec[128];
 };
 
@@ -584,29 +615,25 @@ struct tern_gdn_tc_state_smem_mc {
 };
 
 // The host sizes the launch by the same sums (tc_state_smem in mod.rs; its test pins these).
-static_assert(sizeof(tern_gdn_tc_state_smem<128, 3>) == 219136, "state pass at d_k 128, 3 stages: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_state_smem_mc<128, 3>) == 219184, "state pass in clusters at d_k 128: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_state_smem_mc<64, 3>) == 141360, "state pass in clusters at d_k 64: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_stage<128>) == 61952 && sizeof(tern_gdn_tc_stage<128>) % 16 == 0, "a stage: whole 16-byte pieces");
+static_assert(sizeof(tern_gdn_tc_state_smem<128, 3>) == 203776, "state pass at d_k 128, 3 stages: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_smem_mc<128, 3>) == 203824, "state pass in clusters at d_k 128: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_smem_mc<64, 3>) == 126000, "state pass in clusters at d_k 64: as mod.rs sizes it");
 
 template <int DK>
 __device__ void tern_gdn_tc_issue(tern_gdn_tc_stage<DK>& st, const tern_gdn_tc_state_args& a, int chunk, int h, int kh, int j0) {
     constexpr int C = tern_gdn_tc_c, R = DK / 8;  // 16-byte pieces per row
     const size_t ch = (size_t)chunk * a.nv + h, chk = (size_t)chunk * a.nk + kh;
     const tern_gdn_bf16 *w = a.w_s + ch * C * DK, *q = a.qn_s + chk * C * DK, *k = a.kn_s + chk * C * DK;
+    // Every tile verbatim: 16-byte pieces in the order stored.
     for (int idx = threadIdx.x; idx < C * R; idx += blockDim.x) {
-        const int r = idx / R, p = (idx % R) * 8;
-        tern_gdn_tc_cp16(st.w + r * (DK + 8) + p, w + r * DK + p);
-        tern_gdn_tc_cp16(st.q + r * (DK + 8) + p, q + r * DK + p);
-        tern_gdn_tc_cp16(st.k + r * (DK + 8) + p, k + r * DK + p);
+        tern_gdn_tc_cp16(st.w + 8 * idx, w + 8 * idx);
+        tern_gdn_tc_cp16(st.q + 8 * idx, q + 8 * idx);
+        tern_gdn_tc_cp16(st.k + 8 * idx, k + 8 * idx);
     }
-    for (int idx = threadIdx.x; idx < C * 8; idx += blockDim.x) {
-        const int r = idx >> 3, p = (idx & 7) * 8;
-        tern_gdn_tc_cp16(st.qk + r * tern_gdn_tc_ldc + p, a.qk_s + ch * C * C + r * C + p);
-    }
-    for (int idx = threadIdx.x; idx < C * 4; idx += blockDim.x) {
-        const int r = idx >> 2, p = (idx & 3) * 8;
-        tern_gdn_tc_cp16(st.u + r * (tern_gdn_tc_bv + 8) + p, a.u_s + (ch * C + r) * a.dv + j0 + p);
-    }
+    for (int idx = threadIdx.x; idx < C * 8; idx += blockDim.x) tern_gdn_tc_cp16(st.qk + 8 * idx, a.qk_s + ch * C * C + 8 * idx);
+    const tern_gdn_bf16* u = a.u_s + ch * C * a.dv + (size_t)j0 * C;  // the slice of rows j0..
+    for (int idx = threadIdx.x; idx < C * 4; idx += blockDim.x) tern_gdn_tc_cp16(st.u + 8 * idx, u + 8 * idx);
     if (threadIdx.x < 32) tern_gdn_tc_cp16(st.dec + 4 * threadIdx.x, a.dec_s + ch * 2 * C + 4 * threadIdx.x);
 }
 
@@ -614,13 +641,18 @@ __device__ __forceinline__ void tern_gdn_tc_commit() { asm volatile("cp.async.co
 
 // The state pass in clusters (MC below). The blocks of one value head and sequence (its
 // d_v / 32 slices of state rows) read the same W, q, k and read-out tiles of every chunk: alone,
-// each block fetches them from L2 (under ncu on an H100 the pass was bound by its L2 traffic,
-// 71% of the L2's throughput, four times its operands' bytes). In a cluster each block fetches
-// only its share of their rows with bulk copies multicast into every block of the cluster, and
-// its own U slice and decays with plain bulk copies; all land on the block's `full` barrier of
-// the stage (transaction bytes). A stage is refilled only when every block of the cluster has
-// left the chunk that read it (each block arrives on every block's `empty` barrier of the
-// stage). sm_90 and later; hostcuda (no clusters) never sees these instructions.
+// each block fetches them from L2 (under ncu on an H100 the pass ran at 71% of the L2's
+// throughput, four times its operands' bytes). In a cluster of 2 or 4 of those blocks each
+// fetches only its share of the tiles' rows, one bulk copy a tile multicast into every block
+// of the cluster, and its own U slice and decays with plain bulk copies; all land on the
+// block's `full` barrier of the stage (transaction bytes). A stage is refilled only when every
+// block of the cluster has left the chunk that read it (each block arrives on every block's
+// `empty` barrier of the stage). Measured slower than the blocks alone (H100, 32k tokens: 1.27
+// ms against 0.99 in clusters of 2, L2 at 50% of its throughput and 0.27 eligible warps a
+// scheduler; clusters of 4 fit 30 at once, not the 32 heads of Qwen3.5-35B-A3B): the blocks of
+// a cluster wait on each other every chunk. Kept opt-in (FastVariant::cluster) and tested bit
+// for bit against the others. sm_90 and later; hostcuda (no clusters) never sees these
+// instructions.
 __device__ __forceinline__ void tern_gdn_tc_bar_init(unsigned long long* bar, unsigned count) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(tern_gdn_tc_saddr(bar)), "r"(count) : "memory");
@@ -694,35 +726,25 @@ __device__ __forceinline__ void tern_gdn_tc_bulk(void* smem, const void* gmem, u
 #endif
 }
 
-// The bytes that land in one block's stage per chunk: W, q, k rows, the read-out tile, the U
-// slice and the decays.
-template <int DK>
-__device__ __forceinline__ unsigned tern_gdn_tc_stage_bytes() {
-    return 64u * (3u * DK * 2u + 64u * 2u) + 64u * tern_gdn_tc_bv * 2u + 128u * 4u;
-}
-
 // Chunk `chunk`'s operands into stage `st` of every block of the cluster (this block's share of
-// the shared tiles' rows) and into this block's own (its U slice and the decays), on the
-// stage's barrier `full` of each block. One bulk copy a thread.
+// the shared tiles' rows: one run of bytes a tile, as the tiles are stored unpadded) and into
+// this block's own (its U slice and the decays), all on the stage's barrier `full` of each
+// block: six bulk copies, by lanes 0..5 of the calling warp. Every byte of the stage lands.
 template <int DK>
 __device__ void tern_gdn_tc_issue_cluster(tern_gdn_tc_stage<DK>& st, unsigned long long* full, const tern_gdn_tc_state_args& a, int chunk, int h, int kh, int j0,
                                           unsigned rank, unsigned blocks) {
     constexpr int C = tern_gdn_tc_c;
     const size_t ch = (size_t)chunk * a.nv + h, chk = (size_t)chunk * a.nk + kh;
-    const int share = C / (int)blocks, shared_copies = 4 * share;
+    const int share = C / (int)blocks, r0 = (int)rank * share;
     const unsigned short everyone = (unsigned short)((1u << blocks) - 1u);
-    const int t = threadIdx.x;
-    if (t < shared_copies) {
-        const int tile = t / share, r = (int)rank * share + t % share;
-        if (tile == 0) tern_gdn_tc_bulk_multicast(st.w + r * (DK + 8), a.w_s + (ch * C + r) * DK, DK * 2, full, everyone);
-        else if (tile == 1) tern_gdn_tc_bulk_multicast(st.q + r * (DK + 8), a.qn_s + (chk * C + r) * DK, DK * 2, full, everyone);
-        else if (tile == 2) tern_gdn_tc_bulk_multicast(st.k + r * (DK + 8), a.kn_s + (chk * C + r) * DK, DK * 2, full, everyone);
-        else tern_gdn_tc_bulk_multicast(st.qk + r * tern_gdn_tc_ldc, a.qk_s + (ch * C + r) * C, C * 2, full, everyone);
-    } else if (t < shared_copies + C) {
-        const int r = t - shared_copies;
-        tern_gdn_tc_bulk(st.u + r * (tern_gdn_tc_bv + 8), a.u_s + (ch * C + r) * a.dv + j0, tern_gdn_tc_bv * 2, full);
-    } else if (t == shared_copies + C) {
-        tern_gdn_tc_bulk(st.dec, a.dec_s + ch * 2 * C, 2 * C * 4, full);
+    switch (threadIdx.x & 31) {
+        case 0: tern_gdn_tc_bulk_multicast(st.w + r0 * DK, a.w_s + (ch * C + r0) * DK, share * DK * 2, full, everyone); break;
+        case 1: tern_gdn_tc_bulk_multicast(st.q + r0 * DK, a.qn_s + (chk * C + r0) * DK, share * DK * 2, full, everyone); break;
+        case 2: tern_gdn_tc_bulk_multicast(st.k + r0 * DK, a.kn_s + (chk * C + r0) * DK, share * DK * 2, full, everyone); break;
+        case 3: tern_gdn_tc_bulk_multicast(st.qk + r0 * C, a.qk_s + (ch * C + r0) * C, share * C * 2, full, everyone); break;
+        case 4: tern_gdn_tc_bulk(st.u, a.u_s + ch * C * a.dv + (size_t)j0 * C, C * tern_gdn_tc_bv * 2, full); break;
+        case 5: tern_gdn_tc_bulk(st.dec, a.dec_s + ch * 2 * C, 2 * C * 4, full); break;
+        default: break;
     }
 }
 
@@ -758,11 +780,13 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
     const auto issue = [&](int m, int c) {
         tern_gdn_tc_stage<DK>& st = sm.st[m % NS];
         if constexpr (MC) {
-            // Only the threads that copy into other blocks wait (tern_gdn_tc_issue_cluster's
-            // first 4 x 64 / blocks); this block left chunk m - NS at the barrier of chunk n.
-            if (m >= NS && threadIdx.x < 4 * (tern_gdn_tc_c / blocks)) tern_gdn_tc_bar_wait(&smc.empty[m % NS], (unsigned)(m / NS - 1) & 1u);
-            if (threadIdx.x == 0) tern_gdn_tc_bar_expect(&smc.full[m % NS], tern_gdn_tc_stage_bytes<DK>());
-            tern_gdn_tc_issue_cluster<DK>(st, &smc.full[m % NS], a, c, h, kh, j0, rank, blocks);
+            // Lanes 0..5 of warp 0 copy; they wait for the other blocks (this one left chunk
+            // m - NS at the barrier of the chunk after it).
+            if (threadIdx.x < 6) {
+                if (m >= NS) tern_gdn_tc_bar_wait(&smc.empty[m % NS], (unsigned)(m / NS - 1) & 1u);
+                if (threadIdx.x == 0) tern_gdn_tc_bar_expect(&smc.full[m % NS], (unsigned)sizeof(tern_gdn_tc_stage<DK>));
+                tern_gdn_tc_issue_cluster<DK>(st, &smc.full[m % NS], a, c, h, kh, j0, rank, blocks);
+            }
         } else {
             tern_gdn_tc_issue<DK>(st, a, c, h, kh, j0);
         }
@@ -808,7 +832,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
             if (n + NS - 1 < nc) issue(n + NS - 1, chunk + NS - 1);
             if constexpr (!MC) tern_gdn_tc_commit();
         };
-        if constexpr (!LATE) issue_ahead();
+        if constexpr (!LATE && !MC) issue_ahead();
         const size_t t0 = a.chunk_t0[chunk];
         const int len = (int)a.chunk_len[chunk];
 
@@ -821,15 +845,15 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
 #pragma unroll
         for (int kt = 0; kt < DK / 16; kt++) {
             unsigned aw[4], aq[4], b[4];
-            tern_gdn_tc_frag_a(aw, st.w, LDK, mc, 16 * kt);
-            tern_gdn_tc_frag_a(aq, st.q, LDK, mc, 16 * kt);
+            tern_gdn_tc_frag_a_swz(aw, st.w, DK, mc, 16 * kt);
+            tern_gdn_tc_frag_a_swz(aq, st.q, DK, mc, 16 * kt);
             tern_gdn_tc_frag_b_nk(b, sm.s, LDK, jn, 16 * kt);
             tern_gdn_tc_mma(d[0], aw, b[0], b[1]);
             tern_gdn_tc_mma(d[1], aw, b[2], b[3]);
             tern_gdn_tc_mma(o[0], aq, b[0], b[1]);
             tern_gdn_tc_mma(o[1], aq, b[2], b[3]);
         }
-        if constexpr (LATE) issue_ahead();
+        if constexpr (LATE && !MC) issue_ahead();
 #pragma unroll
         for (int t = 0; t < 2; t++)
 #pragma unroll
@@ -838,7 +862,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
                 const float eg = st.dec[c], el = st.dec[C + c];
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    const float dl = tern_gdn_tc_f32(st.u[c * (BV + 8) + j + e]) - d[t][2 * hf + e];
+                    const float dl = tern_gdn_tc_f32(st.u[c * BV + j + e]) - d[t][2 * hf + e];
                     sm.d[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl);
                     sm.dt[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl * el);
                     o[t][2 * hf + e] *= eg;
@@ -849,7 +873,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         // o += QKd Delta (the weights are zero above the diagonal: tiles past it are skipped).
         for (int kt = 0; kt <= (mc >> 4); kt++) {
             unsigned aw[4], b[4];
-            tern_gdn_tc_frag_a(aw, st.qk, LDC, mc, 16 * kt);
+            tern_gdn_tc_frag_a_swz(aw, st.qk, C, mc, 16 * kt);
             tern_gdn_tc_frag_b_nk(b, sm.d, LDC, jn, 16 * kt);
             tern_gdn_tc_mma(o[0], aw, b[0], b[1]);
             tern_gdn_tc_mma(o[1], aw, b[2], b[3]);
@@ -875,7 +899,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
 #pragma unroll
             for (int np = 0; np < NI / 2; np++) {
                 unsigned b[4];
-                tern_gdn_tc_frag_b_kn(b, st.k, LDK, ib + 16 * np, 16 * kt);
+                tern_gdn_tc_frag_b_kn_swz(b, st.k, DK, ib + 16 * np, 16 * kt);
                 tern_gdn_tc_mma(s[2 * np], ad, b[0], b[1]);
                 tern_gdn_tc_mma(s[2 * np + 1], ad, b[2], b[3]);
             }
@@ -887,6 +911,10 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
                 const int j = mj + g + 8 * hf, i = ib + 8 * t + 2 * q;
                 *reinterpret_cast<unsigned*>(sm.s + j * LDK + i) = tern_gdn_tc_pack(s[t][2 * hf], s[t][2 * hf + 1]);
             }
+        // In a cluster the copies of chunk n + NS - 1 leave last: their stage (chunk n - 1's)
+        // was freed by every block at the top of this chunk, so the wait rarely waits, and a
+        // chunk later their bytes are needed.
+        if constexpr (MC) issue_ahead();
     }
 #pragma unroll
     for (int n = 0; n < NI; n++)

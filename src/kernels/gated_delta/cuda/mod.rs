@@ -373,6 +373,11 @@ pub struct GatedDeltaCuda {
     tc_prepare: Vec<((usize, usize, usize, bool, bool), CudaFunction)>,
     tc_state: Vec<((usize, usize, bool, bool), CudaFunction)>,
     fast_variant: FastVariant,
+    /// Blocks a cluster of the state pass in clusters share a chunk's tiles among: 2, or 4
+    /// where d_v is 128 (TERN_GDN_CLUSTER_BLOCKS). 2 by default: with one block a
+    /// multiprocessor an H100 holds at most 30 clusters of 4 at once, fewer than the 32 value
+    /// heads of Qwen3.5-35B-A3B (ncu, BENCHMARKS.md, twenty-seventh session).
+    cluster_blocks: usize,
     /// Per-(chunk, head) intermediates of the chunked prefill (either mode), grown on demand.
     /// Shared with the graphs of the steps that used it: a recorded prefill holds its address,
     /// so growing it (for a longer prompt) must not free it under such a graph.
@@ -483,10 +488,11 @@ pub struct FastVariant {
     /// The prepare pass's block rows of T in register tiles and its stores in whole 16-byte
     /// pieces (`TILED` in chunked_tc.cu; compact layout, 8 rows only).
     pub tiled: bool,
-    /// The state pass in thread block clusters: the d_v / 32 blocks of a value head share each
+    /// The state pass in thread block clusters: 2 (or 4) blocks of a value head share each
     /// chunk's W, q, k and read-out tiles (bulk copies multicast into the cluster) instead of
-    /// each reading them from L2 (`MC` in chunked_tc.cu; 3 stages, late issue; sm_90 and later,
-    /// [`GatedDeltaCuda::fast_variants`]).
+    /// each reading them from L2 (`MC` in chunked_tc.cu; 3 stages; sm_90 and later,
+    /// [`GatedDeltaCuda::fast_variants`]). Slower than the blocks alone on an H100 (1.27 against
+    /// 0.99 ms at 32k tokens, BENCHMARKS.md, twenty-seventh session): opt-in.
     pub cluster: bool,
 }
 
@@ -512,6 +518,8 @@ pub const FAST_VARIANTS: [FastVariant; 10] = [
 /// fastest on the H200 (2026-12-05, BENCHMARKS.md: 2.495 ms against 2.796 ms for
 /// (8, 3, false, false) at 32k); tiling took its prepare pass from 1.322 to 1.182 ms at 32k on
 /// an H100 (2.464 -> 2.321 ms in all; 0.195 -> 0.182 at 2k, 0.646 -> 0.618 at 8k), the same bits.
+/// The state pass's operands stored as it keeps them (unpadded rows, permuted pieces) took it
+/// from 1.137 to 0.991–0.997 ms at 32k on an H100 (2.309 -> 2.136–2.142 ms in all).
 pub const FAST_VARIANT: FastVariant = FastVariant { tiled: true, ..fast(8, 3, true, true) };
 
 /// Bytes of `tern_gdn_tc_prepare_body`'s shared memory (`tern_gdn_tc_prep_smem` in
@@ -529,11 +537,12 @@ fn tc_prepare_smem(d_k: usize, d_v: usize, compact: bool) -> usize {
     }
 }
 
-/// `sizeof(tern_gdn_tc_state_smem<d_k, stages>)`: per stage W, Q, K (bf16 rows of d_k + 8), the
-/// read-out weights, the U slice and the decays; then the state copy and the two Delta tiles;
-/// in clusters (`tern_gdn_tc_state_smem_mc`) two barriers a stage after them.
+/// `sizeof(tern_gdn_tc_state_smem<d_k, stages>)`: per stage W, Q, K (unpadded bf16 rows of d_k,
+/// their pieces permuted as the prepare pass stores them), the read-out weights, the U slice and
+/// the decays; then the state copy and the two Delta tiles (rows padded by 8); in clusters
+/// (`tern_gdn_tc_state_smem_mc`) two barriers a stage after them.
 fn tc_state_smem(d_k: usize, stages: usize, cluster: bool) -> usize {
-    let stage = 2 * (3 * CHUNK * (d_k + 8) + CHUNK * 72 + CHUNK * (TC_STATE_ROWS + 8)) + 4 * 2 * CHUNK;
+    let stage = 2 * (3 * CHUNK * d_k + CHUNK * CHUNK + CHUNK * TC_STATE_ROWS) + 4 * 2 * CHUNK;
     stages * stage + 2 * (TC_STATE_ROWS * (d_k + 8) + 2 * TC_STATE_ROWS * 72) + if cluster { 2 * 8 * stages } else { 0 }
 }
 
@@ -746,6 +755,7 @@ impl GatedDeltaCuda {
             tc_prepare,
             tc_state,
             fast_variant: FAST_VARIANT,
+            cluster_blocks: if std::env::var("TERN_GDN_CLUSTER_BLOCKS").as_deref() == Ok("4") { 4 } else { 2 },
             chunk_prepare,
             chunk_state,
             chunk_scratch: Mutex::new(None),
@@ -1384,8 +1394,8 @@ impl GatedDeltaCuda {
         let mut l = self.gpu.launch_builder(state);
         l.arg(&args);
         if cluster {
-            // The slices of one value head and sequence: 2 or 4 blocks (d_v 64 or 128).
-            l.cluster((1, slices, 1));
+            // Slices of one value head and sequence (2 of them where d_v is 64).
+            l.cluster((1, (self.cluster_blocks as u32).min(slices), 1));
         }
         // SAFETY: as above; slots lie inside the state pool (checked).
         unsafe { l.launch(cfg) }.map_err(launch_err("launching tern_gdn_tc_state"))?;

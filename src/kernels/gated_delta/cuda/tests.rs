@@ -43,9 +43,9 @@ fn fast_prepare_layouts_fit_their_blocks() {
 /// more) or not.
 #[test]
 fn fast_state_layouts_fit_a_multiprocessor() {
-    assert_eq!(tc_state_smem(128, 3, false), 219_136);
-    assert_eq!(tc_state_smem(128, 3, true), 219_184);
-    assert_eq!(tc_state_smem(64, 3, true), 141_360);
+    assert_eq!(tc_state_smem(128, 3, false), 203_776);
+    assert_eq!(tc_state_smem(128, 3, true), 203_824);
+    assert_eq!(tc_state_smem(64, 3, true), 126_000);
     for dk in FAST_CHUNK_HEAD_DIMS {
         for cluster in [false, true] {
             let bytes = tc_state_smem(dk, 3, cluster);
