@@ -667,20 +667,13 @@ __device__ __forceinline__ void tern_gdn_tc_cluster_sync() {
 #endif
 }
 
-__device__ __forceinline__ unsigned tern_gdn_tc_cluster_rank() {
-    unsigned r = 0;
+// This block's rank in its cluster and the cluster's blocks.
+__device__ __forceinline__ void tern_gdn_tc_cluster_place(unsigned& rank, unsigned& blocks) {
+    rank = 0;
+    blocks = 1;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n\tmov.u32 %1, %%cluster_nctarank;" : "=r"(rank), "=r"(blocks));
 #endif
-    return r;
-}
-
-__device__ __forceinline__ unsigned tern_gdn_tc_cluster_blocks() {
-    unsigned n = 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-#endif
-    return n;
 }
 
 // Spins until the barrier's phase of the given parity has completed (acquire at cluster scope:
@@ -765,7 +758,8 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
     extern __shared__ __align__(16) unsigned char tern_gdn_tc_smem[];
     tern_gdn_tc_state_smem<DK, NS>& sm = *reinterpret_cast<tern_gdn_tc_state_smem<DK, NS>*>(tern_gdn_tc_smem);
     tern_gdn_tc_state_smem_mc<DK, NS>& smc = *reinterpret_cast<tern_gdn_tc_state_smem_mc<DK, NS>*>(tern_gdn_tc_smem);
-    const unsigned rank = MC ? tern_gdn_tc_cluster_rank() : 0u, blocks = MC ? tern_gdn_tc_cluster_blocks() : 1u;
+    unsigned rank = 0, blocks = 1;
+    if constexpr (MC) tern_gdn_tc_cluster_place(rank, blocks);
     if constexpr (MC) {
         if (threadIdx.x == 0)
             for (int p = 0; p < NS; p++) {
