@@ -759,8 +759,8 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
     tern_gdn_tc_state_smem<DK, NS>& sm = *reinterpret_cast<tern_gdn_tc_state_smem<DK, NS>*>(tern_gdn_tc_smem);
     tern_gdn_tc_state_smem_mc<DK, NS>& smc = *reinterpret_cast<tern_gdn_tc_state_smem_mc<DK, NS>*>(tern_gdn_tc_smem);
     unsigned rank = 0, blocks = 1;
-    if constexpr (MC) tern_gdn_tc_cluster_place(rank, blocks);
     if constexpr (MC) {
+        tern_gdn_tc_cluster_place(rank, blocks);
         if (threadIdx.x == 0)
             for (int p = 0; p < NS; p++) {
                 tern_gdn_tc_bar_init(&smc.full[p], 1);
@@ -950,7 +950,8 @@ TERN_GDN_TC_PREPARE_TILED(64, 128)
 TERN_GDN_TC_PREPARE_TILED(128, 64)
 TERN_GDN_TC_PREPARE_TILED(128, 128)
 // State kernels by d_k and stages; _s3l issues the copies late (LATE above); _s3lm in clusters
-// (MC above: sm_90 and later only, launched with a cluster of the head's d_v / 32 blocks).
+// (MC above: sm_90 and later only, launched in clusters of 2 or 4 of a head's d_v / 32 blocks;
+// LATE has no effect there, as a cluster's copies leave at the end of each chunk).
 #define TERN_GDN_TC_STATE(DK, NS, LATE, SUFFIX)                                                                      \
     extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk##DK##_s##NS##SUFFIX(tern_gdn_tc_state_args a) { \
         tern_await_prior_kernel();                                                                                     \

@@ -673,8 +673,9 @@ fn cuda_chunked_fast_matches_cpu_scan() {
         eprintln!("fast d_k {dk} d_v {dv}: variants {variants:?} agree bit for bit; not run on this device (no clusters): {skipped:?}");
         // A cluster variant, where it runs, is among those compared; elsewhere it is refused.
         let in_clusters = FastVariant { cluster: true, ..FAST_VARIANT };
-        assert_eq!(variants.contains(&in_clusters), gpu.cluster_launch().unwrap(), "cluster variant offered exactly where clusters launch");
-        if !gpu.cluster_launch().unwrap() {
+        let clusters = gpu.cluster_launch().unwrap();
+        assert_eq!(variants.contains(&in_clusters), clusters, "cluster variant offered exactly where clusters launch");
+        if !clusters {
             assert!(matches!(kv.set_fast_variant(in_clusters), Err(Error::Input(_))));
         }
     }
