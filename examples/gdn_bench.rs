@@ -15,9 +15,11 @@
 //! mode (f32 and f64 accumulators) and the fast mode (tensor cores, bf16 operands), each also
 //! timed without its sequential pass; the fast mode's time is set against the fewest bytes
 //! the layer must move (q, k, v read and the output written once, f32) at the copy bandwidth.
+//! The fast mode also runs with q, k, v and the output in bf16 (fla's interface), timed and
+//! set against its own floor (those bytes in bf16).
 
 use tern::cuda::{CudaSlice, Gpu};
-use tern::kernels::gated_delta::cuda::{ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, FAST_VARIANT, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
+use tern::kernels::gated_delta::cuda::{ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, FAST_VARIANT, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuBf16DeltaRuleInputs, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
@@ -334,6 +336,41 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
         }
         println!("RESULT prefill tokens={t} mode=scan ms={scan_ms:.4}");
         println!("RESULT prefill_floor tokens={t} bytes={floor_bytes} floor_ms={floor_ms:.4} fast_fraction={:.4}", floor_ms / fast.0);
+        bf16_io(gpu, k, heads, &l, &segs, &init, &want_out, copy_bw)?;
     }
+    Ok(())
+}
+
+/// The fast prefill with q, k, v and the output in bf16 (the layer's f32 rows rounded), timed
+/// whole and without its state pass, its error against the f32 scan (which includes the inputs'
+/// rounding) and its time against the fewest bytes at these element sizes.
+#[allow(clippy::too_many_arguments)]
+fn bf16_io(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, l: &Layer, segs: &GpuSegments, init: &[f32], want_out: &[f32], copy_bw: f64) -> Result<()> {
+    let qkv16: Vec<u16> = gpu.download(&l.qkv)?.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+    let qkv16 = gpu.upload(&qkv16)?;
+    let qk = heads.n_k_heads * heads.d_k;
+    let row = 2 * qk + heads.n_v_heads * heads.d_v;
+    let view = |offset| Rows { buf: &qkv16, offset, stride: row };
+    let x = GpuBf16DeltaRuleInputs { q: view(0), k: view(qk), v: view(2 * qk), g: &l.g, beta: &l.beta, normalize_qk: true };
+    let t = segs.tokens();
+    let mut st = gpu.upload(init)?;
+    let mut out = gpu.zeros::<u16>(t * heads.n_v_heads * heads.d_v)?;
+    let ms = time_ms(gpu, 2, 10, |_| k.delta_rule_chunked_fast_bf16(heads, &x, segs, GpuStates::Pool(&mut st), &mut out))?;
+    k.set_chunk_prepare_only(true);
+    let prep = time_ms(gpu, 2, 10, |_| k.delta_rule_chunked_fast_bf16(heads, &x, segs, GpuStates::Pool(&mut st), &mut out))?;
+    k.set_chunk_prepare_only(false);
+    gpu.write(init, &mut st)?;
+    k.delta_rule_chunked_fast_bf16(heads, &x, segs, GpuStates::Pool(&mut st), &mut out)?;
+    let got: Vec<f32> = gpu.download(&out)?.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+    // q, k, v read and the output written once in bf16, g and beta read in f32, the state read
+    // and written once.
+    let floor_bytes = 2 * t * (2 * qk + 2 * heads.n_v_heads * heads.d_v) + 8 * t * heads.n_v_heads + 8 * heads.state_len();
+    let floor_ms = floor_bytes as f64 / copy_bw * 1e3;
+    println!(
+        "RESULT prefill_bf16_io tokens={t} total_ms={ms:.4} parallel_pass_ms={prep:.4} state_pass_ms={:.4} out_err={:.3e} floor_ms={floor_ms:.4} fast_fraction={:.4}",
+        ms - prep,
+        rel_err(&got, want_out),
+        floor_ms / ms
+    );
     Ok(())
 }

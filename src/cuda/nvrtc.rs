@@ -113,6 +113,10 @@ pub fn options(arch: &str) -> Vec<String> {
     if let Some(dir) = std::env::var_os("TERN_CUDA_INCLUDE") {
         o.push(format!("--include-path={}", dir.to_string_lossy()));
     }
+    // Source lines in the CUBIN, for a profiler's per-line view (the code is the same).
+    if std::env::var("TERN_CUDA_LINEINFO").as_deref() == Ok("1") {
+        o.push("-lineinfo".into());
+    }
     o
 }
 

@@ -111,10 +111,11 @@ __device__ __forceinline__ void tern_gdn_tc_frag_b_kn_swz(unsigned (&r)[4], cons
     tern_gdn_tc_ldm_t(r, x + tern_gdn_tc_swz(k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8, row));
 }
 
+// q, k, v are f32 or bf16 rows (the kernel's IN); strides count elements.
 struct tern_gdn_tc_prep_args {
-    const float* q; long long q_stride;
-    const float* k; long long k_stride;
-    const float* v; long long v_stride;
+    const void* q; long long q_stride;
+    const void* k; long long k_stride;
+    const void* v; long long v_stride;
     const float* g; const float* beta;
     const tern_gdn_u32* chunk_t0; const tern_gdn_u32* chunk_len;
     tern_gdn_bf16* w_s; tern_gdn_bf16* u_s; tern_gdn_bf16* qk_s; float* dec_s;
@@ -126,51 +127,102 @@ struct tern_gdn_tc_prep_args {
 // Rows of one operand of the chunk into bf16 shared memory, one warp per row (rows r0 + 8u,
 // u < NR, for warp r0 % 8), L2-normalised (times `scale`) when asked, with the arithmetic of
 // tern_gdn_l2_rows_smem; rows past len are zeros. With `out`, the bf16 rows also go to global
-// memory. The fetch issues all NR rows' loads before any is used, so their latencies overlap;
-// the row-to-warp assignment and the arithmetic do not depend on NR.
-template <int D, int NR>
-__device__ void tern_gdn_tc_fetch(float (&x)[NR][D / 32], const float* src, long long stride, size_t t0, int len, size_t col0, int r0) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int u = 0; u < NR; u++)
-#pragma unroll
-        for (int e = 0; e < D / 32; e++) {
-            const int r = r0 + 8 * u;
-            x[u][e] = r < len ? src[(t0 + r) * stride + col0 + lane + 32 * e] : 0.0f;
-        }
-}
+// memory. Lane l holds columns E l .. E l + E - 1 (E = D / 32), fetched with one vector load a
+// row. The fetch issues all NR rows' loads before any is used, so their latencies overlap, and
+// keeps them as loaded: bf16 rows (IN = tern_gdn_bf16) stay packed two to a register and are
+// widened where they are used, so no conversion waits on a load while later rows are still to
+// be requested. The row-to-warp assignment and the arithmetic depend neither on NR nor on IN
+// (a bf16 value widens exactly): rows of bf16 values give the same bits either way.
+template <int D, int NR, typename IN>
+struct tern_gdn_tc_rows;
 
 template <int D, int NR>
-__device__ void tern_gdn_tc_put(tern_gdn_bf16* dst, float (&x)[NR][D / 32], int len, int r0, int norm, float eps, float scale, tern_gdn_bf16* out) {
+struct tern_gdn_tc_rows<D, NR, float> {
+    static constexpr int E = D / 32;
+    static_assert(E == 2 || E == 4, "rows of 64 or 128");
+    float x[NR][E];
+    __device__ __forceinline__ void fetch(const float* src, long long stride, size_t t0, int len, size_t col0, int r0) {
+        const int lane = threadIdx.x & 31;
+#pragma unroll
+        for (int u = 0; u < NR; u++) {
+            const int r = r0 + 8 * u;
+            const float* p = src + (t0 + r) * stride + col0 + E * lane;
+            if constexpr (E == 4) {
+                const float4 v = r < len ? *reinterpret_cast<const float4*>(p) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                x[u][0] = v.x, x[u][1] = v.y, x[u][2] = v.z, x[u][3] = v.w;
+            } else {
+                const float2 v = r < len ? *reinterpret_cast<const float2*>(p) : make_float2(0.0f, 0.0f);
+                x[u][0] = v.x, x[u][1] = v.y;
+            }
+        }
+    }
+    __device__ __forceinline__ float at(int u, int e) const { return x[u][e]; }
+};
+
+template <int D, int NR>
+struct tern_gdn_tc_rows<D, NR, tern_gdn_bf16> {
+    static constexpr int E = D / 32, W = E / 2;
+    static_assert(E == 2 || E == 4, "rows of 64 or 128");
+    unsigned w[NR][W];  // element 2m in the low half of word m (little-endian)
+    __device__ __forceinline__ void fetch(const tern_gdn_bf16* src, long long stride, size_t t0, int len, size_t col0, int r0) {
+        const int lane = threadIdx.x & 31;
+#pragma unroll
+        for (int u = 0; u < NR; u++) {
+            const int r = r0 + 8 * u;
+            const tern_gdn_bf16* p = src + (t0 + r) * stride + col0 + E * lane;
+            if constexpr (W == 2) {
+                const uint2 v = r < len ? *reinterpret_cast<const uint2*>(p) : make_uint2(0u, 0u);
+                w[u][0] = v.x, w[u][1] = v.y;
+            } else {
+                w[u][0] = r < len ? *reinterpret_cast<const unsigned*>(p) : 0u;
+            }
+        }
+    }
+    __device__ __forceinline__ float at(int u, int e) const {
+        const unsigned word = w[u][e >> 1];
+        return __uint_as_float(e & 1 ? word & 0xffff0000u : word << 16);
+    }
+};
+
+template <int D, int NR, typename IN>
+__device__ void tern_gdn_tc_put(tern_gdn_bf16* dst, const tern_gdn_tc_rows<D, NR, IN>& rows, int len, int r0, int norm, float eps, float scale, tern_gdn_bf16* out) {
     constexpr int E = D / 32;
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int u = 0; u < NR; u++) {
         const int r = r0 + 8 * u;
+        float x[E];
+#pragma unroll
+        for (int e = 0; e < E; e++) x[e] = rows.at(u, e);
         if (norm && r < len) {
             float ss = 0.0f;
 #pragma unroll
-            for (int e = 0; e < E; e++) ss += x[u][e] * x[u][e];
+            for (int e = 0; e < E; e++) ss += x[e] * x[e];
             const float inv = 1.0f / sqrtf(tern_gdn_warp_sum(ss) + eps);
 #pragma unroll
-            for (int e = 0; e < E; e++) x[u][e] = (x[u][e] * inv) * scale;
+            for (int e = 0; e < E; e++) x[e] = (x[e] * inv) * scale;
         }
+        // E bf16 in one store: 8 bytes (E = 4) or 4 (E = 2); the E columns lie in one 16-byte
+        // piece, which the permutation moves whole.
+        unsigned packed[E / 2];
 #pragma unroll
-        for (int e = 0; e < E; e++) {
-            const tern_gdn_bf16 b = tern_gdn_tc_bf16(x[u][e]);
-            dst[r * (D + 8) + lane + 32 * e] = b;
-            if (out) out[tern_gdn_tc_swz(r, lane + 32 * e, D)] = b;
-        }
+        for (int m = 0; m < E / 2; m++) packed[m] = tern_gdn_tc_pack(x[2 * m], x[2 * m + 1]);
+        const auto store = [&](tern_gdn_bf16* at) {
+            if constexpr (E == 4) *reinterpret_cast<uint2*>(at) = make_uint2(packed[0], packed[1]);
+            else *reinterpret_cast<unsigned*>(at) = packed[0];
+        };
+        store(dst + r * (D + 8) + E * lane);
+        if (out) store(out + tern_gdn_tc_swz(r, E * lane, D));
     }
 }
 
-template <int D, int NR>
-__device__ void tern_gdn_tc_load_rows(tern_gdn_bf16* dst, const float* src, long long stride, size_t t0, int len, size_t col0,
+template <int D, int NR, typename IN>
+__device__ void tern_gdn_tc_load_rows(tern_gdn_bf16* dst, const IN* src, long long stride, size_t t0, int len, size_t col0,
                                       int norm, float eps, float scale, tern_gdn_bf16* out) {
     for (int r0 = threadIdx.x >> 5; r0 < tern_gdn_tc_c; r0 += 8 * NR) {
-        float x[NR][D / 32];
-        tern_gdn_tc_fetch<D, NR>(x, src, stride, t0, len, col0, r0);
-        tern_gdn_tc_put<D, NR>(dst, x, len, r0, norm, eps, scale, out);
+        tern_gdn_tc_rows<D, NR, IN> rows;
+        rows.fetch(src, stride, t0, len, col0, r0);
+        tern_gdn_tc_put<D, NR>(dst, rows, len, r0, norm, eps, scale, out);
     }
 }
 
@@ -388,10 +440,16 @@ __device__ __forceinline__ void tern_gdn_tc_block_row_tiled(const float* As, flo
 //    spends 16; every element's sum keeps its order, so its bits;
 //  - the decayed QK^T tile and W, U leave in whole 16-byte pieces (tern_gdn_tc_quad_transpose);
 //  - the scaled bf16 copies of T are written two columns a store.
-template <int DK, int DV, int NR, bool COMPACT, bool TILED>
+//
+// IN: the element type of q, k and v (float, or tern_gdn_bf16 for bf16 rows: half the bytes
+// read, the same arithmetic from the widened values). With 8 rows a fetch, bf16 rows of k, q
+// and v are all requested at once (ALL_TOGETHER: 48 registers of packed rows, one wait for
+// memory where f32 rows take three), and f32 rows of k and q together in the wide layout.
+template <int DK, int DV, int NR, bool COMPACT, bool TILED, typename IN = float>
 __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     constexpr int C = tern_gdn_tc_c, LDA = C + 1, LDT = tern_gdn_tc_ldc;
-    constexpr bool KQ_TOGETHER = NR == 8 && !COMPACT;
+    constexpr bool ALL_TOGETHER = NR == 8 && sizeof(IN) == 2;
+    constexpr bool KQ_TOGETHER = NR == 8 && !COMPACT && !ALL_TOGETHER;
     const int h = blockIdx.x, chunk = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nk = a.nk, nv = a.nv;
     const int kh = tern_gdn_key_head(h, nk, nv, a.grouped);
@@ -400,6 +458,7 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     const size_t t0 = a.chunk_t0[chunk];
     const int len = (int)a.chunk_len[chunk];
     const size_t ch = (size_t)chunk * nv + h, chk = (size_t)chunk * nk + kh;
+    const IN *qs = static_cast<const IN*>(a.q), *ks = static_cast<const IN*>(a.k), *vs = static_cast<const IN*>(a.v);
 
     extern __shared__ __align__(16) unsigned char tern_gdn_tc_smem[];
     const tern_gdn_tc_prep_smem<DK, DV, COMPACT> sm(tern_gdn_tc_smem);
@@ -417,18 +476,23 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
 
     tern_gdn_bf16* kn = writer ? a.kn_s + chk * C * DK : nullptr;
     tern_gdn_bf16* qn = writer ? a.qn_s + chk * C * DK : nullptr;
-    float xk[KQ_TOGETHER ? NR : 1][DK / 32], xq[KQ_TOGETHER ? NR : 1][DK / 32];
-    if constexpr (NR == 8) {
-        // v's rows fetched into L2 while k and q come in.
-        for (int idx = tid; idx < C * (DV / 32); idx += blockDim.x) {
-            const int r = idx / (DV / 32), p = (idx % (DV / 32)) * 32;
-            if (r < len) asm volatile("prefetch.global.L2 [%0];" ::"l"(a.v + (t0 + r) * a.v_stride + (size_t)h * DV + p));
+    // Rows held across the gates' loads (those fetched together); a fetch of one row otherwise.
+    constexpr int HELD = KQ_TOGETHER || ALL_TOGETHER ? NR : 1;
+    tern_gdn_tc_rows<DK, HELD, IN> xk, xq;
+    tern_gdn_tc_rows<DV, ALL_TOGETHER ? NR : 1, IN> xv;
+    if constexpr (NR == 8 && !ALL_TOGETHER) {
+        // v's rows fetched into L2 while k and q come in, a request a 128-byte line.
+        constexpr int LINE = 128 / (int)sizeof(IN), VL = DV / LINE;
+        for (int idx = tid; idx < C * VL; idx += blockDim.x) {
+            const int r = idx / VL, p = (idx % VL) * LINE;
+            if (r < len) asm volatile("prefetch.global.L2 [%0];" ::"l"(vs + (t0 + r) * a.v_stride + (size_t)h * DV + p));
         }
     }
-    if constexpr (KQ_TOGETHER) {
-        // All of a warp's k and q rows requested at once.
-        tern_gdn_tc_fetch<DK, NR>(xk, a.k, a.k_stride, t0, len, (size_t)kh * DK, warp);
-        tern_gdn_tc_fetch<DK, NR>(xq, a.q, a.q_stride, t0, len, (size_t)kh * DK, warp);
+    if constexpr (KQ_TOGETHER || ALL_TOGETHER) {
+        // All of a warp's k and q rows (and v's) requested at once.
+        xk.fetch(ks, a.k_stride, t0, len, (size_t)kh * DK, warp);
+        xq.fetch(qs, a.q_stride, t0, len, (size_t)kh * DK, warp);
+        if constexpr (ALL_TOGETHER) xv.fetch(vs, a.v_stride, t0, len, (size_t)h * DV, warp);
     }
     // G by a warp scan in f64 (differences of nearby prefix sums must keep the small terms);
     // past len g counts as 0, so G stays at G_{len-1}.
@@ -447,14 +511,15 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     } else if (warp == 1) {
         for (int r = lane; r < C; r += 32) Bt[r] = r < len ? a.beta[(t0 + r) * nv + h] : 0.0f;
     }
-    if constexpr (KQ_TOGETHER) {
-        tern_gdn_tc_put<DK, NR>(Kb, xk, len, warp, a.l2qk, a.eps, 1.0f, kn);
-        tern_gdn_tc_put<DK, NR>(Qb, xq, len, warp, a.l2qk, a.eps, a.q_scale, qn);
+    if constexpr (KQ_TOGETHER || ALL_TOGETHER) {
+        tern_gdn_tc_put<DK, HELD>(Kb, xk, len, warp, a.l2qk, a.eps, 1.0f, kn);
+        tern_gdn_tc_put<DK, HELD>(Qb, xq, len, warp, a.l2qk, a.eps, a.q_scale, qn);
     } else {
-        tern_gdn_tc_load_rows<DK, NR>(Kb, a.k, a.k_stride, t0, len, (size_t)kh * DK, a.l2qk, a.eps, 1.0f, kn);
-        tern_gdn_tc_load_rows<DK, NR>(Qb, a.q, a.q_stride, t0, len, (size_t)kh * DK, a.l2qk, a.eps, a.q_scale, qn);
+        tern_gdn_tc_load_rows<DK, NR>(Kb, ks, a.k_stride, t0, len, (size_t)kh * DK, a.l2qk, a.eps, 1.0f, kn);
+        tern_gdn_tc_load_rows<DK, NR>(Qb, qs, a.q_stride, t0, len, (size_t)kh * DK, a.l2qk, a.eps, a.q_scale, qn);
     }
-    tern_gdn_tc_load_rows<DV, NR>(Vb, a.v, a.v_stride, t0, len, (size_t)h * DV, 0, 0.0f, 1.0f, nullptr);
+    if constexpr (ALL_TOGETHER) tern_gdn_tc_put<DV, NR>(Vb, xv, len, warp, 0, 0.0f, 1.0f, nullptr);
+    else tern_gdn_tc_load_rows<DV, NR>(Vb, vs, a.v_stride, t0, len, (size_t)h * DV, 0, 0.0f, 1.0f, nullptr);
     __syncthreads();
     if (tid < C) {
         const float e = tid < len ? (float)exp(G[tid]) : 0.0f;
@@ -578,7 +643,7 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
 }
 
 struct tern_gdn_tc_state_args {
-    float* states; float* out;
+    float* states; void* out;  // out: f32, or bf16 (the kernel's OUT16)
     const tern_gdn_bf16* w_s; const tern_gdn_bf16* u_s; const tern_gdn_bf16* qk_s; const float* dec_s;
     const tern_gdn_bf16* qn_s; const tern_gdn_bf16* kn_s;
     const tern_gdn_u32* seg_chunk0; const tern_gdn_u32* seg_nchunks;
@@ -730,11 +795,16 @@ __device__ void tern_gdn_tc_issue_cluster(tern_gdn_tc_stage<DK>& st, unsigned lo
     const size_t ch = (size_t)chunk * a.nv + h, chk = (size_t)chunk * a.nk + kh;
     const int share = C / (int)blocks, r0 = (int)rank * share;
     const unsigned short everyone = (unsigned short)((1u << blocks) - 1u);
+    // A cluster of one (launched without clusters) copies the whole tiles for itself alone.
+    const auto tile = [&](tern_gdn_bf16* dst, const tern_gdn_bf16* src, unsigned bytes) {
+        if (blocks == 1) tern_gdn_tc_bulk(dst, src, bytes, full);
+        else tern_gdn_tc_bulk_multicast(dst, src, bytes, full, everyone);
+    };
     switch (threadIdx.x & 31) {
-        case 0: tern_gdn_tc_bulk_multicast(st.w + r0 * DK, a.w_s + (ch * C + r0) * DK, share * DK * 2, full, everyone); break;
-        case 1: tern_gdn_tc_bulk_multicast(st.q + r0 * DK, a.qn_s + (chk * C + r0) * DK, share * DK * 2, full, everyone); break;
-        case 2: tern_gdn_tc_bulk_multicast(st.k + r0 * DK, a.kn_s + (chk * C + r0) * DK, share * DK * 2, full, everyone); break;
-        case 3: tern_gdn_tc_bulk_multicast(st.qk + r0 * C, a.qk_s + (ch * C + r0) * C, share * C * 2, full, everyone); break;
+        case 0: tile(st.w + r0 * DK, a.w_s + (ch * C + r0) * DK, share * DK * 2); break;
+        case 1: tile(st.q + r0 * DK, a.qn_s + (chk * C + r0) * DK, share * DK * 2); break;
+        case 2: tile(st.k + r0 * DK, a.kn_s + (chk * C + r0) * DK, share * DK * 2); break;
+        case 3: tile(st.qk + r0 * C, a.qk_s + (ch * C + r0) * C, share * C * 2); break;
         case 4: tern_gdn_tc_bulk(st.u, a.u_s + ch * C * a.dv + (size_t)j0 * C, C * tern_gdn_tc_bv * 2, full); break;
         case 5: tern_gdn_tc_bulk(st.dec, a.dec_s + ch * 2 * C, 2 * C * 4, full); break;
         default: break;
@@ -746,9 +816,11 @@ __device__ void tern_gdn_tc_issue_cluster(tern_gdn_tc_stage<DK>& st, unsigned lo
 // chunk n (all 8 warps then spend ~15 cp.async and their addresses before the first mma), or
 // after the Delta and P products, whose dependent mma chains leave issue slots free. MC: the
 // blocks of a value head run as one cluster and share the chunks' tiles (bulk copies
-// multicast, tern_gdn_tc_issue_cluster) instead of each copying them with cp.async. The
-// results do not depend on NS, LATE or MC.
-template <int DK, int NS, bool LATE, bool MC>
+// multicast, tern_gdn_tc_issue_cluster) instead of each copying them with cp.async; launched
+// without clusters (a cluster of one), each block fetches its chunks with its own six bulk
+// copies. OUT16: the output in bf16 (each f32 result rounded to nearest even once). The results
+// do not depend on NS, LATE or MC.
+template <int DK, int NS, bool LATE, bool MC, bool OUT16 = false>
 __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
     constexpr int C = tern_gdn_tc_c, BV = tern_gdn_tc_bv, LDK = DK + 8, LDC = tern_gdn_tc_ldc, NI = DK / 32;
     const int h = blockIdx.x, j0 = blockIdx.y * BV, seq = blockIdx.z;
@@ -830,22 +902,46 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         const size_t t0 = a.chunk_t0[chunk];
         const int len = (int)a.chunk_len[chunk];
 
+        // Every product below loads the fragments of its next k-step before it multiplies the
+        // current one: with two warps a scheduler nothing else hides an ldmatrix's latency from
+        // the mma that reads it (ncu: the mma waiting on shared loads was a quarter of the
+        // pass's stalls). The same products in the same order, so the same bits.
+        //
+        // This warp's U values and decays, requested before the products they follow.
+        unsigned uw[2][2];  // U at (c, j), (c, j + 1), two bf16 a word, by [t][hf]
+        float eg[2], el[2];
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int c = mc + g + 8 * hf;
+            eg[hf] = st.dec[c];
+            el[hf] = st.dec[C + c];
+#pragma unroll
+            for (int t = 0; t < 2; t++) uw[t][hf] = *reinterpret_cast<const unsigned*>(st.u + c * BV + jn + 8 * t + 2 * q);
+        }
+
         // Delta = U - W S and P = Q S, one pass over the state copy.
         float d[2][4], o[2][4];
 #pragma unroll
         for (int t = 0; t < 2; t++)
 #pragma unroll
             for (int e = 0; e < 4; e++) d[t][e] = o[t][e] = 0.0f;
+        {
+            unsigned aw[2][4], aq[2][4], b[2][4];
+            const auto frags = [&](int kt, int p) {
+                tern_gdn_tc_frag_a_swz(aw[p], st.w, DK, mc, 16 * kt);
+                tern_gdn_tc_frag_a_swz(aq[p], st.q, DK, mc, 16 * kt);
+                tern_gdn_tc_frag_b_nk(b[p], sm.s, LDK, jn, 16 * kt);
+            };
+            frags(0, 0);
 #pragma unroll
-        for (int kt = 0; kt < DK / 16; kt++) {
-            unsigned aw[4], aq[4], b[4];
-            tern_gdn_tc_frag_a_swz(aw, st.w, DK, mc, 16 * kt);
-            tern_gdn_tc_frag_a_swz(aq, st.q, DK, mc, 16 * kt);
-            tern_gdn_tc_frag_b_nk(b, sm.s, LDK, jn, 16 * kt);
-            tern_gdn_tc_mma(d[0], aw, b[0], b[1]);
-            tern_gdn_tc_mma(d[1], aw, b[2], b[3]);
-            tern_gdn_tc_mma(o[0], aq, b[0], b[1]);
-            tern_gdn_tc_mma(o[1], aq, b[2], b[3]);
+            for (int kt = 0; kt < DK / 16; kt++) {
+                const int p = kt & 1;
+                if (kt + 1 < DK / 16) frags(kt + 1, p ^ 1);
+                tern_gdn_tc_mma(d[0], aw[p], b[p][0], b[p][1]);
+                tern_gdn_tc_mma(d[1], aw[p], b[p][2], b[p][3]);
+                tern_gdn_tc_mma(o[0], aq[p], b[p][0], b[p][1]);
+                tern_gdn_tc_mma(o[1], aq[p], b[p][2], b[p][3]);
+            }
         }
         if constexpr (LATE && !MC) issue_ahead();
 #pragma unroll
@@ -853,31 +949,43 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
                 const int c = mc + g + 8 * hf, j = jn + 8 * t + 2 * q;
-                const float eg = st.dec[c], el = st.dec[C + c];
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    const float dl = tern_gdn_tc_f32(st.u[c * BV + j + e]) - d[t][2 * hf + e];
+                    const float u = __uint_as_float(e ? uw[t][hf] & 0xffff0000u : uw[t][hf] << 16);
+                    const float dl = u - d[t][2 * hf + e];
                     sm.d[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl);
-                    sm.dt[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl * el);
-                    o[t][2 * hf + e] *= eg;
+                    sm.dt[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl * el[hf]);
+                    o[t][2 * hf + e] *= eg[hf];
                 }
             }
         __syncthreads();  // Delta complete; every read of the state copy is done
 
         // o += QKd Delta (the weights are zero above the diagonal: tiles past it are skipped).
-        for (int kt = 0; kt <= (mc >> 4); kt++) {
-            unsigned aw[4], b[4];
-            tern_gdn_tc_frag_a_swz(aw, st.qk, C, mc, 16 * kt);
-            tern_gdn_tc_frag_b_nk(b, sm.d, LDC, jn, 16 * kt);
-            tern_gdn_tc_mma(o[0], aw, b[0], b[1]);
-            tern_gdn_tc_mma(o[1], aw, b[2], b[3]);
+        {
+            unsigned aw[2][4], b[2][4];
+            const auto frags = [&](int kt, int p) {
+                tern_gdn_tc_frag_a_swz(aw[p], st.qk, C, mc, 16 * kt);
+                tern_gdn_tc_frag_b_nk(b[p], sm.d, LDC, jn, 16 * kt);
+            };
+            frags(0, 0);
+#pragma unroll
+            for (int kt = 0; kt < 4; kt++) {
+                if (kt > (mc >> 4)) break;
+                const int p = kt & 1;
+                if (kt + 1 <= (mc >> 4)) frags(kt + 1, p ^ 1);
+                tern_gdn_tc_mma(o[0], aw[p], b[p][0], b[p][1]);
+                tern_gdn_tc_mma(o[1], aw[p], b[p][2], b[p][3]);
+            }
         }
 #pragma unroll
         for (int t = 0; t < 2; t++)
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
                 const int c = mc + g + 8 * hf, j = jn + 8 * t + 2 * q;
-                if (c < len) *reinterpret_cast<float2*>(a.out + ((t0 + c) * nv + h) * dv + j0 + j) = make_float2(o[t][2 * hf], o[t][2 * hf + 1]);
+                if (c >= len) continue;
+                const size_t at = ((t0 + c) * nv + h) * dv + j0 + j;
+                if constexpr (OUT16) *reinterpret_cast<unsigned*>(static_cast<tern_gdn_bf16*>(a.out) + at) = tern_gdn_tc_pack(o[t][2 * hf], o[t][2 * hf + 1]);
+                else *reinterpret_cast<float2*>(static_cast<float*>(a.out) + at) = make_float2(o[t][2 * hf], o[t][2 * hf + 1]);
             }
 
         // S = e^{G_L} S + sum_c (e^{G_L - G_c} Delta_c) k_c^T, as S^T[j][i] tiles.
@@ -886,16 +994,23 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         for (int t = 0; t < NI; t++)
 #pragma unroll
             for (int e = 0; e < 4; e++) s[t][e] *= keep;
+        {
+            unsigned ad[2][4], b[2][NI / 2][4];
+            const auto frags = [&](int kt, int p) {
+                tern_gdn_tc_frag_a(ad[p], sm.dt, LDC, mj, 16 * kt);
 #pragma unroll
-        for (int kt = 0; kt < 4; kt++) {
-            unsigned ad[4];
-            tern_gdn_tc_frag_a(ad, sm.dt, LDC, mj, 16 * kt);
+                for (int np = 0; np < NI / 2; np++) tern_gdn_tc_frag_b_kn_swz(b[p][np], st.k, DK, ib + 16 * np, 16 * kt);
+            };
+            frags(0, 0);
 #pragma unroll
-            for (int np = 0; np < NI / 2; np++) {
-                unsigned b[4];
-                tern_gdn_tc_frag_b_kn_swz(b, st.k, DK, ib + 16 * np, 16 * kt);
-                tern_gdn_tc_mma(s[2 * np], ad, b[0], b[1]);
-                tern_gdn_tc_mma(s[2 * np + 1], ad, b[2], b[3]);
+            for (int kt = 0; kt < 4; kt++) {
+                const int p = kt & 1;
+                if (kt + 1 < 4) frags(kt + 1, p ^ 1);
+#pragma unroll
+                for (int np = 0; np < NI / 2; np++) {
+                    tern_gdn_tc_mma(s[2 * np], ad[p], b[p][np][0], b[p][np][1]);
+                    tern_gdn_tc_mma(s[2 * np + 1], ad[p], b[p][np][2], b[p][np][3]);
+                }
             }
         }
 #pragma unroll
@@ -949,6 +1064,16 @@ TERN_GDN_TC_PREPARE_TILED(64, 64)
 TERN_GDN_TC_PREPARE_TILED(64, 128)
 TERN_GDN_TC_PREPARE_TILED(128, 64)
 TERN_GDN_TC_PREPARE_TILED(128, 128)
+// The default form (compact, TILED) reading bf16 q, k, v rows: _r8ctb.
+#define TERN_GDN_TC_PREPARE_BF16_IN(DK, DV)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 3) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r8ctb(tern_gdn_tc_prep_args a) { \
+        tern_await_prior_kernel();                                                                                     \
+        tern_gdn_tc_prepare_body<DK, DV, 8, true, true, tern_gdn_bf16>(a);                                             \
+    }
+TERN_GDN_TC_PREPARE_BF16_IN(64, 64)
+TERN_GDN_TC_PREPARE_BF16_IN(64, 128)
+TERN_GDN_TC_PREPARE_BF16_IN(128, 64)
+TERN_GDN_TC_PREPARE_BF16_IN(128, 128)
 // State kernels by d_k and stages; _s3l issues the copies late (LATE above); _s3lm in clusters
 // (MC above: sm_90 and later only, launched in clusters of 2 or 4 of a head's d_v / 32 blocks;
 // LATE has no effect there, as a cluster's copies leave at the end of each chunk).
@@ -968,6 +1093,14 @@ TERN_GDN_TC_STATE(64, 3, true, l)
 TERN_GDN_TC_STATE(128, 2, false, )
 TERN_GDN_TC_STATE(128, 3, false, )
 TERN_GDN_TC_STATE(128, 3, true, l)
+// The default form writing a bf16 output: _s3lb.
+#define TERN_GDN_TC_STATE_BF16_OUT(DK)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk##DK##_s3lb(tern_gdn_tc_state_args a) {   \
+        tern_await_prior_kernel();                                                                                     \
+        tern_gdn_tc_state_body<DK, 3, true, false, true>(a);                                                           \
+    }
+TERN_GDN_TC_STATE_BF16_OUT(64)
+TERN_GDN_TC_STATE_BF16_OUT(128)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 TERN_GDN_TC_STATE_CLUSTER(64, 3, true, l)
 TERN_GDN_TC_STATE_CLUSTER(128, 3, true, l)

@@ -189,16 +189,23 @@ impl GpuSegments {
     }
 }
 
-/// Rows of f32 in a device buffer: row `t` is `row_len` elements at `offset + t·stride`.
-#[derive(Clone, Copy)]
-pub struct Rows<'a> {
-    pub buf: &'a CudaSlice<f32>,
+/// Rows of f32 (or, for the fast prefill's bf16 form, bf16 as `u16` bits) in a device buffer:
+/// row `t` is `row_len` elements at `offset + t·stride`.
+pub struct Rows<'a, T = f32> {
+    pub buf: &'a CudaSlice<T>,
     pub offset: usize,
     pub stride: usize,
 }
 
-impl<'a> Rows<'a> {
-    pub fn contiguous(buf: &'a CudaSlice<f32>, row_len: usize) -> Self {
+impl<T> Clone for Rows<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Rows<'_, T> {}
+
+impl<'a, T> Rows<'a, T> {
+    pub fn contiguous(buf: &'a CudaSlice<T>, row_len: usize) -> Self {
         Rows { buf, offset: 0, stride: row_len }
     }
 
@@ -206,10 +213,11 @@ impl<'a> Rows<'a> {
         if self.stride < row_len && rows > 1 {
             return Err(Error::Shape(format!("{what}: row stride {} is shorter than a row of {row_len}", self.stride)));
         }
-        // 16-byte loads: rows must start on 4-float boundaries (cudaMalloc aligns the base).
-        if self.offset % 4 != 0 || self.stride % 4 != 0 {
+        // 16-byte loads: rows must start on 16-byte boundaries (cudaMalloc aligns the base).
+        let per = 16 / std::mem::size_of::<T>();
+        if self.offset % per != 0 || self.stride % per != 0 {
             return Err(Error::Shape(format!(
-                "{what}: offset {} and row stride {} must be multiples of 4 floats",
+                "{what}: offset {} and row stride {} must be multiples of {per} elements (16 bytes)",
                 self.offset, self.stride
             )));
         }
@@ -238,6 +246,37 @@ pub struct GpuDeltaRuleInputs<'a> {
     /// through the gated RMS norm, one launch for what [`GatedDeltaCuda::gates`], the
     /// recurrence and [`GatedDeltaCuda::gated_rms_norm`] do, with the same bits.
     pub fused: Option<FusedGatesNorm<'a>>,
+}
+
+/// The fast prefill's operands in bf16 ([`GatedDeltaCuda::delta_rule_chunked_fast_bf16`]): q,
+/// k, v rows as bf16 bits (the layouts of [`GpuDeltaRuleInputs`]), the gates in f32.
+#[derive(Clone, Copy)]
+pub struct GpuBf16DeltaRuleInputs<'a> {
+    pub q: Rows<'a, u16>,
+    pub k: Rows<'a, u16>,
+    pub v: Rows<'a, u16>,
+    pub g: &'a CudaSlice<f32>,
+    pub beta: &'a CudaSlice<f32>,
+    /// As [`GpuDeltaRuleInputs::normalize_qk`].
+    pub normalize_qk: bool,
+}
+
+/// Device addresses of the fast prefill's operands, either element type (FastIo).
+struct FastOperands {
+    q: (u64, i64),
+    k: (u64, i64),
+    v: (u64, i64),
+    g: u64,
+    beta: u64,
+    normalize_qk: bool,
+    out: u64,
+}
+
+/// The element type of the fast prefill's q, k, v and output: f32, or bf16 as fla takes them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FastIo {
+    F32,
+    Bf16,
 }
 
 /// What the fused recurrence needs beyond the plain one: the gates' `dt_bias` and `a`
@@ -377,7 +416,13 @@ pub struct GatedDeltaCuda {
     /// where d_v is 128 (TERN_GDN_CLUSTER_BLOCKS). 2 by default: with one block a
     /// multiprocessor an H100 holds at most 30 clusters of 4 at once, fewer than the 32 value
     /// heads of Qwen3.5-35B-A3B (ncu, BENCHMARKS.md, twenty-seventh session).
+    /// 1 launches the cluster kernel without clusters: each block fetches its own chunks with
+    /// six bulk copies (no multicast), the rest of the form unchanged.
     cluster_blocks: usize,
+    /// The default variant's kernels with bf16 q, k, v in (prepare, by (d_k, d_v)) and a bf16
+    /// output (state, by d_k): [`GatedDeltaCuda::delta_rule_chunked_fast_bf16`].
+    tc_prepare_bf16: Vec<((usize, usize), CudaFunction)>,
+    tc_state_bf16: Vec<(usize, CudaFunction)>,
     /// Per-(chunk, head) intermediates of the chunked prefill (either mode), grown on demand.
     /// Shared with the graphs of the steps that used it: a recorded prefill holds its address,
     /// so growing it (for a longer prompt) must not free it under such a graph.
@@ -727,7 +772,7 @@ impl GatedDeltaCuda {
             [f("tern_gdn_chunk_state_f32_bv8", ss)?, f("tern_gdn_chunk_state_f32_bv16", ss)?],
             [f("tern_gdn_chunk_state_f64_bv8", ss)?, f("tern_gdn_chunk_state_f64_bv16", ss)?],
         ];
-        let (mut tc_prepare, mut tc_state) = (Vec::new(), Vec::new());
+        let (mut tc_prepare, mut tc_state, mut tc_prepare_bf16, mut tc_state_bf16) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for dk in FAST_CHUNK_HEAD_DIMS {
             for rows in [1, 8] {
                 for dv in FAST_CHUNK_HEAD_DIMS {
@@ -738,6 +783,8 @@ impl GatedDeltaCuda {
                     if rows == 8 {
                         let name = format!("tern_gdn_tc_prepare_dk{dk}_dv{dv}_r8ct");
                         tc_prepare.push(((dk, dv, rows, true, true), fc(&name, tc_prepare_smem(dk, dv, true))?));
+                        let name = format!("tern_gdn_tc_prepare_dk{dk}_dv{dv}_r8ctb");
+                        tc_prepare_bf16.push(((dk, dv), fc(&name, tc_prepare_smem(dk, dv, true))?));
                     }
                 }
             }
@@ -745,6 +792,7 @@ impl GatedDeltaCuda {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s{stages}{}", if late { "l" } else { "" });
                 tc_state.push(((dk, stages, late, false), fc(&name, tc_state_smem(dk, stages, false))?));
             }
+            tc_state_bf16.push((dk, fc(&format!("tern_gdn_tc_state_dk{dk}_s3lb"), tc_state_smem(dk, 3, false))?));
             // Compiled for sm_90 and later only (chunked_tc.cu).
             if gpu.cluster_launch()? {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s3lm");
@@ -754,8 +802,14 @@ impl GatedDeltaCuda {
         Ok(GatedDeltaCuda {
             tc_prepare,
             tc_state,
+            tc_prepare_bf16,
+            tc_state_bf16,
             fast_variant: FAST_VARIANT,
-            cluster_blocks: if std::env::var("TERN_GDN_CLUSTER_BLOCKS").as_deref() == Ok("4") { 4 } else { 2 },
+            cluster_blocks: match std::env::var("TERN_GDN_CLUSTER_BLOCKS").as_deref() {
+                Ok("4") => 4,
+                Ok("1") => 1,
+                _ => 2,
+            },
             chunk_prepare,
             chunk_state,
             chunk_scratch: Mutex::new(None),
@@ -1289,24 +1343,68 @@ impl GatedDeltaCuda {
         heads: &DeltaRuleHeads,
         x: &GpuDeltaRuleInputs,
         segs: &GpuSegments,
-        mut states: GpuStates,
+        states: GpuStates,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
         self.check_inputs("delta_rule_chunked_fast", heads, x, segs, out)?;
         Self::unfused("delta_rule_chunked_fast", x)?;
-        let (pool, state_table, state_ranges) = states.resolve(&self.gpu, "delta_rule_chunked_fast states", segs, heads.state_len())?;
+        let stream = self.gpu.stream();
+        let rows = |r: &Rows| (r.buf.device_ptr(stream).0 + 4 * r.offset as u64, r.stride as i64);
+        let (g, beta) = (x.g.device_ptr(stream).0, x.beta.device_ptr(stream).0);
+        let operands = FastOperands { q: rows(&x.q), k: rows(&x.k), v: rows(&x.v), g, beta, normalize_qk: x.normalize_qk, out: out.device_ptr_mut(stream).0 };
+        self.chunked_fast("delta_rule_chunked_fast", heads, &operands, FastIo::F32, segs, states)
+    }
+
+    /// [`Self::delta_rule_chunked_fast`] with q, k, v and the output in bf16, as fla's chunked
+    /// kernel takes them (half the bytes read and written at each end). Rows of bf16 values
+    /// give the bits the f32 form gives for the same values, the output rounded to bf16 once
+    /// (a device test checks both). Runs the default variant ([`FAST_VARIANT`]).
+    pub fn delta_rule_chunked_fast_bf16(
+        &self,
+        heads: &DeltaRuleHeads,
+        x: &GpuBf16DeltaRuleInputs,
+        segs: &GpuSegments,
+        states: GpuStates,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<()> {
+        let what = "delta_rule_chunked_fast_bf16";
+        heads.validate()?;
+        let t = segs.tokens;
+        x.q.check(&format!("{what} q"), t, heads.n_k_heads * heads.d_k)?;
+        x.k.check(&format!("{what} k"), t, heads.n_k_heads * heads.d_k)?;
+        x.v.check(&format!("{what} v"), t, heads.n_v_heads * heads.d_v)?;
+        check_len(&format!("{what} g"), x.g.len(), t * heads.n_v_heads)?;
+        check_len(&format!("{what} beta"), x.beta.len(), t * heads.n_v_heads)?;
+        check_len(&format!("{what} output"), out.len(), t * heads.n_v_heads * heads.d_v)?;
+        let stream = self.gpu.stream();
+        let rows = |r: &Rows<u16>| (r.buf.device_ptr(stream).0 + 2 * r.offset as u64, r.stride as i64);
+        let (g, beta) = (x.g.device_ptr(stream).0, x.beta.device_ptr(stream).0);
+        let operands = FastOperands { q: rows(&x.q), k: rows(&x.k), v: rows(&x.v), g, beta, normalize_qk: x.normalize_qk, out: out.device_ptr_mut(stream).0 };
+        self.chunked_fast(what, heads, &operands, FastIo::Bf16, segs, states)
+    }
+
+    /// The two passes of the fast prefill over checked operands.
+    fn chunked_fast(&self, what: &str, heads: &DeltaRuleHeads, x: &FastOperands, io: FastIo, segs: &GpuSegments, mut states: GpuStates) -> Result<()> {
+        let (pool, state_table, state_ranges) = states.resolve(&self.gpu, &format!("{what} states"), segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
-        let FastVariant { rows, stages, compact, late_issue, tiled, cluster } = self.fast_variant;
-        let prepare = self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f);
-        let state = self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster)).map(|(_, f)| f);
+        // The bf16 forms exist for the default variant only.
+        let FastVariant { rows, stages, compact, late_issue, tiled, cluster } = if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
+        let (prepare, state) = match io {
+            FastIo::F32 => (
+                self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f),
+                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster)).map(|(_, f)| f),
+            ),
+            FastIo::Bf16 => (
+                self.tc_prepare_bf16.iter().find(|(d, _)| *d == (d_k, d_v)).map(|(_, f)| f),
+                self.tc_state_bf16.iter().find(|(d, _)| *d == d_k).map(|(_, f)| f),
+            ),
+        };
         let (Some(prepare), Some(state)) = (prepare, state) else {
-            return Err(Error::Shape(format!(
-                "delta_rule_chunked_fast on CUDA: d_k {d_k}, d_v {d_v} (each must be one of {FAST_CHUNK_HEAD_DIMS:?})"
-            )));
+            return Err(Error::Shape(format!("{what} on CUDA: d_k {d_k}, d_v {d_v} (each must be one of {FAST_CHUNK_HEAD_DIMS:?})")));
         };
         let Some(table) = segs.chunk_table(&self.gpu)? else { return Ok(()) };
         if table.n_chunks > 65_535 {
-            return Err(Error::Shape(format!("delta_rule_chunked_fast: {} chunks, at most 65535 per launch", table.n_chunks)));
+            return Err(Error::Shape(format!("{what}: {} chunks, at most 65535 per launch", table.n_chunks)));
         }
         let (per, per_k) = (table.n_chunks * n_v_heads, table.n_chunks * n_k_heads);
         // bf16 regions, each a whole number of 16-byte pieces: W, U, read-out weights, q, k;
@@ -1320,20 +1418,19 @@ impl GatedDeltaCuda {
             at[i] = at[i - 1] + bytes[i - 1] as u64;
         }
         let [w_s, u_s, qk_s, qn_s, kn_s, dec_s] = at.map(|o| base + o);
-        let ptr = |r: &Rows| r.buf.device_ptr(stream).0 + 4 * r.offset as u64;
         let (nk, nv, dv) = (i32_of("key heads", n_k_heads)?, i32_of("value heads", n_v_heads)?, i32_of("d_v", d_v)?);
         let grouped = (key_head == KeyHeadMap::Grouped) as i32;
         let (chunk_t0, chunk_len) = (table.chunk_t0.device_ptr(stream).0, table.chunk_len.device_ptr(stream).0);
 
         let args = TcPrepArgs {
-            q: ptr(&x.q),
-            q_stride: x.q.stride as i64,
-            k: ptr(&x.k),
-            k_stride: x.k.stride as i64,
-            v: ptr(&x.v),
-            v_stride: x.v.stride as i64,
-            g: x.g.device_ptr(stream).0,
-            beta: x.beta.device_ptr(stream).0,
+            q: x.q.0,
+            q_stride: x.q.1,
+            k: x.k.0,
+            k_stride: x.k.1,
+            v: x.v.0,
+            v_stride: x.v.1,
+            g: x.g,
+            beta: x.beta,
             chunk_t0,
             chunk_len,
             w_s,
@@ -1367,7 +1464,7 @@ impl GatedDeltaCuda {
 
         let args = TcStateArgs {
             states: pool,
-            out: out.device_ptr_mut(stream).0,
+            out: x.out,
             w_s,
             u_s,
             qk_s,
@@ -1393,7 +1490,7 @@ impl GatedDeltaCuda {
         };
         let mut l = self.gpu.launch_builder(state);
         l.arg(&args);
-        if cluster {
+        if cluster && self.cluster_blocks > 1 {
             // Slices of one value head and sequence (2 of them where d_v is 64).
             l.cluster((1, (self.cluster_blocks as u32).min(slices), 1));
         }

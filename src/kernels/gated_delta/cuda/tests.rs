@@ -690,6 +690,80 @@ fn cuda_chunked_fast_matches_cpu_scan() {
     assert!(failures.is_empty(), "fast chunked prefill over the bound {FAST_BOUND:e}:\n{}", failures.join("\n"));
 }
 
+/// The fast prefill with bf16 q, k, v and output against its f32 form on the same values (the
+/// bf16 rows widened): the same states bit for bit, and each output the f32 form's rounded to
+/// bf16 once. q, k, v are views of one `[q | k | v]` row as the model's conv writes them;
+/// several sequences on scattered slots; the output poisoned with NaN first. Bad operands are
+/// errors, not launches.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_chunked_fast_bf16_io_equals_f32_form() {
+    use half::bf16;
+    let gpu = gpu();
+    let k = GatedDeltaCuda::new(gpu.clone()).unwrap();
+    let mut rng = rng("cuda_chunked_fast_bf16_io_equals_f32_form");
+    let cases: &[(usize, usize, usize, usize, KeyHeadMap, &[usize])] = &[
+        (2, 4, 64, 64, KeyHeadMap::Grouped, &[1, 64, 65, 200]),
+        (2, 6, 128, 128, KeyHeadMap::Tiled, &[300, 7]),
+        (1, 3, 64, 128, KeyHeadMap::Grouped, &[129]),
+        (2, 4, 128, 64, KeyHeadMap::Tiled, &[70, 0, 5]),
+    ];
+    for &(nk, nv, dk, dv, key_head, lengths) in cases {
+        let heads = DeltaRuleHeads { n_k_heads: nk, n_v_heads: nv, d_k: dk, d_v: dv, key_head };
+        let tokens: usize = lengths.iter().sum();
+        let (kd, vd) = (nk * dk, nv * dv);
+        let row = 2 * kd + vd;
+        // bf16 values, and the same values in f32.
+        let qkv16: Vec<u16> = rng.vec(tokens * row, -1.0, 1.0).iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+        let qkv32: Vec<f32> = qkv16.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+        let g = rng.vec(tokens * nv, -1.0, -0.001);
+        let beta = rng.vec(tokens * nv, 0.0, 1.0);
+        let slots = scattered_slots(lengths.len());
+        let pool = rng.vec((2 * lengths.len() + 1) * heads.state_len(), -0.5, 0.5);
+        let segs = GpuSegments::new(&gpu, &pack(lengths.iter().copied()), &slots, tokens).unwrap();
+        let (d16, d32, dg, db) = (gpu.upload(&qkv16).unwrap(), gpu.upload(&qkv32).unwrap(), gpu.upload(&g).unwrap(), gpu.upload(&beta).unwrap());
+        for normalize_qk in [true, false] {
+            let view32 = |offset| Rows { buf: &d32, offset, stride: row };
+            let x32 = GpuDeltaRuleInputs { q: view32(0), k: view32(kd), v: view32(2 * kd), g: &dg, beta: &db, normalize_qk, fused: None };
+            let mut p32 = gpu.upload(&pool).unwrap();
+            let mut o32 = nan(&gpu, tokens * vd);
+            k.delta_rule_chunked_fast(&heads, &x32, &segs, GpuStates::Pool(&mut p32), &mut o32).unwrap();
+            let view16 = |offset| Rows { buf: &d16, offset, stride: row };
+            let x16 = GpuBf16DeltaRuleInputs { q: view16(0), k: view16(kd), v: view16(2 * kd), g: &dg, beta: &db, normalize_qk };
+            let mut p16 = gpu.upload(&pool).unwrap();
+            let mut o16 = gpu.upload(&vec![0x7fc0u16; tokens * vd]).unwrap();
+            k.delta_rule_chunked_fast_bf16(&heads, &x16, &segs, GpuStates::Pool(&mut p16), &mut o16).unwrap();
+            let what = format!("{heads:?} {lengths:?} normalize_qk {normalize_qk}");
+            assert_bits_eq(&format!("{what}: states"), &gpu.download(&p16).unwrap(), &gpu.download(&p32).unwrap());
+            let rounded: Vec<u16> = gpu.download(&o32).unwrap().iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+            let got = gpu.download(&o16).unwrap();
+            let differ = got.iter().zip(&rounded).filter(|(a, b)| a != b).count();
+            assert_eq!(differ, 0, "{what}: {differ} of {} bf16 outputs differ from the f32 form's rounded", got.len());
+            eprintln!("fast bf16 io {what}: states and outputs as the f32 form's");
+        }
+    }
+    // Bad operands: a misaligned view, a short buffer, a short output, head sizes without a kernel.
+    let heads = DeltaRuleHeads { n_k_heads: 1, n_v_heads: 2, d_k: 64, d_v: 64, key_head: KeyHeadMap::Grouped };
+    let tokens = 3;
+    let segs = GpuSegments::new(&gpu, &pack([tokens]), &[0], tokens).unwrap();
+    let buf = gpu.upload(&vec![0u16; tokens * 256]).unwrap();
+    let (g, beta) = (gpu.upload(&vec![-0.1f32; tokens * 2]).unwrap(), gpu.upload(&vec![0.5f32; tokens * 2]).unwrap());
+    let mut st = gpu.upload(&vec![0.0f32; heads.state_len()]).unwrap();
+    let mut out = gpu.upload(&vec![0u16; tokens * 128]).unwrap();
+    let view = |offset, stride| Rows { buf: &buf, offset, stride };
+    let x = |(offset, stride): (usize, usize)| GpuBf16DeltaRuleInputs { q: view(offset, stride), k: view(64, 256), v: view(128, 256), g: &g, beta: &beta, normalize_qk: true };
+    for (bad, q) in [("misaligned", (4, 256)), ("past the buffer", (0, 400)), ("overlapping rows", (0, 32))] {
+        let r = k.delta_rule_chunked_fast_bf16(&heads, &x(q), &segs, GpuStates::Pool(&mut st), &mut out);
+        assert!(matches!(r, Err(Error::Shape(_))), "{bad}: {:?}", r.err());
+    }
+    let mut short = gpu.upload(&vec![0u16; tokens * 128 - 1]).unwrap();
+    assert!(matches!(k.delta_rule_chunked_fast_bf16(&heads, &x((0, 256)), &segs, GpuStates::Pool(&mut st), &mut short), Err(Error::Shape(_))));
+    let big = DeltaRuleHeads { n_k_heads: 1, n_v_heads: 1, d_k: 32, d_v: 32, key_head: KeyHeadMap::Grouped };
+    let mut st32 = gpu.upload(&vec![0.0f32; big.state_len()]).unwrap();
+    let r = k.delta_rule_chunked_fast_bf16(&big, &x((0, 256)), &segs, GpuStates::Pool(&mut st32), &mut out);
+    assert!(matches!(r, Err(Error::Shape(_))), "d 32: {:?}", r.err());
+}
+
 /// The fused recurrence (gates formed inside, output through the gated norm, each sequence's
 /// state in a buffer of its own) against the three device kernels it replaces on a pool, bit
 /// for bit (outputs and states), and against the CPU forms of the three within the f32
