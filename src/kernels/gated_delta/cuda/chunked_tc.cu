@@ -818,7 +818,8 @@ __device__ void tern_gdn_tc_issue_cluster(tern_gdn_tc_stage<DK>& st, unsigned lo
 // blocks of a value head run as one cluster and share the chunks' tiles (bulk copies
 // multicast, tern_gdn_tc_issue_cluster) instead of each copying them with cp.async; launched
 // without clusters (a cluster of one), each block fetches its chunks with its own six bulk
-// copies. OUT16: the output in bf16 (each f32 result rounded to nearest even once). The results
+// copies, issued where LATE issues cp.async and with no `empty` barriers (the block's own
+// barrier at the top of each chunk frees the stage). OUT16: the output in bf16 (each f32 result rounded to nearest even once). The results
 // do not depend on NS, LATE or MC.
 template <int DK, int NS, bool LATE, bool MC, bool OUT16 = false>
 __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
@@ -849,7 +850,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
             // Lanes 0..5 of warp 0 copy; they wait for the other blocks (this one left chunk
             // m - NS at the barrier of the chunk after it).
             if (threadIdx.x < 6) {
-                if (m >= NS) tern_gdn_tc_bar_wait(&smc.empty[m % NS], (unsigned)(m / NS - 1) & 1u);
+                if (m >= NS && blocks > 1) tern_gdn_tc_bar_wait(&smc.empty[m % NS], (unsigned)(m / NS - 1) & 1u);
                 if (threadIdx.x == 0) tern_gdn_tc_bar_expect(&smc.full[m % NS], (unsigned)sizeof(tern_gdn_tc_stage<DK>));
                 tern_gdn_tc_issue_cluster<DK>(st, &smc.full[m % NS], a, c, h, kh, j0, rank, blocks);
             }
@@ -891,7 +892,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         __syncthreads();  // this chunk's operands and the state copy are in; the stage of chunk n - 1 is free
         if constexpr (MC) {
             // ... in this block: tell every block of the cluster.
-            if (n > 0 && threadIdx.x < blocks) tern_gdn_tc_bar_arrive_at(&smc.empty[(n - 1) % NS], threadIdx.x);
+            if (n > 0 && threadIdx.x < blocks && blocks > 1) tern_gdn_tc_bar_arrive_at(&smc.empty[(n - 1) % NS], threadIdx.x);
         }
         // One commit group per chunk wherever it is issued, so the wait above keeps its meaning.
         const auto issue_ahead = [&]() {
@@ -943,7 +944,11 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
                 tern_gdn_tc_mma(o[1], aq[p], b[p][2], b[p][3]);
             }
         }
+        // (A cluster of one needs no `empty` barriers: the barrier at the top of this chunk
+        // freed the stage, as for cp.async; its copies leave here too.)
         if constexpr (LATE && !MC) issue_ahead();
+        if constexpr (MC)
+            if (blocks == 1) issue_ahead();
 #pragma unroll
         for (int t = 0; t < 2; t++)
 #pragma unroll
@@ -1023,7 +1028,8 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         // In a cluster the copies of chunk n + NS - 1 leave last: their stage (chunk n - 1's)
         // was freed by every block at the top of this chunk, so the wait rarely waits, and a
         // chunk later their bytes are needed.
-        if constexpr (MC) issue_ahead();
+        if constexpr (MC)
+            if (blocks > 1) issue_ahead();
     }
 #pragma unroll
     for (int n = 0; n < NI; n++)

@@ -326,6 +326,19 @@ impl GpuStates<'_, '_> {
     }
 }
 
+/// The checks of a launcher's per-token operands, either element type: the heads, q, k, v rows
+/// over `tokens`, the gates g and β, and an output of `out_len` elements.
+fn check_operands<T>(what: &str, heads: &DeltaRuleHeads, [q, k, v]: [&Rows<T>; 3], [g, beta]: [&CudaSlice<f32>; 2], out_len: usize, tokens: usize) -> Result<()> {
+    heads.validate()?;
+    let t = tokens;
+    q.check(&format!("{what} q"), t, heads.n_k_heads * heads.d_k)?;
+    k.check(&format!("{what} k"), t, heads.n_k_heads * heads.d_k)?;
+    v.check(&format!("{what} v"), t, heads.n_v_heads * heads.d_v)?;
+    check_len(&format!("{what} g"), g.len(), t * heads.n_v_heads)?;
+    check_len(&format!("{what} beta"), beta.len(), t * heads.n_v_heads)?;
+    check_len(&format!("{what} output"), out_len, t * heads.n_v_heads * heads.d_v)
+}
+
 /// Mirrors `tern_gdn_recurrence_args` in recurrence.cu field for field (C layout).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -564,7 +577,10 @@ pub const FAST_VARIANTS: [FastVariant; 10] = [
 /// (8, 3, false, false) at 32k); tiling took its prepare pass from 1.322 to 1.182 ms at 32k on
 /// an H100 (2.464 -> 2.321 ms in all; 0.195 -> 0.182 at 2k, 0.646 -> 0.618 at 8k), the same bits.
 /// The state pass's operands stored as it keeps them (unpadded rows, permuted pieces) took it
-/// from 1.137 to 0.991–0.997 ms at 32k on an H100 (2.309 -> 2.136–2.142 ms in all).
+/// from 1.137 to 0.991–0.997 ms at 32k on an H100 (2.309 -> 2.136–2.142 ms in all). Rows
+/// fetched one vector a lane took the prepare pass from 1.16 to 1.04 ms, and the state pass's
+/// fragments loaded a k-step ahead took it from 1.01 to 0.87 ms (1.89–1.94 ms in all at 32k,
+/// 0.80–0.82 of fla's graph time on the same H100; BENCHMARKS.md, twenty-eighth session).
 pub const FAST_VARIANT: FastVariant = FastVariant { tiled: true, ..fast(8, 3, true, true) };
 
 /// Bytes of `tern_gdn_tc_prepare_body`'s shared memory (`tern_gdn_tc_prep_smem` in
@@ -1074,14 +1090,8 @@ impl GatedDeltaCuda {
     }
 
     fn check_inputs(&self, what: &str, heads: &DeltaRuleHeads, x: &GpuDeltaRuleInputs, segs: &GpuSegments, out: &CudaSlice<f32>) -> Result<()> {
-        heads.validate()?;
+        check_operands(what, heads, [&x.q, &x.k, &x.v], [x.g, x.beta], out.len(), segs.tokens)?;
         let t = segs.tokens;
-        x.q.check(&format!("{what} q"), t, heads.n_k_heads * heads.d_k)?;
-        x.k.check(&format!("{what} k"), t, heads.n_k_heads * heads.d_k)?;
-        x.v.check(&format!("{what} v"), t, heads.n_v_heads * heads.d_v)?;
-        check_len(&format!("{what} g"), x.g.len(), t * heads.n_v_heads)?;
-        check_len(&format!("{what} beta"), x.beta.len(), t * heads.n_v_heads)?;
-        check_len(&format!("{what} output"), out.len(), t * heads.n_v_heads * heads.d_v)?;
         if let Some(f) = &x.fused {
             check_len(&format!("{what} dt_bias"), f.dt_bias.len(), heads.n_v_heads)?;
             check_len(&format!("{what} a"), f.a.len(), heads.n_v_heads)?;
@@ -1368,14 +1378,7 @@ impl GatedDeltaCuda {
         out: &mut CudaSlice<u16>,
     ) -> Result<()> {
         let what = "delta_rule_chunked_fast_bf16";
-        heads.validate()?;
-        let t = segs.tokens;
-        x.q.check(&format!("{what} q"), t, heads.n_k_heads * heads.d_k)?;
-        x.k.check(&format!("{what} k"), t, heads.n_k_heads * heads.d_k)?;
-        x.v.check(&format!("{what} v"), t, heads.n_v_heads * heads.d_v)?;
-        check_len(&format!("{what} g"), x.g.len(), t * heads.n_v_heads)?;
-        check_len(&format!("{what} beta"), x.beta.len(), t * heads.n_v_heads)?;
-        check_len(&format!("{what} output"), out.len(), t * heads.n_v_heads * heads.d_v)?;
+        check_operands(what, heads, [&x.q, &x.k, &x.v], [x.g, x.beta], out.len(), segs.tokens)?;
         let stream = self.gpu.stream();
         let rows = |r: &Rows<u16>| (r.buf.device_ptr(stream).0 + 2 * r.offset as u64, r.stride as i64);
         let (g, beta) = (x.g.device_ptr(stream).0, x.beta.device_ptr(stream).0);
