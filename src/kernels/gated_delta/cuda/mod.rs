@@ -430,7 +430,8 @@ pub struct GatedDeltaCuda {
     /// multiprocessor an H100 holds at most 30 clusters of 4 at once, fewer than the 32 value
     /// heads of Qwen3.5-35B-A3B (ncu, BENCHMARKS.md, twenty-seventh session).
     /// 1 launches the cluster kernel without clusters: each block fetches its own chunks with
-    /// six bulk copies (no multicast), the rest of the form unchanged.
+    /// six bulk copies (no multicast), issued where LATE issues cp.async (0.96 against the
+    /// default's 0.88 ms at 32k tokens on an H100, BENCHMARKS.md, twenty-eighth session).
     cluster_blocks: usize,
     /// The default variant's kernels with bf16 q, k, v in (prepare, by (d_k, d_v)) and a bf16
     /// output (state, by d_k): [`GatedDeltaCuda::delta_rule_chunked_fast_bf16`].
