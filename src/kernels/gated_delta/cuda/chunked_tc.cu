@@ -125,10 +125,10 @@ struct tern_gdn_tc_prep_args {
 };
 
 // Rows of one operand of the chunk into bf16 shared memory, one warp per row (rows r0 + 8u,
-// u < NR, for warp r0 % 8), L2-normalised (times `scale`) when asked, with the arithmetic of
-// tern_gdn_l2_rows_smem; rows past len are zeros. With `out`, the bf16 rows also go to global
-// memory. Lane l holds columns E l .. E l + E - 1 (E = D / 32), fetched with one vector load a
-// row. The fetch issues all NR rows' loads before any is used, so their latencies overlap, and
+// u < NR, for warp r0 % 8), L2-normalised (times `scale`) when asked, as tern_gdn_l2_rows_smem
+// does but with each lane's squares summed over its own columns (so not its bits); rows past
+// len are zeros. With `out`, the bf16 rows also go to global memory. Lane l holds columns
+// E l .. E l + E - 1 (E = D / 32), fetched with one vector load a row. The fetch issues all NR rows' loads before any is used, so their latencies overlap, and
 // keeps them as loaded: bf16 rows (IN = tern_gdn_bf16) stay packed two to a register and are
 // widened where they are used, so no conversion waits on a load while later rows are still to
 // be requested. The row-to-warp assignment and the arithmetic depend neither on NR nor on IN
@@ -819,8 +819,8 @@ __device__ void tern_gdn_tc_issue_cluster(tern_gdn_tc_stage<DK>& st, unsigned lo
 // multicast, tern_gdn_tc_issue_cluster) instead of each copying them with cp.async; launched
 // without clusters (a cluster of one), each block fetches its chunks with its own six bulk
 // copies, issued where LATE issues cp.async and with no `empty` barriers (the block's own
-// barrier at the top of each chunk frees the stage). OUT16: the output in bf16 (each f32 result rounded to nearest even once). The results
-// do not depend on NS, LATE or MC.
+// barrier at the top of each chunk frees the stage). OUT16: the output in bf16 (each f32
+// result rounded to nearest even once). The results do not depend on NS, LATE or MC.
 template <int DK, int NS, bool LATE, bool MC, bool OUT16 = false>
 __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
     constexpr int C = tern_gdn_tc_c, BV = tern_gdn_tc_bv, LDK = DK + 8, LDC = tern_gdn_tc_ldc, NI = DK / 32;
