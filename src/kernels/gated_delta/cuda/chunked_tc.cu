@@ -67,7 +67,10 @@ __device__ __forceinline__ tern_gdn_bf16 tern_gdn_tc_bf16(float x) {
     return d;
 }
 
-__device__ __forceinline__ float tern_gdn_tc_f32(tern_gdn_bf16 x) { return __uint_as_float((unsigned)x << 16); }
+// Element e (0: the low half) of two bf16 packed in a word, widened.
+__device__ __forceinline__ float tern_gdn_tc_f32_of_pair(unsigned word, int e) {
+    return __uint_as_float(e ? word & 0xffff0000u : word << 16);
+}
 
 __device__ __forceinline__ void tern_gdn_tc_cp16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(tern_gdn_tc_saddr(smem)), "l"(gmem) : "memory");
@@ -128,11 +131,12 @@ struct tern_gdn_tc_prep_args {
 // u < NR, for warp r0 % 8), L2-normalised (times `scale`) when asked, as tern_gdn_l2_rows_smem
 // does but with each lane's squares summed over its own columns (so not its bits); rows past
 // len are zeros. With `out`, the bf16 rows also go to global memory. Lane l holds columns
-// E l .. E l + E - 1 (E = D / 32), fetched with one vector load a row. The fetch issues all NR rows' loads before any is used, so their latencies overlap, and
-// keeps them as loaded: bf16 rows (IN = tern_gdn_bf16) stay packed two to a register and are
-// widened where they are used, so no conversion waits on a load while later rows are still to
-// be requested. The row-to-warp assignment and the arithmetic depend neither on NR nor on IN
-// (a bf16 value widens exactly): rows of bf16 values give the same bits either way.
+// E l .. E l + E - 1 (E = D / 32), fetched with one vector load a row. The fetch issues all NR
+// rows' loads before any is used, so their latencies overlap, and keeps them as loaded: bf16
+// rows (IN = tern_gdn_bf16) stay packed two to a register and are widened where they are used,
+// so no conversion waits on a load while later rows are still to be requested. The
+// row-to-warp assignment and the arithmetic depend neither on NR nor on IN (a bf16 value
+// widens exactly): rows of bf16 values give the same bits either way.
 template <int D, int NR, typename IN>
 struct tern_gdn_tc_rows;
 
@@ -179,8 +183,7 @@ struct tern_gdn_tc_rows<D, NR, tern_gdn_bf16> {
         }
     }
     __device__ __forceinline__ float at(int u, int e) const {
-        const unsigned word = w[u][e >> 1];
-        return __uint_as_float(e & 1 ? word & 0xffff0000u : word << 16);
+        return tern_gdn_tc_f32_of_pair(w[u][e >> 1], e & 1);
     }
 };
 
@@ -956,8 +959,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
                 const int c = mc + g + 8 * hf, j = jn + 8 * t + 2 * q;
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    const float u = __uint_as_float(e ? uw[t][hf] & 0xffff0000u : uw[t][hf] << 16);
-                    const float dl = u - d[t][2 * hf + e];
+                    const float dl = tern_gdn_tc_f32_of_pair(uw[t][hf], e) - d[t][2 * hf + e];
                     sm.d[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl);
                     sm.dt[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl * el[hf]);
                     o[t][2 * hf + e] *= eg[hf];

@@ -209,6 +209,11 @@ impl<'a, T> Rows<'a, T> {
         Rows { buf, offset: 0, stride: row_len }
     }
 
+    /// The device address of row 0.
+    fn address(&self, gpu: &Gpu) -> u64 {
+        gpu.ptr(self.buf) + (std::mem::size_of::<T>() * self.offset) as u64
+    }
+
     fn check(&self, what: &str, rows: usize, row_len: usize) -> Result<()> {
         if self.stride < row_len && rows > 1 {
             return Err(Error::Shape(format!("{what}: row stride {} is shorter than a row of {row_len}", self.stride)));
@@ -261,7 +266,8 @@ pub struct GpuBf16DeltaRuleInputs<'a> {
     pub normalize_qk: bool,
 }
 
-/// Device addresses of the fast prefill's operands, either element type (FastIo).
+/// Device addresses of the fast prefill's operands, either element type (FastIo): q, k, v as
+/// (row 0, stride in elements).
 struct FastOperands {
     q: (u64, i64),
     k: (u64, i64),
@@ -270,6 +276,13 @@ struct FastOperands {
     beta: u64,
     normalize_qk: bool,
     out: u64,
+}
+
+impl FastOperands {
+    fn new<T>(gpu: &Gpu, [q, k, v]: [&Rows<T>; 3], [g, beta]: [&CudaSlice<f32>; 2], normalize_qk: bool, out: u64) -> Self {
+        let rows = |r: &Rows<T>| (r.address(gpu), r.stride as i64);
+        FastOperands { q: rows(q), k: rows(k), v: rows(v), g: gpu.ptr(g), beta: gpu.ptr(beta), normalize_qk, out }
+    }
 }
 
 /// The element type of the fast prefill's q, k, v and output: f32, or bf16 as fla takes them.
@@ -1165,7 +1178,7 @@ impl GatedDeltaCuda {
             },
         };
         let g = &self.gpu;
-        let at = |r: &Rows| g.ptr(r.buf) + 4 * r.offset as u64;
+        let at = |r: &Rows| r.address(g);
         let fused = x.fused.as_ref();
         let args = RecurrenceArgs {
             states: pool,
@@ -1243,7 +1256,7 @@ impl GatedDeltaCuda {
         let stream = gpu.stream();
         let base = gpu.ptr(&*scratch);
         let (w_s, u_s, qk_s, dec_s) = (base, base + 4 * w_len as u64, base + 4 * (w_len + u_len) as u64, base + 4 * (w_len + u_len + qk_len) as u64);
-        let ptr = |r: &Rows| r.buf.device_ptr(stream).0 + 4 * r.offset as u64;
+        let ptr = |r: &Rows| r.address(gpu);
         let (nk, nv, dk, dv) = (i32_of("key heads", n_k_heads)?, i32_of("value heads", n_v_heads)?, i32_of("d_k", d_k)?, i32_of("d_v", d_v)?);
         let grouped = (key_head == KeyHeadMap::Grouped) as i32;
         let l2qk = x.normalize_qk as i32;
@@ -1359,10 +1372,8 @@ impl GatedDeltaCuda {
     ) -> Result<()> {
         self.check_inputs("delta_rule_chunked_fast", heads, x, segs, out)?;
         Self::unfused("delta_rule_chunked_fast", x)?;
-        let stream = self.gpu.stream();
-        let rows = |r: &Rows| (r.buf.device_ptr(stream).0 + 4 * r.offset as u64, r.stride as i64);
-        let (g, beta) = (x.g.device_ptr(stream).0, x.beta.device_ptr(stream).0);
-        let operands = FastOperands { q: rows(&x.q), k: rows(&x.k), v: rows(&x.v), g, beta, normalize_qk: x.normalize_qk, out: out.device_ptr_mut(stream).0 };
+        let out = self.gpu.ptr(out);
+        let operands = FastOperands::new(&self.gpu, [&x.q, &x.k, &x.v], [x.g, x.beta], x.normalize_qk, out);
         self.chunked_fast("delta_rule_chunked_fast", heads, &operands, FastIo::F32, segs, states)
     }
 
@@ -1380,10 +1391,8 @@ impl GatedDeltaCuda {
     ) -> Result<()> {
         let what = "delta_rule_chunked_fast_bf16";
         check_operands(what, heads, [&x.q, &x.k, &x.v], [x.g, x.beta], out.len(), segs.tokens)?;
-        let stream = self.gpu.stream();
-        let rows = |r: &Rows<u16>| (r.buf.device_ptr(stream).0 + 2 * r.offset as u64, r.stride as i64);
-        let (g, beta) = (x.g.device_ptr(stream).0, x.beta.device_ptr(stream).0);
-        let operands = FastOperands { q: rows(&x.q), k: rows(&x.k), v: rows(&x.v), g, beta, normalize_qk: x.normalize_qk, out: out.device_ptr_mut(stream).0 };
+        let out = self.gpu.ptr(out);
+        let operands = FastOperands::new(&self.gpu, [&x.q, &x.k, &x.v], [x.g, x.beta], x.normalize_qk, out);
         self.chunked_fast(what, heads, &operands, FastIo::Bf16, segs, states)
     }
 
