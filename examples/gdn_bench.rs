@@ -301,7 +301,7 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
                     let vprep = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
                     k.set_chunk_prepare_only(false);
                     println!(
-                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} cluster={} paired={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}",
+                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} cluster={} paired={} defer_readout={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}",
                         v.rows,
                         v.stages,
                         v.compact,
@@ -309,6 +309,7 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
                         v.tiled,
                         v.cluster,
                         v.paired,
+                        v.defer_readout,
                         vms - vprep
                     );
                 }
@@ -356,10 +357,13 @@ fn bf16_io(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, l: &Layer,
     let t = segs.tokens();
     let mut st = gpu.upload(init)?;
     let mut out = gpu.zeros::<u16>(t * heads.n_v_heads * heads.d_v)?;
-    // The default variant, then its prepare pass paired or not the other way.
-    for paired in [FAST_VARIANT.paired, !FAST_VARIANT.paired] {
-        k.set_fast_variant(FastVariant { paired, ..FAST_VARIANT })?;
-        bf16_io_variant(gpu, k, heads, &x, segs, (init, want_out), copy_bw, paired, (&mut st, &mut out))?;
+    // The default variant, then with its prepare pass paired and its read-out deferred the
+    // other way.
+    let (p, d) = (FAST_VARIANT.paired, FAST_VARIANT.defer_readout);
+    for (paired, defer_readout) in [(p, d), (!p, d), (p, !d), (!p, !d)] {
+        let v = FastVariant { paired, defer_readout, ..FAST_VARIANT };
+        k.set_fast_variant(v)?;
+        bf16_io_variant(gpu, k, heads, &x, segs, (init, want_out), copy_bw, v, (&mut st, &mut out))?;
     }
     k.set_fast_variant(FAST_VARIANT)
 }
@@ -373,7 +377,7 @@ fn bf16_io_variant(
     segs: &GpuSegments,
     (init, want_out): (&[f32], &[f32]),
     copy_bw: f64,
-    paired: bool,
+    FastVariant { paired, defer_readout, .. }: FastVariant,
     (st, out): (&mut CudaSlice<f32>, &mut CudaSlice<u16>),
 ) -> Result<()> {
     let t = segs.tokens();
@@ -390,7 +394,7 @@ fn bf16_io_variant(
     let floor_bytes = 2 * t * (2 * qk + 2 * heads.n_v_heads * heads.d_v) + 8 * t * heads.n_v_heads + 8 * heads.state_len();
     let floor_ms = floor_bytes as f64 / copy_bw * 1e3;
     println!(
-        "RESULT prefill_bf16_io tokens={t} paired={paired} total_ms={ms:.4} parallel_pass_ms={prep:.4} state_pass_ms={:.4} out_err={:.3e} floor_ms={floor_ms:.4} fast_fraction={:.4}",
+        "RESULT prefill_bf16_io tokens={t} paired={paired} defer_readout={defer_readout} total_ms={ms:.4} parallel_pass_ms={prep:.4} state_pass_ms={:.4} out_err={:.3e} floor_ms={floor_ms:.4} fast_fraction={:.4}",
         ms - prep,
         rel_err(&got, want_out),
         floor_ms / ms

@@ -872,11 +872,12 @@ struct tern_gdn_tc_stage {
     float dec[128];
 };
 
-template <int DK, int NS>
+// DB: Delta tiles kept (2 where the read-out of a chunk is deferred into the next, DEFER).
+template <int DK, int NS, int DB = 1>
 struct tern_gdn_tc_state_smem {
     tern_gdn_tc_stage<DK> st[NS];
     tern_gdn_bf16 s[tern_gdn_tc_bv * (DK + 8)];      // bf16 copy of the state slice, [j][i]
-    tern_gdn_bf16 d[tern_gdn_tc_bv * tern_gdn_tc_ldc];   // Delta, [j][c]
+    tern_gdn_bf16 d[DB][tern_gdn_tc_bv * tern_gdn_tc_ldc];   // Delta, [j][c]
     tern_gdn_bf16 dt[tern_gdn_tc_bv * tern_gdn_tc_ldc];  // e^{G_L - G_c} Delta, [j][c]
 };
 
@@ -891,6 +892,7 @@ struct tern_gdn_tc_state_smem_mc {
 // The host sizes the launch by the same sums (tc_state_smem in mod.rs; its test pins these).
 static_assert(sizeof(tern_gdn_tc_stage<128>) == 61952 && sizeof(tern_gdn_tc_stage<128>) % 16 == 0, "a stage: whole 16-byte pieces");
 static_assert(sizeof(tern_gdn_tc_state_smem<128, 3>) == 203776, "state pass at d_k 128, 3 stages: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_smem<128, 3, 2>) == 208384, "state pass at d_k 128, 3 stages, read-out deferred: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<128, 3>) == 203824, "state pass in clusters at d_k 128: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<64, 3>) == 126000, "state pass in clusters at d_k 64: as mod.rs sizes it");
 
@@ -1029,16 +1031,23 @@ __device__ void tern_gdn_tc_issue_cluster(tern_gdn_tc_stage<DK>& st, unsigned lo
 // without clusters (a cluster of one), each block fetches its chunks with its own six bulk
 // copies, issued where LATE issues cp.async and with no `empty` barriers (the block's own
 // barrier at the top of each chunk frees the stage). OUT16: the output in bf16 (each f32
-// result rounded to nearest even once). The results do not depend on NS, LATE or MC.
-template <int DK, int NS, bool LATE, bool MC, bool OUT16 = false>
+// result rounded to nearest even once). DEFER: chunk n's read-out (o += QKd Delta and the
+// output's stores) runs in chunk n + 1, after its Delta and P products, so that between the
+// two barriers of a chunk a warp does only what the next chunk's state waits for (the update);
+// the read-out's mma then fill the gaps of the next Delta and P chains. Delta's tiles are kept
+// two deep, and the copies of chunk n + 2 (into the stage chunk n - 1's read-out reads) leave
+// after the barrier that ends that read-out (3 stages, LATE). The results do not depend on NS,
+// LATE, MC or DEFER.
+template <int DK, int NS, bool LATE, bool MC, bool OUT16 = false, bool DEFER = false>
 __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
+    static_assert(!DEFER || (NS == 3 && LATE && !MC), "the deferred read-out: 3 stages, late copies, no clusters");
     constexpr int C = tern_gdn_tc_c, BV = tern_gdn_tc_bv, LDK = DK + 8, LDC = tern_gdn_tc_ldc, NI = DK / 32;
     const int h = blockIdx.x, j0 = blockIdx.y * BV, seq = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     const int nv = a.nv, dv = a.dv;
     const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
     extern __shared__ __align__(16) unsigned char tern_gdn_tc_smem[];
-    tern_gdn_tc_state_smem<DK, NS>& sm = *reinterpret_cast<tern_gdn_tc_state_smem<DK, NS>*>(tern_gdn_tc_smem);
+    tern_gdn_tc_state_smem<DK, NS, DEFER ? 2 : 1>& sm = *reinterpret_cast<tern_gdn_tc_state_smem<DK, NS, DEFER ? 2 : 1>*>(tern_gdn_tc_smem);
     tern_gdn_tc_state_smem_mc<DK, NS>& smc = *reinterpret_cast<tern_gdn_tc_state_smem_mc<DK, NS>*>(tern_gdn_tc_smem);
     unsigned rank = 0, blocks = 1;
     if constexpr (MC) {
@@ -1085,6 +1094,41 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
             s[n][2 * hf + 1] = v.y;
             *reinterpret_cast<unsigned*>(sm.s + j * LDK + i) = tern_gdn_tc_pack(v.x, v.y);
         }
+
+    // o += QKd Delta (the weights are zero above the diagonal: tiles past it are skipped), then
+    // rows below len to the output: a chunk's read-out, from its stage's weights and its Delta.
+    const auto read_out = [&](float (&o)[2][4], const tern_gdn_tc_stage<DK>& st, const tern_gdn_bf16* dtile, size_t t0, int len) {
+        {
+            unsigned aw[2][4], b[2][4];
+            const auto frags = [&](int kt, int p) {
+                tern_gdn_tc_frag_a_swz(aw[p], st.qk, C, mc, 16 * kt);
+                tern_gdn_tc_frag_b_nk(b[p], dtile, LDC, jn, 16 * kt);
+            };
+            frags(0, 0);
+#pragma unroll
+            for (int kt = 0; kt < 4; kt++) {
+                if (kt > (mc >> 4)) break;
+                const int p = kt & 1;
+                if (kt + 1 <= (mc >> 4)) frags(kt + 1, p ^ 1);
+                tern_gdn_tc_mma(o[0], aw[p], b[p][0], b[p][1]);
+                tern_gdn_tc_mma(o[1], aw[p], b[p][2], b[p][3]);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < 2; t++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int c = mc + g + 8 * hf, j = jn + 8 * t + 2 * q;
+                if (c >= len) continue;
+                const size_t at = ((t0 + c) * nv + h) * dv + j0 + j;
+                if constexpr (OUT16) *reinterpret_cast<unsigned*>(static_cast<tern_gdn_bf16*>(a.out) + at) = tern_gdn_tc_pack(o[t][2 * hf], o[t][2 * hf + 1]);
+                else *reinterpret_cast<float2*>(static_cast<float*>(a.out) + at) = make_float2(o[t][2 * hf], o[t][2 * hf + 1]);
+            }
+    };
+    // DEFER: the previous chunk's read-out, held across the barrier at the top of this one.
+    float o_prev[2][4];
+    size_t t0_prev = 0;
+    int len_prev = 0;
 
     const int c0 = (int)a.seg_chunk0[seq], nc = (int)a.seg_nchunks[seq];
     // One commit group per chunk slot, empty past the last chunk, so that "all but the newest
@@ -1155,9 +1199,12 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         }
         // (A cluster of one needs no `empty` barriers: the barrier at the top of this chunk
         // freed the stage, as for cp.async; its copies leave here too.)
-        if constexpr (LATE && !MC) issue_ahead();
+        if constexpr (LATE && !MC && !DEFER) issue_ahead();
         if constexpr (MC)
             if (blocks == 1) issue_ahead();
+        if constexpr (DEFER)
+            if (n > 0) read_out(o_prev, sm.st[(n - 1) % NS], sm.d[(n - 1) & 1], t0_prev, len_prev);
+        tern_gdn_bf16* const dtile = sm.d[DEFER ? n & 1 : 0];
 #pragma unroll
         for (int t = 0; t < 2; t++)
 #pragma unroll
@@ -1166,40 +1213,24 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const float dl = tern_gdn_tc_f32_of_pair(uw[t][hf], e) - d[t][2 * hf + e];
-                    sm.d[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl);
+                    dtile[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl);
                     sm.dt[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl * el[hf]);
                     o[t][2 * hf + e] *= eg[hf];
                 }
             }
-        __syncthreads();  // Delta complete; every read of the state copy is done
+        __syncthreads();  // Delta complete; every read of the state copy (and DEFER: of the previous chunk's stage and Delta) is done
 
-        // o += QKd Delta (the weights are zero above the diagonal: tiles past it are skipped).
-        {
-            unsigned aw[2][4], b[2][4];
-            const auto frags = [&](int kt, int p) {
-                tern_gdn_tc_frag_a_swz(aw[p], st.qk, C, mc, 16 * kt);
-                tern_gdn_tc_frag_b_nk(b[p], sm.d, LDC, jn, 16 * kt);
-            };
-            frags(0, 0);
+        if constexpr (DEFER) {
+            issue_ahead();
 #pragma unroll
-            for (int kt = 0; kt < 4; kt++) {
-                if (kt > (mc >> 4)) break;
-                const int p = kt & 1;
-                if (kt + 1 <= (mc >> 4)) frags(kt + 1, p ^ 1);
-                tern_gdn_tc_mma(o[0], aw[p], b[p][0], b[p][1]);
-                tern_gdn_tc_mma(o[1], aw[p], b[p][2], b[p][3]);
-            }
+            for (int t = 0; t < 2; t++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) o_prev[t][e] = o[t][e];
+            t0_prev = t0;
+            len_prev = len;
+        } else {
+            read_out(o, st, dtile, t0, len);
         }
-#pragma unroll
-        for (int t = 0; t < 2; t++)
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                const int c = mc + g + 8 * hf, j = jn + 8 * t + 2 * q;
-                if (c >= len) continue;
-                const size_t at = ((t0 + c) * nv + h) * dv + j0 + j;
-                if constexpr (OUT16) *reinterpret_cast<unsigned*>(static_cast<tern_gdn_bf16*>(a.out) + at) = tern_gdn_tc_pack(o[t][2 * hf], o[t][2 * hf + 1]);
-                else *reinterpret_cast<float2*>(static_cast<float*>(a.out) + at) = make_float2(o[t][2 * hf], o[t][2 * hf + 1]);
-            }
 
         // S = e^{G_L} S + sum_c (e^{G_L - G_c} Delta_c) k_c^T, as S^T[j][i] tiles.
         const float keep = st.dec[len - 1];
@@ -1239,6 +1270,9 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         if constexpr (MC)
             if (blocks > 1) issue_ahead();
     }
+    // DEFER: the last chunk's read-out (its Delta was complete at its second barrier).
+    if constexpr (DEFER)
+        if (nc > 0) read_out(o_prev, sm.st[(nc - 1) % NS], sm.d[(nc - 1) & 1], t0_prev, len_prev);
 #pragma unroll
     for (int n = 0; n < NI; n++)
 #pragma unroll
@@ -1330,6 +1364,18 @@ TERN_GDN_TC_STATE(128, 3, true, l)
     }
 TERN_GDN_TC_STATE_BF16_OUT(64)
 TERN_GDN_TC_STATE_BF16_OUT(128)
+// The read-out deferred a chunk (DEFER above), f32 and bf16 output: _s3ld, _s3ldb.
+#define TERN_GDN_TC_STATE_DEFERRED(DK)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk##DK##_s3ld(tern_gdn_tc_state_args a) {   \
+        tern_await_prior_kernel();                                                                                     \
+        tern_gdn_tc_state_body<DK, 3, true, false, false, true>(a);                                                    \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk##DK##_s3ldb(tern_gdn_tc_state_args a) {  \
+        tern_await_prior_kernel();                                                                                     \
+        tern_gdn_tc_state_body<DK, 3, true, false, true, true>(a);                                                     \
+    }
+TERN_GDN_TC_STATE_DEFERRED(64)
+TERN_GDN_TC_STATE_DEFERRED(128)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 TERN_GDN_TC_STATE_CLUSTER(64, 3, true, l)
 TERN_GDN_TC_STATE_CLUSTER(128, 3, true, l)

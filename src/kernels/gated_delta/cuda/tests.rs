@@ -46,13 +46,16 @@ fn fast_prepare_layouts_fit_their_blocks() {
 /// more) or not.
 #[test]
 fn fast_state_layouts_fit_a_multiprocessor() {
-    assert_eq!(tc_state_smem(128, 3, false), 203_776);
-    assert_eq!(tc_state_smem(128, 3, true), 203_824);
-    assert_eq!(tc_state_smem(64, 3, true), 126_000);
+    assert_eq!(tc_state_smem(128, 3, false, false), 203_776);
+    assert_eq!(tc_state_smem(128, 3, false, true), 208_384);
+    assert_eq!(tc_state_smem(128, 3, true, false), 203_824);
+    assert_eq!(tc_state_smem(64, 3, true, false), 126_000);
     for dk in FAST_CHUNK_HEAD_DIMS {
         for cluster in [false, true] {
-            let bytes = tc_state_smem(dk, 3, cluster);
-            assert!(bytes <= 227 * 1024, "d_k {dk}, clusters {cluster}: {bytes} bytes");
+            for deferred in [false, true] {
+                let bytes = tc_state_smem(dk, 3, cluster, deferred);
+                assert!(bytes <= 227 * 1024, "d_k {dk}, clusters {cluster}, deferred {deferred}: {bytes} bytes");
+            }
         }
     }
 }
@@ -728,8 +731,8 @@ fn cuda_chunked_fast_bf16_io_equals_f32_form() {
         let pool = rng.vec((2 * lengths.len() + 1) * heads.state_len(), -0.5, 0.5);
         let segs = GpuSegments::new(&gpu, &pack(lengths.iter().copied()), &slots, tokens).unwrap();
         let (d16, d32, dg, db) = (gpu.upload(&qkv16).unwrap(), gpu.upload(&qkv32).unwrap(), gpu.upload(&g).unwrap(), gpu.upload(&beta).unwrap());
-        for (normalize_qk, paired) in [(true, false), (false, false), (true, true), (false, true)] {
-            k.set_fast_variant(FastVariant { paired, ..FAST_VARIANT }).unwrap();
+        for (normalize_qk, paired, defer_readout) in [(true, false, false), (false, false, false), (true, true, true), (false, true, false), (true, false, true)] {
+            k.set_fast_variant(FastVariant { paired, defer_readout, ..FAST_VARIANT }).unwrap();
             let view32 = |offset| Rows { buf: &d32, offset, stride: row };
             let x32 = GpuDeltaRuleInputs { q: view32(0), k: view32(kd), v: view32(2 * kd), g: &dg, beta: &db, normalize_qk, fused: None };
             let mut p32 = gpu.upload(&pool).unwrap();
@@ -740,7 +743,7 @@ fn cuda_chunked_fast_bf16_io_equals_f32_form() {
             let mut p16 = gpu.upload(&pool).unwrap();
             let mut o16 = gpu.upload(&vec![0x7fc0u16; tokens * vd]).unwrap();
             k.delta_rule_chunked_fast_bf16(&heads, &x16, &segs, GpuStates::Pool(&mut p16), &mut o16).unwrap();
-            let what = format!("{heads:?} {lengths:?} normalize_qk {normalize_qk} paired {paired}");
+            let what = format!("{heads:?} {lengths:?} normalize_qk {normalize_qk} paired {paired} read-out deferred {defer_readout}");
             assert_bits_eq(&format!("{what}: states"), &gpu.download(&p16).unwrap(), &gpu.download(&p32).unwrap());
             let rounded: Vec<u16> = gpu.download(&o32).unwrap().iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
             let got = gpu.download(&o16).unwrap();
