@@ -22,12 +22,29 @@ fn copy_dir(src: &Path, dst: &Path) {
     }
 }
 
+/// A copy of a checkpoint in the temporary directory, removed when dropped (also when the test
+/// fails), so that runs leave nothing behind.
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A fresh copy of the tiny EmbeddingGemma 300M checkpoint.
-fn scratch_model(tag: &str) -> PathBuf {
+fn scratch_model(tag: &str) -> Scratch {
     let dst = std::env::temp_dir().join(format!("tern-bad-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dst);
     copy_dir(&fixtures().join("egemma300m-tiny-f32").join("model"), &dst);
-    dst
+    Scratch(dst)
 }
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
