@@ -338,9 +338,33 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
         }
         println!("RESULT prefill tokens={t} mode=scan ms={scan_ms:.4}");
         println!("RESULT prefill_floor tokens={t} bytes={floor_bytes} floor_ms={floor_ms:.4} fast_fraction={:.4}", floor_ms / fast.0);
+        two_pass_floor(heads, t, 4, copy_bw, (fast.0, fast.1));
         bf16_io(gpu, k, heads, &l, &segs, &init, &want_out, copy_bw)?;
     }
     Ok(())
+}
+
+/// The fewest bytes each pass of the fast prefill moves through device memory, at `io` bytes an
+/// element of q, k, v and the output: the prepare pass reads q, k, v, g and beta and writes its
+/// operands for the state pass (bf16 W, U, read-out weights per value head and chunk, bf16
+/// normalised q and k per key head, f32 decays); the state pass reads those once and writes
+/// the output and the state. Printed beside the passes' times (`times`: total and prepare ms).
+fn two_pass_floor(heads: &DeltaRuleHeads, t: usize, io: usize, copy_bw: f64, times: (f64, f64)) {
+    let DeltaRuleHeads { n_k_heads: nk, n_v_heads: nv, d_k: dk, d_v: dv, .. } = *heads;
+    let chunks = t.div_ceil(64);
+    let operands = chunks * (nv * 64 * (2 * dk + 2 * dv + 2 * 64 + 4 * 2) + nk * 2 * 64 * 2 * dk);
+    let prepare = io * t * (2 * nk * dk + nv * dv) + 8 * t * nv + operands;
+    let state = operands + io * t * nv * dv + 8 * heads.state_len();
+    let ms = |bytes: usize| bytes as f64 / copy_bw * 1e3;
+    let (total, prep) = times;
+    println!(
+        "RESULT prefill_two_pass_floor tokens={t} io_bytes={io} prepare_floor_ms={:.4} state_floor_ms={:.4} prepare_fraction={:.4} state_fraction={:.4} total_fraction={:.4}",
+        ms(prepare),
+        ms(state),
+        ms(prepare) / prep,
+        ms(state) / (total - prep),
+        ms(prepare + state) / total
+    );
 }
 
 /// The fast prefill with q, k, v and the output in bf16 (the layer's f32 rows rounded), timed
@@ -393,6 +417,7 @@ fn bf16_io_variant(
     // and written once.
     let floor_bytes = 2 * t * (2 * qk + 2 * heads.n_v_heads * heads.d_v) + 8 * t * heads.n_v_heads + 8 * heads.state_len();
     let floor_ms = floor_bytes as f64 / copy_bw * 1e3;
+    two_pass_floor(heads, t, 2, copy_bw, (ms, prep));
     println!(
         "RESULT prefill_bf16_io tokens={t} paired={paired} defer_readout={defer_readout} total_ms={ms:.4} parallel_pass_ms={prep:.4} state_pass_ms={:.4} out_err={:.3e} floor_ms={floor_ms:.4} fast_fraction={:.4}",
         ms - prep,
