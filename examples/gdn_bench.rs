@@ -19,7 +19,7 @@
 //! set against its own floor (those bytes in bf16).
 
 use tern::cuda::{CudaSlice, Gpu};
-use tern::kernels::gated_delta::cuda::{ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, FAST_VARIANT, FastVariant, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuBf16DeltaRuleInputs, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
+use tern::kernels::gated_delta::cuda::{ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, FAST_VARIANT, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuBf16DeltaRuleInputs, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
@@ -301,15 +301,13 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
                     let vprep = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
                     k.set_chunk_prepare_only(false);
                     println!(
-                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} cluster={} paired={} defer_readout={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}",
+                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} cluster={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}",
                         v.rows,
                         v.stages,
                         v.compact,
                         v.late_issue,
                         v.tiled,
                         v.cluster,
-                        v.paired,
-                        v.defer_readout,
                         vms - vprep
                     );
                 }
@@ -381,45 +379,20 @@ fn bf16_io(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, l: &Layer,
     let t = segs.tokens();
     let mut st = gpu.upload(init)?;
     let mut out = gpu.zeros::<u16>(t * heads.n_v_heads * heads.d_v)?;
-    // The default variant, then with its prepare pass paired and its read-out deferred the
-    // other way.
-    let (p, d) = (FAST_VARIANT.paired, FAST_VARIANT.defer_readout);
-    for (paired, defer_readout) in [(p, d), (!p, d), (p, !d), (!p, !d)] {
-        let v = FastVariant { paired, defer_readout, ..FAST_VARIANT };
-        k.set_fast_variant(v)?;
-        bf16_io_variant(gpu, k, heads, &x, segs, (init, want_out), copy_bw, v, (&mut st, &mut out))?;
-    }
-    k.set_fast_variant(FAST_VARIANT)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn bf16_io_variant(
-    gpu: &Gpu,
-    k: &mut GatedDeltaCuda,
-    heads: &DeltaRuleHeads,
-    x: &GpuBf16DeltaRuleInputs,
-    segs: &GpuSegments,
-    (init, want_out): (&[f32], &[f32]),
-    copy_bw: f64,
-    FastVariant { paired, defer_readout, .. }: FastVariant,
-    (st, out): (&mut CudaSlice<f32>, &mut CudaSlice<u16>),
-) -> Result<()> {
-    let t = segs.tokens();
-    let qk = heads.n_k_heads * heads.d_k;
-    let ms = time_ms(gpu, 2, 10, |_| k.delta_rule_chunked_fast_bf16(heads, x, segs, GpuStates::Pool(&mut *st), &mut *out))?;
+    let ms = time_ms(gpu, 2, 10, |_| k.delta_rule_chunked_fast_bf16(heads, &x, segs, GpuStates::Pool(&mut st), &mut out))?;
     k.set_chunk_prepare_only(true);
-    let prep = time_ms(gpu, 2, 10, |_| k.delta_rule_chunked_fast_bf16(heads, x, segs, GpuStates::Pool(&mut *st), &mut *out))?;
+    let prep = time_ms(gpu, 2, 10, |_| k.delta_rule_chunked_fast_bf16(heads, &x, segs, GpuStates::Pool(&mut st), &mut out))?;
     k.set_chunk_prepare_only(false);
-    gpu.write(init, st)?;
-    k.delta_rule_chunked_fast_bf16(heads, x, segs, GpuStates::Pool(&mut *st), &mut *out)?;
-    let got: Vec<f32> = gpu.download(out)?.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+    gpu.write(init, &mut st)?;
+    k.delta_rule_chunked_fast_bf16(heads, &x, segs, GpuStates::Pool(&mut st), &mut out)?;
+    let got: Vec<f32> = gpu.download(&out)?.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
     // q, k, v read and the output written once in bf16, g and beta read in f32, the state read
     // and written once.
     let floor_bytes = 2 * t * (2 * qk + 2 * heads.n_v_heads * heads.d_v) + 8 * t * heads.n_v_heads + 8 * heads.state_len();
     let floor_ms = floor_bytes as f64 / copy_bw * 1e3;
     two_pass_floor(heads, t, 2, copy_bw, (ms, prep));
     println!(
-        "RESULT prefill_bf16_io tokens={t} paired={paired} defer_readout={defer_readout} total_ms={ms:.4} parallel_pass_ms={prep:.4} state_pass_ms={:.4} out_err={:.3e} floor_ms={floor_ms:.4} fast_fraction={:.4}",
+        "RESULT prefill_bf16_io tokens={t} total_ms={ms:.4} parallel_pass_ms={prep:.4} state_pass_ms={:.4} out_err={:.3e} floor_ms={floor_ms:.4} fast_fraction={:.4}",
         ms - prep,
         rel_err(&got, want_out),
         floor_ms / ms

@@ -269,12 +269,8 @@ __device__ __forceinline__ int tern_gdn_tc_out_at(int r, int c) {
 // WIDE_STORES, which then fit the compact layout's 80 registers at N = 128 (in one pass the
 // fragment addresses spill) and leave as 16-byte stores (tern_gdn_tc_quad_transpose). Each
 // accumulator sums over the same k in the same order either way: the same bits.
-//
-// tern_gdn_tc_apply_with takes X's fragments from frag_a(a, m0, kt) (the A fragment of rows
-// m0.. over k-step kt) instead of ldmatrix from a bf16 array: the paired prepare builds them
-// from the f32 T (tern_gdn_tc_t_frags).
-template <int N, bool WIDE_STORES, bool SLICED, typename FRAG_A>
-__device__ void tern_gdn_tc_apply_with(const FRAG_A& frag_a, const tern_gdn_bf16* Y, tern_gdn_bf16* out) {
+template <int N, bool WIDE_STORES, bool SLICED>
+__device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y, tern_gdn_bf16* out) {
     constexpr int NT = N / 16;  // n8 tiles per warp
     constexpr int GROUP = WIDE_STORES ? 4 : NT;
     static_assert(NT % GROUP == 0 && GROUP % 2 == 0, "whole groups of n8 tile pairs");
@@ -292,7 +288,7 @@ __device__ void tern_gdn_tc_apply_with(const FRAG_A& frag_a, const tern_gdn_bf16
 #pragma unroll
         for (int kt = 0; kt < 4; kt++) {
             unsigned a[4];
-            frag_a(a, m0, kt);
+            tern_gdn_tc_frag_a(a, X, tern_gdn_tc_ldc, m0, 16 * kt);
 #pragma unroll
             for (int np = 0; np < GROUP / 2; np++) {
                 unsigned b[4];
@@ -319,12 +315,6 @@ __device__ void tern_gdn_tc_apply_with(const FRAG_A& frag_a, const tern_gdn_bf16
                 }
         }
     }
-}
-
-template <int N, bool WIDE_STORES, bool SLICED>
-__device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y, tern_gdn_bf16* out) {
-    const auto frag_a = [X](unsigned (&a)[4], int m0, int kt) { tern_gdn_tc_frag_a(a, X, tern_gdn_tc_ldc, m0, 16 * kt); };
-    tern_gdn_tc_apply_with<N, WIDE_STORES, SLICED>(frag_a, Y, out);
 }
 
 // Where tern_gdn_tc_prepare_body keeps its arrays in shared memory. Wide: every array apart
@@ -390,150 +380,14 @@ static_assert(tern_gdn_tc_prep_smem<128, 128, false>::BYTES == 108224, "wide lay
 static_assert(tern_gdn_tc_prep_smem<128, 128, true>::BYTES == 74176, "compact layout at 128 x 128: as mod.rs sizes it");
 static_assert(tern_gdn_tc_prep_smem<64, 64, true>::BYTES == 57792, "compact layout at 64 x 64: as mod.rs sizes it");
 
-// G by a warp scan in f64 (differences of nearby prefix sums must keep the small terms); past
-// len g counts as 0, so G stays at G_{len-1}. One warp.
-__device__ __forceinline__ void tern_gdn_tc_scan_g(double* G, const float* g, size_t t0, int len, int nv, int h) {
-    const int lane = threadIdx.x & 31;
-    const double x0 = 2 * lane < len ? (double)g[(t0 + 2 * lane) * nv + h] : 0.0;
-    const double x1 = 2 * lane + 1 < len ? (double)g[(t0 + 2 * lane + 1) * nv + h] : 0.0;
-    double s = x0 + x1;
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-        const double y = __shfl_up_sync(0xffffffffu, s, off);
-        if (lane >= off) s += y;
-    }
-    const double before = s - (x0 + x1);
-    G[2 * lane] = before + x0;
-    G[2 * lane + 1] = before + x0 + x1;
-}
-
-// beta of the chunk's rows, 0 past len. One warp.
-__device__ __forceinline__ void tern_gdn_tc_load_beta(float* Bt, const float* beta, size_t t0, int len, int nv, int h) {
-    for (int r = threadIdx.x & 31; r < tern_gdn_tc_c; r += 32) Bt[r] = r < len ? beta[(t0 + r) * nv + h] : 0.0f;
-}
-
-// Row r's e^{G_r} (kept in Ex) and the decays the state pass reads: e^{G_r}, then
-// e^{G_{len-1} - G_r}; both 0 past len.
-__device__ __forceinline__ void tern_gdn_tc_decays(float* Ex, float* dec, const double* G, int len, int r) {
-    const float e = r < len ? (float)exp(G[r]) : 0.0f;
-    Ex[r] = e;
-    dec[r] = e;
-    dec[tern_gdn_tc_c + r] = r < len ? (float)exp(G[len - 1] - G[r]) : 0.0f;
-}
-
-// KK^T and QK^T of the tile at rows m0.. (16) and columns n0.. (32) of a warp, from the bf16
-// rows (padded by 8).
-template <int DK>
-__device__ __forceinline__ void tern_gdn_tc_kq_products(float (&kk)[4][4], float (&qk)[4][4], const tern_gdn_bf16* Kb, const tern_gdn_bf16* Qb, int m0, int n0) {
-#pragma unroll
-    for (int n = 0; n < 4; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) kk[n][e] = qk[n][e] = 0.0f;
-#pragma unroll
-    for (int kt = 0; kt < DK / 16; kt++) {
-        unsigned ak[4], aq[4];
-        tern_gdn_tc_frag_a(ak, Kb, DK + 8, m0, 16 * kt);
-        tern_gdn_tc_frag_a(aq, Qb, DK + 8, m0, 16 * kt);
-#pragma unroll
-        for (int np = 0; np < 2; np++) {
-            unsigned b[4];
-            tern_gdn_tc_frag_b_nk(b, Kb, DK + 8, n0 + 16 * np, 16 * kt);
-            tern_gdn_tc_mma(kk[2 * np], ak, b[0], b[1]);
-            tern_gdn_tc_mma(kk[2 * np + 1], ak, b[2], b[3]);
-            tern_gdn_tc_mma(qk[2 * np], aq, b[0], b[1]);
-            tern_gdn_tc_mma(qk[2 * np + 1], aq, b[2], b[3]);
-        }
-    }
-}
-
-// One value head's A = diag(beta) (KK^T . decay) (strictly lower; zeros on and above the
-// diagonal of the tiles written) and decayed read-out weights QK^T . decay (bf16, to `qk_out`
-// in the state pass's layout) from a warp's tile of the products. TILED: the weights leave in
-// whole 16-byte pieces (tern_gdn_tc_quad_transpose). A value head reads only its own G and beta
-// here, so one tile of products serves every value head of its key head.
-template <bool TILED>
-__device__ __forceinline__ void tern_gdn_tc_kq_epilogue(const float (&kk)[4][4], const float (&qk)[4][4], const double* G, const float* Bt, float* As,
-                                                        tern_gdn_bf16* qk_out, int len, int m0, int n0) {
-    constexpr int C = tern_gdn_tc_c, LDA = C + 1;
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int r = m0 + g + 8 * hf;
-        unsigned words[4];
-#pragma unroll
-        for (int n = 0; n < 4; n++) {
-            const int c = n0 + 8 * n + 2 * q;
-            float dq[2];
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int cc = c + e;
-                const float decay = cc <= r && r < len ? expf((float)(G[r] - G[cc])) : 0.0f;
-                As[r * LDA + cc] = cc < r ? Bt[r] * kk[n][2 * hf + e] * decay : 0.0f;
-                dq[e] = qk[n][2 * hf + e] * decay;
-            }
-            words[n] = tern_gdn_tc_pack(dq[0], dq[1]);
-            if constexpr (!TILED) *reinterpret_cast<unsigned*>(qk_out + tern_gdn_tc_swz(r, c, C)) = words[n];
-        }
-        if constexpr (TILED) *reinterpret_cast<uint4*>(qk_out + tern_gdn_tc_swz(r, n0 + 8 * q, C)) = tern_gdn_tc_quad_transpose(words);
-    }
-}
-
-// Column c of diagonal block b of T = (I + A)^-1 (thread b * 16 + c, of 64): T[r][c] =
-// -sum_{m<r} A[r][m] T[m][c] with T[c][c] = 1 and zeros above, into t[r].
-__device__ __forceinline__ void tern_gdn_tc_diag_column(float (&t)[16], const float* As, int tid) {
-    constexpr int LDA = tern_gdn_tc_c + 1;
-    const int c = tid & 15, o = 16 * (tid >> 4);
-#pragma unroll
-    for (int m = 0; m < 16; m++) t[m] = m == c ? 1.0f : 0.0f;
-#pragma unroll
-    for (int r = 1; r < 16; r++) {
-        if (r > c) {
-            float s = 0.0f;
-#pragma unroll
-            for (int m = 0; m < r; m++) s += As[(o + r) * LDA + o + m] * t[m];
-            t[r] = -s;
-        }
-    }
-}
-
-__device__ __forceinline__ void tern_gdn_tc_put_diag_column(float* Ts, const float (&t)[16], int tid) {
-    constexpr int LDA = tern_gdn_tc_c + 1;
-    const int c = tid & 15, o = 16 * (tid >> 4);
-#pragma unroll
-    for (int r = 0; r < 16; r++) Ts[(o + r) * LDA + o + c] = t[r];
-}
-
-// Elements (r, c), (r, c + 1) of the scaled bf16 copies of T, two to a word: T diag(beta e^G)
-// (for W) and T diag(beta) (for U); T's elements above the diagonal (never written) read as 0.
-__device__ __forceinline__ void tern_gdn_tc_scaled_t(unsigned& w, unsigned& u, const float* Ts, const float* Bt, const float* Ex, int r, int c) {
-    constexpr int LDA = tern_gdn_tc_c + 1;
-    const float t0 = c <= r ? Ts[r * LDA + c] : 0.0f, t1 = c + 1 <= r ? Ts[r * LDA + c + 1] : 0.0f;
-    w = tern_gdn_tc_pack(t0 * Bt[c] * Ex[c], t1 * Bt[c + 1] * Ex[c + 1]);
-    u = tern_gdn_tc_pack(t0 * Bt[c], t1 * Bt[c + 1]);
-}
-
-// The A fragments of rows m0.. (16) of both scaled copies of T over the four k-steps, built
-// from the f32 T by tern_gdn_tc_scaled_t (so the bf16 values the copies would hold): what
-// ldmatrix would load from the copies (a0 (g, 2q..) a1 (g + 8, 2q..) a2 (g, 2q + 8..) a3
-// (g + 8, 2q + 8..)).
-__device__ __forceinline__ void tern_gdn_tc_t_frags(unsigned (&fw)[4][4], unsigned (&fu)[4][4], const float* Ts, const float* Bt, const float* Ex, int m0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-#pragma unroll
-    for (int kt = 0; kt < 4; kt++)
-#pragma unroll
-        for (int x = 0; x < 4; x++) tern_gdn_tc_scaled_t(fw[kt][x], fu[kt][x], Ts, Bt, Ex, m0 + g + 8 * (x & 1), 16 * kt + 2 * q + 8 * (x >> 1));
-}
-
 // Block row i (1..3) of T = (I + A)^-1 from the rows above it, as the one-element loops of
 // tern_gdn_tc_prepare_body compute it (each element's sums in the same order: the same bits),
-// with thread (j, p, c) of the first i x 32 (tid counted from the head's first thread) owning
-// rows p and p + 8, columns 4c .. 4c + 3 of block (i, j): partials P_j = sum_{k=j}^{i-1} A_ik
-// T_kj, then T_ij = -T_ii P_j. Ends with the block's barrier, as each of the two steps does.
-// As may be Ts (T built in A's place): block row i of A is read only by the partials, and T_ij
-// is written after the barrier that ends them.
+// with thread (j, p, c) of the first i x 32 owning rows p and p + 8, columns 4c .. 4c + 3 of
+// block (i, j): partials P_j = sum_{k=j}^{i-1} A_ik T_kj, then T_ij = -T_ii P_j. Ends with the
+// block's barrier, as each of the two steps does.
 template <int LDA>
-__device__ __forceinline__ void tern_gdn_tc_block_row_tiled(const float* As, float* Ts, float* Ps, int i, int tid) {
-    const int j = tid >> 5, p = (tid >> 2) & 7, c0 = 4 * (tid & 3);
+__device__ __forceinline__ void tern_gdn_tc_block_row_tiled(const float* As, float* Ts, float* Ps, int i) {
+    const int tid = threadIdx.x, j = tid >> 5, p = (tid >> 2) & 7, c0 = 4 * (tid & 3);
     const bool mine = tid < 32 * i;
     if (mine) {
         float part[2][4] = {};
@@ -645,8 +499,21 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     }
     // G by a warp scan in f64 (differences of nearby prefix sums must keep the small terms);
     // past len g counts as 0, so G stays at G_{len-1}.
-    if (warp == 0) tern_gdn_tc_scan_g(G, a.g, t0, len, nv, h);
-    else if (warp == 1) tern_gdn_tc_load_beta(Bt, a.beta, t0, len, nv, h);
+    if (warp == 0) {
+        const double x0 = 2 * lane < len ? (double)a.g[(t0 + 2 * lane) * nv + h] : 0.0;
+        const double x1 = 2 * lane + 1 < len ? (double)a.g[(t0 + 2 * lane + 1) * nv + h] : 0.0;
+        double s = x0 + x1;
+#pragma unroll
+        for (int off = 1; off < 32; off *= 2) {
+            const double y = __shfl_up_sync(0xffffffffu, s, off);
+            if (lane >= off) s += y;
+        }
+        const double before = s - (x0 + x1);
+        G[2 * lane] = before + x0;
+        G[2 * lane + 1] = before + x0 + x1;
+    } else if (warp == 1) {
+        for (int r = lane; r < C; r += 32) Bt[r] = r < len ? a.beta[(t0 + r) * nv + h] : 0.0f;
+    }
     if constexpr (KQ_TOGETHER || ALL_TOGETHER) {
         tern_gdn_tc_put<DK, HELD>(Kb, xk, len, warp, a.l2qk, a.eps, 1.0f, kn);
         tern_gdn_tc_put<DK, HELD>(Qb, xq, len, warp, a.l2qk, a.eps, a.q_scale, qn);
@@ -657,30 +524,87 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     if constexpr (ALL_TOGETHER) tern_gdn_tc_put<DV, NR>(Vb, xv, len, warp, 0, 0.0f, 1.0f, nullptr);
     else tern_gdn_tc_load_rows<DV, NR>(Vb, vs, a.v_stride, t0, len, (size_t)h * DV, 0, 0.0f, 1.0f, nullptr);
     __syncthreads();
-    if (tid < C) tern_gdn_tc_decays(Ex, a.dec_s + ch * 2 * C, G, len, tid);
+    if (tid < C) {
+        const float e = tid < len ? (float)exp(G[tid]) : 0.0f;
+        Ex[tid] = e;
+        a.dec_s[ch * 2 * C + tid] = e;
+        a.dec_s[ch * 2 * C + C + tid] = tid < len ? (float)exp(G[len - 1] - G[tid]) : 0.0f;
+    }
 
-    // KK^T and QK^T (tern_gdn_tc_kq_products), A and the decayed read-out weights from them.
+    // KK^T and QK^T: warp w owns rows 16 (w % 4).. and columns 32 (w / 4)..; tiles wholly
+    // above the diagonal are never read (by the substitution or the state pass) and skipped.
     {
-        const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
+        const int g = lane >> 2, q = lane & 3, m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
         if (n0 <= m0 + 15) {
             float kk[4][4], qk[4][4];
-            tern_gdn_tc_kq_products<DK>(kk, qk, Kb, Qb, m0, n0);
-            tern_gdn_tc_kq_epilogue<TILED>(kk, qk, G, Bt, As, a.qk_s + ch * C * C, len, m0, n0);
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) kk[n][e] = qk[n][e] = 0.0f;
+#pragma unroll
+            for (int kt = 0; kt < DK / 16; kt++) {
+                unsigned ak[4], aq[4];
+                tern_gdn_tc_frag_a(ak, Kb, DK + 8, m0, 16 * kt);
+                tern_gdn_tc_frag_a(aq, Qb, DK + 8, m0, 16 * kt);
+#pragma unroll
+                for (int np = 0; np < 2; np++) {
+                    unsigned b[4];
+                    tern_gdn_tc_frag_b_nk(b, Kb, DK + 8, n0 + 16 * np, 16 * kt);
+                    tern_gdn_tc_mma(kk[2 * np], ak, b[0], b[1]);
+                    tern_gdn_tc_mma(kk[2 * np + 1], ak, b[2], b[3]);
+                    tern_gdn_tc_mma(qk[2 * np], aq, b[0], b[1]);
+                    tern_gdn_tc_mma(qk[2 * np + 1], aq, b[2], b[3]);
+                }
+            }
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int r = m0 + g + 8 * hf;
+                unsigned words[4];
+#pragma unroll
+                for (int n = 0; n < 4; n++) {
+                    const int c = n0 + 8 * n + 2 * q;
+                    float dq[2];
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int cc = c + e;
+                        const float decay = cc <= r && r < len ? expf((float)(G[r] - G[cc])) : 0.0f;
+                        As[r * LDA + cc] = cc < r ? Bt[r] * kk[n][2 * hf + e] * decay : 0.0f;
+                        dq[e] = qk[n][2 * hf + e] * decay;
+                    }
+                    words[n] = tern_gdn_tc_pack(dq[0], dq[1]);
+                    if constexpr (!TILED) *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + tern_gdn_tc_swz(r, c, C)) = words[n];
+                }
+                if constexpr (TILED)
+                    *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_swz(r, n0 + 8 * q, C)) = tern_gdn_tc_quad_transpose(words);
+            }
         }
     }
     __syncthreads();
 
-    // T = (I + A)^-1. Diagonal 16 x 16 blocks first (tern_gdn_tc_diag_column).
+    // T = (I + A)^-1. Diagonal 16 x 16 blocks first: thread (b, c) walks column c of block b,
+    // T[r][c] = -sum_{m<r} A[r][m] T[m][c] with T[c][c] = 1 and zeros above.
     if (tid < C) {
+        const int b = tid >> 4, c = tid & 15, o = 16 * b;
         float t[16];
-        tern_gdn_tc_diag_column(t, As, tid);
-        tern_gdn_tc_put_diag_column(Ts, t, tid);
+#pragma unroll
+        for (int m = 0; m < 16; m++) t[m] = m == c ? 1.0f : 0.0f;
+#pragma unroll
+        for (int r = 1; r < 16; r++) {
+            if (r > c) {
+                float s = 0.0f;
+#pragma unroll
+                for (int m = 0; m < r; m++) s += As[(o + r) * LDA + o + m] * t[m];
+                t[r] = -s;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 16; r++) Ts[(o + r) * LDA + o + c] = t[r];
     }
     __syncthreads();
     // Block rows: T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj for j < i, rows i in order.
     for (int i = 1; i < 4; i++) {
         if constexpr (TILED) {
-            tern_gdn_tc_block_row_tiled<LDA>(As, Ts, Ps, i, tid);
+            tern_gdn_tc_block_row_tiled<LDA>(As, Ts, Ps, i);
             continue;
         }
         for (int e = tid; e < i * 256; e += blockDim.x) {
@@ -703,7 +627,9 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     if constexpr (TILED) {
         for (int idx = tid; idx < C * C / 2; idx += blockDim.x) {
             const int r = idx >> 5, c = 2 * (idx & 31);
-            tern_gdn_tc_scaled_t(*reinterpret_cast<unsigned*>(Tw + r * LDT + c), *reinterpret_cast<unsigned*>(Tu + r * LDT + c), Ts, Bt, Ex, r, c);
+            const float t0 = c <= r ? Ts[r * LDA + c] : 0.0f, t1 = c + 1 <= r ? Ts[r * LDA + c + 1] : 0.0f;
+            *reinterpret_cast<unsigned*>(Tw + r * LDT + c) = tern_gdn_tc_pack(t0 * Bt[c] * Ex[c], t1 * Bt[c + 1] * Ex[c + 1]);
+            *reinterpret_cast<unsigned*>(Tu + r * LDT + c) = tern_gdn_tc_pack(t0 * Bt[c], t1 * Bt[c + 1]);
         }
     } else {
         for (int idx = tid; idx < C * C; idx += blockDim.x) {
@@ -717,138 +643,6 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     // W = T diag(beta e^G) K and U = T diag(beta) V (rows past len come out 0: beta is 0 there).
     tern_gdn_tc_apply<DK, TILED, false>(Tw, Kb, a.w_s + ch * C * DK);
     tern_gdn_tc_apply<DV, TILED, true>(Tu, Vb, a.u_s + ch * C * DV);
-}
-
-// Where tern_gdn_tc_prepare_pair_body keeps its arrays: per head G (f64), beta, e^G; k's rows,
-// both heads' v rows; q's rows, whose room the two heads' block-row partials take once QK^T is
-// done (a barrier apart); per head A, with T built in its place.
-template <int DK, int DV>
-struct tern_gdn_tc_pair_smem {
-    static constexpr int C = tern_gdn_tc_c, LDA = C + 1;
-    static constexpr int SCALARS = 8 * C + 4 * 2 * C;  // one head's
-    static constexpr int MAT = 4 * C * LDA, PARTS = 4 * 3 * 16 * 17;
-    static constexpr int KROWS = 2 * C * (DK + 8), VROWS = 2 * C * (DV + 8);
-    static constexpr int QROOM = KROWS > 2 * PARTS ? KROWS : 2 * PARTS;
-    static constexpr int BYTES = 2 * SCALARS + KROWS + 2 * VROWS + QROOM + 2 * MAT;
-    static_assert(SCALARS % 16 == 0 && KROWS % 16 == 0 && VROWS % 16 == 0 && QROOM % 16 == 0 && MAT % 16 == 0 && PARTS % 16 == 0,
-                  "every bf16 tile starts on 16 bytes (ldmatrix rows)");
-    // Head e's arrays by offset (arrays of pointers indexed by a thread's head would sit in
-    // local memory).
-    unsigned char* base;
-    __device__ explicit tern_gdn_tc_pair_smem(unsigned char* b) : base(b) {}
-    __device__ double* G(int e) const { return reinterpret_cast<double*>(base + e * SCALARS); }
-    __device__ float* Bt(int e) const { return reinterpret_cast<float*>(G(e) + C); }
-    __device__ float* Ex(int e) const { return Bt(e) + C; }
-    __device__ tern_gdn_bf16* Kb() const { return reinterpret_cast<tern_gdn_bf16*>(base + 2 * SCALARS); }
-    __device__ tern_gdn_bf16* Vb(int e) const { return reinterpret_cast<tern_gdn_bf16*>(base + 2 * SCALARS + KROWS + e * VROWS); }
-    __device__ unsigned char* q_room() const { return base + 2 * SCALARS + KROWS + 2 * VROWS; }
-    __device__ tern_gdn_bf16* Qb() const { return reinterpret_cast<tern_gdn_bf16*>(q_room()); }
-    __device__ float* Ps(int e) const { return reinterpret_cast<float*>(q_room() + e * PARTS); }
-    __device__ float* As(int e) const { return reinterpret_cast<float*>(q_room() + QROOM + e * MAT); }
-};
-
-// The host sizes the launch by the same sum (tc_prepare_pair_smem in mod.rs; its test pins these).
-static_assert(tern_gdn_tc_pair_smem<128, 128>::BYTES == 104960, "paired layout at 128 x 128: as mod.rs sizes it");
-static_assert(tern_gdn_tc_pair_smem<64, 64>::BYTES == 72192, "paired layout at 64 x 64: as mod.rs sizes it");
-
-// The prepare pass for two value heads of one key head in one block (FastVariant::paired in
-// mod.rs; the launcher uses it where each key head has an even number of value heads). The
-// key head's q and k rows are fetched, normalised and kept once, and KK^T, QK^T computed once:
-// they depend on the key head alone, and each head's G and beta make its A and read-out
-// weights from the same accumulators (tern_gdn_tc_kq_epilogue). The two substitutions run side
-// by side, head e on warps 4e..4e+3, where one head alone leaves five or more of eight warps
-// waiting at the block rows' barriers. T is built in A's place, and W and U take T's scaled
-// bf16 fragments straight from the f32 array (tern_gdn_tc_t_frags), so two heads fit in 103 KB
-// at 128 x 128: two blocks, four heads, a multiprocessor, where the one-head compact form holds
-// three. Every value is computed as tern_gdn_tc_prepare_body's TILED form computes it: the same
-// bits. Rows are fetched 8 a warp: bf16 rows of k, q and both heads' v all at once, f32 rows of
-// k and q together after v's are requested into L2, then v's.
-template <int DK, int DV, typename IN>
-__device__ void tern_gdn_tc_prepare_pair_body(const tern_gdn_tc_prep_args& a) {
-    constexpr int C = tern_gdn_tc_c, LDA = C + 1;
-    constexpr bool ALL_TOGETHER = sizeof(IN) == 2;
-    const int chunk = blockIdx.y, tid = threadIdx.x, warp = tid >> 5;
-    const int nk = a.nk, nv = a.nv, per = nv / nk;  // per is even (the launcher's condition)
-    const int kh = blockIdx.x / (per / 2), m = 2 * (blockIdx.x % (per / 2));
-    // The pair's head e (0 or 1), as computed where a thread's head varies.
-    const auto head = [&](int e) { return a.grouped ? kh * per + m + e : kh + nk * (m + e); };
-    const auto chunk_head = [&](int e) { return (size_t)chunk * nv + head(e); };
-    // The key head's first pair writes its normalised q and k (its first value head's block
-    // in the one-head form).
-    const bool writer = m == 0;
-    const size_t t0 = a.chunk_t0[chunk];
-    const int len = (int)a.chunk_len[chunk];
-    const size_t chk = (size_t)chunk * nk + kh;
-    const IN *qs = static_cast<const IN*>(a.q), *ks = static_cast<const IN*>(a.k), *vs = static_cast<const IN*>(a.v);
-
-    extern __shared__ __align__(16) unsigned char tern_gdn_tc_smem[];
-    const tern_gdn_tc_pair_smem<DK, DV> sm(tern_gdn_tc_smem);
-    tern_gdn_bf16* kn = writer ? a.kn_s + chk * C * DK : nullptr;
-    tern_gdn_bf16* qn = writer ? a.qn_s + chk * C * DK : nullptr;
-
-    tern_gdn_tc_rows<DK, 8, IN> xk, xq;
-    tern_gdn_tc_rows<DV, ALL_TOGETHER ? 8 : 1, IN> xv0, xv1;
-    if constexpr (!ALL_TOGETHER) {
-        // Both heads' v rows fetched into L2 while k and q come in, a request a 128-byte line.
-        constexpr int LINE = 128 / (int)sizeof(IN), VL = DV / LINE;
-        for (int idx = tid; idx < 2 * C * VL; idx += blockDim.x) {
-            const int e = idx / (C * VL), r = idx % (C * VL) / VL, p = idx % VL * LINE;
-            if (r < len) asm volatile("prefetch.global.L2 [%0];" ::"l"(vs + (t0 + r) * a.v_stride + (size_t)head(e) * DV + p));
-        }
-    }
-    xk.fetch(ks, a.k_stride, t0, len, (size_t)kh * DK, warp);
-    xq.fetch(qs, a.q_stride, t0, len, (size_t)kh * DK, warp);
-    if constexpr (ALL_TOGETHER) {
-        xv0.fetch(vs, a.v_stride, t0, len, (size_t)head(0) * DV, warp);
-        xv1.fetch(vs, a.v_stride, t0, len, (size_t)head(1) * DV, warp);
-    }
-    if (warp < 2) tern_gdn_tc_scan_g(sm.G(warp), a.g, t0, len, nv, head(warp));
-    else if (warp < 4) tern_gdn_tc_load_beta(sm.Bt(warp - 2), a.beta, t0, len, nv, head(warp - 2));
-    tern_gdn_tc_put<DK, 8>(sm.Kb(), xk, len, warp, a.l2qk, a.eps, 1.0f, kn);
-    tern_gdn_tc_put<DK, 8>(sm.Qb(), xq, len, warp, a.l2qk, a.eps, a.q_scale, qn);
-    if constexpr (ALL_TOGETHER) {
-        tern_gdn_tc_put<DV, 8>(sm.Vb(0), xv0, len, warp, 0, 0.0f, 1.0f, nullptr);
-        tern_gdn_tc_put<DV, 8>(sm.Vb(1), xv1, len, warp, 0, 0.0f, 1.0f, nullptr);
-    } else {
-        for (int e = 0; e < 2; e++) tern_gdn_tc_load_rows<DV, 8>(sm.Vb(e), vs, a.v_stride, t0, len, (size_t)head(e) * DV, 0, 0.0f, 1.0f, nullptr);
-    }
-    __syncthreads();
-    if (tid < 2 * C) {
-        const int e = tid / C;
-        tern_gdn_tc_decays(sm.Ex(e), a.dec_s + chunk_head(e) * 2 * C, sm.G(e), len, tid % C);
-    }
-    {
-        const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
-        if (n0 <= m0 + 15) {
-            float kk[4][4], qk[4][4];
-            tern_gdn_tc_kq_products<DK>(kk, qk, sm.Kb(), sm.Qb(), m0, n0);
-#pragma unroll
-            for (int e = 0; e < 2; e++) tern_gdn_tc_kq_epilogue<true>(kk, qk, sm.G(e), sm.Bt(e), sm.As(e), a.qk_s + chunk_head(e) * C * C, len, m0, n0);
-        }
-    }
-    __syncthreads();
-    // Head e's substitution on threads 128 e.. (ht counts from there). The diagonal blocks of T
-    // replace A's after the barrier that ends every read of them.
-    const int e = tid >> 7, ht = tid & 127;
-    float* const Ts = sm.As(e);
-    {
-        float t[16];
-        if (ht < C) tern_gdn_tc_diag_column(t, Ts, ht);
-        __syncthreads();
-        if (ht < C) tern_gdn_tc_put_diag_column(Ts, t, ht);
-    }
-    __syncthreads();
-    for (int i = 1; i < 4; i++) tern_gdn_tc_block_row_tiled<LDA>(Ts, Ts, sm.Ps(e), i, ht);
-    // W = T diag(beta e^G) K and U = T diag(beta) V per head, every warp on each product.
-#pragma unroll 1
-    for (int f = 0; f < 2; f++) {
-        unsigned fw[4][4], fu[4][4];
-        tern_gdn_tc_t_frags(fw, fu, sm.As(f), sm.Bt(f), sm.Ex(f), 16 * (warp & 3));
-        tern_gdn_tc_apply_with<DK, true, false>([&fw](unsigned (&x)[4], int, int kt) { for (int i = 0; i < 4; i++) x[i] = fw[kt][i]; },
-                                                sm.Kb(), a.w_s + chunk_head(f) * C * DK);
-        tern_gdn_tc_apply_with<DV, true, true>([&fu](unsigned (&x)[4], int, int kt) { for (int i = 0; i < 4; i++) x[i] = fu[kt][i]; },
-                                               sm.Vb(f), a.u_s + chunk_head(f) * C * DV);
-    }
 }
 
 struct tern_gdn_tc_state_args {
@@ -872,12 +666,11 @@ struct tern_gdn_tc_stage {
     float dec[128];
 };
 
-// DB: Delta tiles kept (2 where the read-out of a chunk is deferred into the next, DEFER).
-template <int DK, int NS, int DB = 1>
+template <int DK, int NS>
 struct tern_gdn_tc_state_smem {
     tern_gdn_tc_stage<DK> st[NS];
     tern_gdn_bf16 s[tern_gdn_tc_bv * (DK + 8)];      // bf16 copy of the state slice, [j][i]
-    tern_gdn_bf16 d[DB][tern_gdn_tc_bv * tern_gdn_tc_ldc];   // Delta, [j][c]
+    tern_gdn_bf16 d[tern_gdn_tc_bv * tern_gdn_tc_ldc];   // Delta, [j][c]
     tern_gdn_bf16 dt[tern_gdn_tc_bv * tern_gdn_tc_ldc];  // e^{G_L - G_c} Delta, [j][c]
 };
 
@@ -892,7 +685,6 @@ struct tern_gdn_tc_state_smem_mc {
 // The host sizes the launch by the same sums (tc_state_smem in mod.rs; its test pins these).
 static_assert(sizeof(tern_gdn_tc_stage<128>) == 61952 && sizeof(tern_gdn_tc_stage<128>) % 16 == 0, "a stage: whole 16-byte pieces");
 static_assert(sizeof(tern_gdn_tc_state_smem<128, 3>) == 203776, "state pass at d_k 128, 3 stages: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_state_smem<128, 3, 2>) == 208384, "state pass at d_k 128, 3 stages, read-out deferred: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<128, 3>) == 203824, "state pass in clusters at d_k 128: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<64, 3>) == 126000, "state pass in clusters at d_k 64: as mod.rs sizes it");
 
@@ -1031,23 +823,16 @@ __device__ void tern_gdn_tc_issue_cluster(tern_gdn_tc_stage<DK>& st, unsigned lo
 // without clusters (a cluster of one), each block fetches its chunks with its own six bulk
 // copies, issued where LATE issues cp.async and with no `empty` barriers (the block's own
 // barrier at the top of each chunk frees the stage). OUT16: the output in bf16 (each f32
-// result rounded to nearest even once). DEFER: chunk n's read-out (o += QKd Delta and the
-// output's stores) runs in chunk n + 1, after its Delta and P products, so that between the
-// two barriers of a chunk a warp does only what the next chunk's state waits for (the update);
-// the read-out's mma then fill the gaps of the next Delta and P chains. Delta's tiles are kept
-// two deep, and the copies of chunk n + 2 (into the stage chunk n - 1's read-out reads) leave
-// after the barrier that ends that read-out (3 stages, LATE). The results do not depend on NS,
-// LATE, MC or DEFER.
-template <int DK, int NS, bool LATE, bool MC, bool OUT16 = false, bool DEFER = false>
+// result rounded to nearest even once). The results do not depend on NS, LATE or MC.
+template <int DK, int NS, bool LATE, bool MC, bool OUT16 = false>
 __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
-    static_assert(!DEFER || (NS == 3 && LATE && !MC), "the deferred read-out: 3 stages, late copies, no clusters");
     constexpr int C = tern_gdn_tc_c, BV = tern_gdn_tc_bv, LDK = DK + 8, LDC = tern_gdn_tc_ldc, NI = DK / 32;
     const int h = blockIdx.x, j0 = blockIdx.y * BV, seq = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     const int nv = a.nv, dv = a.dv;
     const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
     extern __shared__ __align__(16) unsigned char tern_gdn_tc_smem[];
-    tern_gdn_tc_state_smem<DK, NS, DEFER ? 2 : 1>& sm = *reinterpret_cast<tern_gdn_tc_state_smem<DK, NS, DEFER ? 2 : 1>*>(tern_gdn_tc_smem);
+    tern_gdn_tc_state_smem<DK, NS>& sm = *reinterpret_cast<tern_gdn_tc_state_smem<DK, NS>*>(tern_gdn_tc_smem);
     tern_gdn_tc_state_smem_mc<DK, NS>& smc = *reinterpret_cast<tern_gdn_tc_state_smem_mc<DK, NS>*>(tern_gdn_tc_smem);
     unsigned rank = 0, blocks = 1;
     if constexpr (MC) {
@@ -1094,41 +879,6 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
             s[n][2 * hf + 1] = v.y;
             *reinterpret_cast<unsigned*>(sm.s + j * LDK + i) = tern_gdn_tc_pack(v.x, v.y);
         }
-
-    // o += QKd Delta (the weights are zero above the diagonal: tiles past it are skipped), then
-    // rows below len to the output: a chunk's read-out, from its stage's weights and its Delta.
-    const auto read_out = [&](float (&o)[2][4], const tern_gdn_tc_stage<DK>& st, const tern_gdn_bf16* dtile, size_t t0, int len) {
-        {
-            unsigned aw[2][4], b[2][4];
-            const auto frags = [&](int kt, int p) {
-                tern_gdn_tc_frag_a_swz(aw[p], st.qk, C, mc, 16 * kt);
-                tern_gdn_tc_frag_b_nk(b[p], dtile, LDC, jn, 16 * kt);
-            };
-            frags(0, 0);
-#pragma unroll
-            for (int kt = 0; kt < 4; kt++) {
-                if (kt > (mc >> 4)) break;
-                const int p = kt & 1;
-                if (kt + 1 <= (mc >> 4)) frags(kt + 1, p ^ 1);
-                tern_gdn_tc_mma(o[0], aw[p], b[p][0], b[p][1]);
-                tern_gdn_tc_mma(o[1], aw[p], b[p][2], b[p][3]);
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < 2; t++)
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                const int c = mc + g + 8 * hf, j = jn + 8 * t + 2 * q;
-                if (c >= len) continue;
-                const size_t at = ((t0 + c) * nv + h) * dv + j0 + j;
-                if constexpr (OUT16) *reinterpret_cast<unsigned*>(static_cast<tern_gdn_bf16*>(a.out) + at) = tern_gdn_tc_pack(o[t][2 * hf], o[t][2 * hf + 1]);
-                else *reinterpret_cast<float2*>(static_cast<float*>(a.out) + at) = make_float2(o[t][2 * hf], o[t][2 * hf + 1]);
-            }
-    };
-    // DEFER: the previous chunk's read-out, held across the barrier at the top of this one.
-    float o_prev[2][4];
-    size_t t0_prev = 0;
-    int len_prev = 0;
 
     const int c0 = (int)a.seg_chunk0[seq], nc = (int)a.seg_nchunks[seq];
     // One commit group per chunk slot, empty past the last chunk, so that "all but the newest
@@ -1199,12 +949,9 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         }
         // (A cluster of one needs no `empty` barriers: the barrier at the top of this chunk
         // freed the stage, as for cp.async; its copies leave here too.)
-        if constexpr (LATE && !MC && !DEFER) issue_ahead();
+        if constexpr (LATE && !MC) issue_ahead();
         if constexpr (MC)
             if (blocks == 1) issue_ahead();
-        if constexpr (DEFER)
-            if (n > 0) read_out(o_prev, sm.st[(n - 1) % NS], sm.d[(n - 1) & 1], t0_prev, len_prev);
-        tern_gdn_bf16* const dtile = sm.d[DEFER ? n & 1 : 0];
 #pragma unroll
         for (int t = 0; t < 2; t++)
 #pragma unroll
@@ -1213,24 +960,40 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const float dl = tern_gdn_tc_f32_of_pair(uw[t][hf], e) - d[t][2 * hf + e];
-                    dtile[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl);
+                    sm.d[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl);
                     sm.dt[(j + e) * LDC + c] = tern_gdn_tc_bf16(dl * el[hf]);
                     o[t][2 * hf + e] *= eg[hf];
                 }
             }
-        __syncthreads();  // Delta complete; every read of the state copy (and DEFER: of the previous chunk's stage and Delta) is done
+        __syncthreads();  // Delta complete; every read of the state copy is done
 
-        if constexpr (DEFER) {
-            issue_ahead();
+        // o += QKd Delta (the weights are zero above the diagonal: tiles past it are skipped).
+        {
+            unsigned aw[2][4], b[2][4];
+            const auto frags = [&](int kt, int p) {
+                tern_gdn_tc_frag_a_swz(aw[p], st.qk, C, mc, 16 * kt);
+                tern_gdn_tc_frag_b_nk(b[p], sm.d, LDC, jn, 16 * kt);
+            };
+            frags(0, 0);
 #pragma unroll
-            for (int t = 0; t < 2; t++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) o_prev[t][e] = o[t][e];
-            t0_prev = t0;
-            len_prev = len;
-        } else {
-            read_out(o, st, dtile, t0, len);
+            for (int kt = 0; kt < 4; kt++) {
+                if (kt > (mc >> 4)) break;
+                const int p = kt & 1;
+                if (kt + 1 <= (mc >> 4)) frags(kt + 1, p ^ 1);
+                tern_gdn_tc_mma(o[0], aw[p], b[p][0], b[p][1]);
+                tern_gdn_tc_mma(o[1], aw[p], b[p][2], b[p][3]);
+            }
         }
+#pragma unroll
+        for (int t = 0; t < 2; t++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int c = mc + g + 8 * hf, j = jn + 8 * t + 2 * q;
+                if (c >= len) continue;
+                const size_t at = ((t0 + c) * nv + h) * dv + j0 + j;
+                if constexpr (OUT16) *reinterpret_cast<unsigned*>(static_cast<tern_gdn_bf16*>(a.out) + at) = tern_gdn_tc_pack(o[t][2 * hf], o[t][2 * hf + 1]);
+                else *reinterpret_cast<float2*>(static_cast<float*>(a.out) + at) = make_float2(o[t][2 * hf], o[t][2 * hf + 1]);
+            }
 
         // S = e^{G_L} S + sum_c (e^{G_L - G_c} Delta_c) k_c^T, as S^T[j][i] tiles.
         const float keep = st.dec[len - 1];
@@ -1270,9 +1033,6 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         if constexpr (MC)
             if (blocks > 1) issue_ahead();
     }
-    // DEFER: the last chunk's read-out (its Delta was complete at its second barrier).
-    if constexpr (DEFER)
-        if (nc > 0) read_out(o_prev, sm.st[(nc - 1) % NS], sm.d[(nc - 1) & 1], t0_prev, len_prev);
 #pragma unroll
     for (int n = 0; n < NI; n++)
 #pragma unroll
@@ -1322,21 +1082,6 @@ TERN_GDN_TC_PREPARE_BF16_IN(64, 64)
 TERN_GDN_TC_PREPARE_BF16_IN(64, 128)
 TERN_GDN_TC_PREPARE_BF16_IN(128, 64)
 TERN_GDN_TC_PREPARE_BF16_IN(128, 128)
-// The paired form (tern_gdn_tc_prepare_pair_body), f32 and bf16 rows: _r8cp, _r8cpb. Two blocks
-// a multiprocessor (<= 128 registers).
-#define TERN_GDN_TC_PREPARE_PAIRED(DK, DV)                                                                           \
-    extern "C" __global__ void __launch_bounds__(256, 2) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r8cp(tern_gdn_tc_prep_args a) { \
-        tern_await_prior_kernel();                                                                                     \
-        tern_gdn_tc_prepare_pair_body<DK, DV, float>(a);                                                               \
-    }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256, 2) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r8cpb(tern_gdn_tc_prep_args a) { \
-        tern_await_prior_kernel();                                                                                     \
-        tern_gdn_tc_prepare_pair_body<DK, DV, tern_gdn_bf16>(a);                                                       \
-    }
-TERN_GDN_TC_PREPARE_PAIRED(64, 64)
-TERN_GDN_TC_PREPARE_PAIRED(64, 128)
-TERN_GDN_TC_PREPARE_PAIRED(128, 64)
-TERN_GDN_TC_PREPARE_PAIRED(128, 128)
 // State kernels by d_k and stages; _s3l issues the copies late (LATE above); _s3lm in clusters
 // (MC above: sm_90 and later only, launched in clusters of 2 or 4 of a head's d_v / 32 blocks;
 // LATE has no effect there, as a cluster's copies leave at the end of each chunk).
@@ -1364,18 +1109,6 @@ TERN_GDN_TC_STATE(128, 3, true, l)
     }
 TERN_GDN_TC_STATE_BF16_OUT(64)
 TERN_GDN_TC_STATE_BF16_OUT(128)
-// The read-out deferred a chunk (DEFER above), f32 and bf16 output: _s3ld, _s3ldb.
-#define TERN_GDN_TC_STATE_DEFERRED(DK)                                                                               \
-    extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk##DK##_s3ld(tern_gdn_tc_state_args a) {   \
-        tern_await_prior_kernel();                                                                                     \
-        tern_gdn_tc_state_body<DK, 3, true, false, false, true>(a);                                                    \
-    }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk##DK##_s3ldb(tern_gdn_tc_state_args a) {  \
-        tern_await_prior_kernel();                                                                                     \
-        tern_gdn_tc_state_body<DK, 3, true, false, true, true>(a);                                                     \
-    }
-TERN_GDN_TC_STATE_DEFERRED(64)
-TERN_GDN_TC_STATE_DEFERRED(128)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 TERN_GDN_TC_STATE_CLUSTER(64, 3, true, l)
 TERN_GDN_TC_STATE_CLUSTER(128, 3, true, l)

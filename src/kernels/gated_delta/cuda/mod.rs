@@ -436,9 +436,7 @@ pub struct GatedDeltaCuda {
     /// Fast mode: prepare kernels by (d_k, d_v, rows, compact, tiled) and state kernels by
     /// (d_k, stages, late issue, in clusters); those in clusters only where the device has them.
     tc_prepare: Vec<((usize, usize, usize, bool, bool), CudaFunction)>,
-    /// The paired prepare kernels (two value heads a block) by (d_k, d_v, bf16 rows).
-    tc_prepare_paired: Vec<((usize, usize, bool), CudaFunction)>,
-    tc_state: Vec<((usize, usize, bool, bool, bool), CudaFunction)>,
+    tc_state: Vec<((usize, usize, bool, bool), CudaFunction)>,
     fast_variant: FastVariant,
     /// Blocks a cluster of the state pass in clusters share a chunk's tiles among: 2, or 4
     /// where d_v is 128 (TERN_GDN_CLUSTER_BLOCKS). 2 by default: with one block a
@@ -451,7 +449,7 @@ pub struct GatedDeltaCuda {
     /// The default variant's kernels with bf16 q, k, v in (prepare, by (d_k, d_v)) and a bf16
     /// output (state, by d_k): [`GatedDeltaCuda::delta_rule_chunked_fast_bf16`].
     tc_prepare_bf16: Vec<((usize, usize), CudaFunction)>,
-    tc_state_bf16: Vec<((usize, bool), CudaFunction)>,
+    tc_state_bf16: Vec<(usize, CudaFunction)>,
     /// Per-(chunk, head) intermediates of the chunked prefill (either mode), grown on demand.
     /// Shared with the graphs of the steps that used it: a recorded prefill holds its address,
     /// so growing it (for a longer prompt) must not free it under such a graph.
@@ -568,24 +566,14 @@ pub struct FastVariant {
     /// [`GatedDeltaCuda::fast_variants`]). Slower than the blocks alone on an H100 (1.27 against
     /// 0.99 ms at 32k tokens, BENCHMARKS.md, twenty-seventh session): opt-in.
     pub cluster: bool,
-    /// The prepare pass for two value heads of one key head a block (`tern_gdn_tc_prepare_pair_body`
-    /// in chunked_tc.cu): q, k and their products once for both, the two substitutions side by
-    /// side, two blocks a multiprocessor. Taken where each key head has an even number of value
-    /// heads; otherwise the one-head form runs (the same bits either way). Implies the compact,
-    /// tiled arithmetic with 8 rows a fetch.
-    pub paired: bool,
-    /// The state pass runs each chunk's read-out (o += QKd Delta and its stores) in the next
-    /// chunk, after that chunk's Delta and P products (`DEFER` in chunked_tc.cu): between a
-    /// chunk's two barriers only the state update is left. 3 stages with late copies.
-    pub defer_readout: bool,
 }
 
 const fn fast(rows: usize, stages: usize, compact: bool, late_issue: bool) -> FastVariant {
-    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false, paired: false, defer_readout: false }
+    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false }
 }
 
 /// The fast variants compiled (those in clusters only for devices that launch clusters).
-pub const FAST_VARIANTS: [FastVariant; 13] = [
+pub const FAST_VARIANTS: [FastVariant; 10] = [
     fast(1, 2, false, false),
     fast(8, 2, false, false),
     fast(1, 3, false, false),
@@ -596,9 +584,6 @@ pub const FAST_VARIANTS: [FastVariant; 13] = [
     fast(8, 3, true, true),
     FAST_VARIANT,
     FastVariant { cluster: true, ..FAST_VARIANT },
-    FastVariant { paired: true, ..FAST_VARIANT },
-    FastVariant { defer_readout: true, ..FAST_VARIANT },
-    FastVariant { paired: true, defer_readout: true, ..FAST_VARIANT },
 ];
 /// The default fast variant: the compact prepare layout (three blocks a multiprocessor), TILED,
 /// with the state pass's late copies: the fastest at 2k, 8k and 32k tokens. Untiled it was the
@@ -627,27 +612,11 @@ fn tc_prepare_smem(d_k: usize, d_v: usize, compact: bool) -> usize {
     }
 }
 
-/// Bytes of `tern_gdn_tc_prepare_pair_body`'s shared memory (`tern_gdn_tc_pair_smem` in
-/// chunked_tc.cu): per head G (f64), beta and e^G; k's rows, both heads' v rows, q's rows (or
-/// the two heads' block-row partials in their room), and per head A (T in its place).
-fn tc_prepare_pair_smem(d_k: usize, d_v: usize) -> usize {
-    let scalars = 8 * CHUNK + 4 * 2 * CHUNK;
-    let (mat, parts) = (4 * CHUNK * (CHUNK + 1), 4 * 3 * 16 * 17);
-    let (k_rows, v_rows) = (2 * CHUNK * (d_k + 8), 2 * CHUNK * (d_v + 8));
-    2 * scalars + k_rows + 2 * v_rows + k_rows.max(2 * parts) + 2 * mat
-}
-
 /// `sizeof(tern_gdn_tc_state_smem<d_k, stages>)`: per stage W, Q, K (unpadded bf16 rows of d_k,
 /// their pieces permuted as the prepare pass stores them), the read-out weights, the U slice and
 /// the decays; then the state copy and the two Delta tiles (rows padded by 8); in clusters
-/// (`tern_gdn_tc_state_smem_mc`) two barriers a stage after them; with the read-out deferred a
-/// second Delta tile.
-fn tc_state_smem(d_k: usize, stages: usize, cluster: bool, deferred: bool) -> usize {
-    let delta = TC_STATE_ROWS * 72 * 2;
-    tc_state_smem_base(d_k, stages, cluster) + if deferred { delta } else { 0 }
-}
-
-fn tc_state_smem_base(d_k: usize, stages: usize, cluster: bool) -> usize {
+/// (`tern_gdn_tc_state_smem_mc`) two barriers a stage after them.
+fn tc_state_smem(d_k: usize, stages: usize, cluster: bool) -> usize {
     let stage = 2 * (3 * CHUNK * d_k + CHUNK * CHUNK + CHUNK * TC_STATE_ROWS) + 4 * 2 * CHUNK;
     stages * stage + 2 * (TC_STATE_ROWS * (d_k + 8) + 2 * TC_STATE_ROWS * 72) + if cluster { 2 * 8 * stages } else { 0 }
 }
@@ -834,7 +803,6 @@ impl GatedDeltaCuda {
             [f("tern_gdn_chunk_state_f64_bv8", ss)?, f("tern_gdn_chunk_state_f64_bv16", ss)?],
         ];
         let (mut tc_prepare, mut tc_state, mut tc_prepare_bf16, mut tc_state_bf16) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut tc_prepare_paired = Vec::new();
         for dk in FAST_CHUNK_HEAD_DIMS {
             for rows in [1, 8] {
                 for dv in FAST_CHUNK_HEAD_DIMS {
@@ -847,31 +815,22 @@ impl GatedDeltaCuda {
                         tc_prepare.push(((dk, dv, rows, true, true), fc(&name, tc_prepare_smem(dk, dv, true))?));
                         let name = format!("tern_gdn_tc_prepare_dk{dk}_dv{dv}_r8ctb");
                         tc_prepare_bf16.push(((dk, dv), fc(&name, tc_prepare_smem(dk, dv, true))?));
-                        for (bf16, suffix) in [(false, ""), (true, "b")] {
-                            let name = format!("tern_gdn_tc_prepare_dk{dk}_dv{dv}_r8cp{suffix}");
-                            tc_prepare_paired.push(((dk, dv, bf16), fc(&name, tc_prepare_pair_smem(dk, dv))?));
-                        }
                     }
                 }
             }
             for (stages, late) in [(2, false), (3, false), (3, true)] {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s{stages}{}", if late { "l" } else { "" });
-                tc_state.push(((dk, stages, late, false, false), fc(&name, tc_state_smem(dk, stages, false, false))?));
+                tc_state.push(((dk, stages, late, false), fc(&name, tc_state_smem(dk, stages, false))?));
             }
-            tc_state.push(((dk, 3, true, false, true), fc(&format!("tern_gdn_tc_state_dk{dk}_s3ld"), tc_state_smem(dk, 3, false, true))?));
-            for deferred in [false, true] {
-                let name = format!("tern_gdn_tc_state_dk{dk}_s3l{}b", if deferred { "d" } else { "" });
-                tc_state_bf16.push(((dk, deferred), fc(&name, tc_state_smem(dk, 3, false, deferred))?));
-            }
+            tc_state_bf16.push((dk, fc(&format!("tern_gdn_tc_state_dk{dk}_s3lb"), tc_state_smem(dk, 3, false))?));
             // Compiled for sm_90 and later only (chunked_tc.cu).
             if gpu.cluster_launch()? {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s3lm");
-                tc_state.push(((dk, 3, true, true, false), fc(&name, tc_state_smem(dk, 3, true, false))?));
+                tc_state.push(((dk, 3, true, true), fc(&name, tc_state_smem(dk, 3, true))?));
             }
         }
         Ok(GatedDeltaCuda {
             tc_prepare,
-            tc_prepare_paired,
             tc_state,
             tc_prepare_bf16,
             tc_state_bf16,
@@ -929,7 +888,7 @@ impl GatedDeltaCuda {
     /// The fast variants this device runs: [`FAST_VARIANTS`] less those in clusters where the
     /// device cannot launch clusters.
     pub fn fast_variants(&self) -> Vec<FastVariant> {
-        let has = |v: &FastVariant| self.tc_state.iter().any(|((_, stages, late, cluster, deferred), _)| (*stages, *late, *cluster, *deferred) == (v.stages, v.late_issue, v.cluster, v.defer_readout));
+        let has = |v: &FastVariant| self.tc_state.iter().any(|((_, stages, late, cluster), _)| (*stages, *late, *cluster) == (v.stages, v.late_issue, v.cluster));
         FAST_VARIANTS.into_iter().filter(has).collect()
     }
 
@@ -1421,9 +1380,7 @@ impl GatedDeltaCuda {
     /// [`Self::delta_rule_chunked_fast`] with q, k, v and the output in bf16, as fla's chunked
     /// kernel takes them (half the bytes read and written at each end). Rows of bf16 values
     /// give the bits the f32 form gives for the same values, the output rounded to bf16 once
-    /// (a device test checks both). Runs the default variant ([`FAST_VARIANT`]), its prepare
-    /// pass paired or not and its read-out deferred or not as the selected variant's
-    /// ([`FastVariant::paired`], [`FastVariant::defer_readout`]).
+    /// (a device test checks both). Runs the default variant ([`FAST_VARIANT`]).
     pub fn delta_rule_chunked_fast_bf16(
         &self,
         heads: &DeltaRuleHeads,
@@ -1443,25 +1400,17 @@ impl GatedDeltaCuda {
     fn chunked_fast(&self, what: &str, heads: &DeltaRuleHeads, x: &FastOperands, io: FastIo, segs: &GpuSegments, mut states: GpuStates) -> Result<()> {
         let (pool, state_table, state_ranges) = states.resolve(&self.gpu, &format!("{what} states"), segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
-        // The bf16 forms exist for the default variant only, its prepare pass paired or not and
-        // its read-out deferred or not as the variant selected.
-        let bf16 = io == FastIo::Bf16;
-        let v = self.fast_variant;
-        let FastVariant { rows, stages, compact, late_issue, tiled, cluster, paired, defer_readout } =
-            if bf16 { FastVariant { paired: v.paired, defer_readout: v.defer_readout, ..FAST_VARIANT } } else { v };
-        // Pairs of value heads need an even number of them per key head.
-        let paired = paired && n_v_heads % (2 * n_k_heads) == 0;
-        let prepare = if paired {
-            self.tc_prepare_paired.iter().find(|(d, _)| *d == (d_k, d_v, bf16)).map(|(_, f)| f)
-        } else if bf16 {
-            self.tc_prepare_bf16.iter().find(|(d, _)| *d == (d_k, d_v)).map(|(_, f)| f)
-        } else {
-            self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f)
-        };
-        let state = if bf16 {
-            self.tc_state_bf16.iter().find(|(d, _)| *d == (d_k, defer_readout)).map(|(_, f)| f)
-        } else {
-            self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster, defer_readout)).map(|(_, f)| f)
+        // The bf16 forms exist for the default variant only.
+        let FastVariant { rows, stages, compact, late_issue, tiled, cluster } = if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
+        let (prepare, state) = match io {
+            FastIo::F32 => (
+                self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f),
+                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster)).map(|(_, f)| f),
+            ),
+            FastIo::Bf16 => (
+                self.tc_prepare_bf16.iter().find(|(d, _)| *d == (d_k, d_v)).map(|(_, f)| f),
+                self.tc_state_bf16.iter().find(|(d, _)| *d == d_k).map(|(_, f)| f),
+            ),
         };
         let (Some(prepare), Some(state)) = (prepare, state) else {
             return Err(Error::Shape(format!("{what} on CUDA: d_k {d_k}, d_v {d_v} (each must be one of {FAST_CHUNK_HEAD_DIMS:?})")));
@@ -1511,9 +1460,12 @@ impl GatedDeltaCuda {
             q_scale: (1.0 / (d_k as f64).sqrt()) as f32,
         };
         // The heads of one chunk are neighbours in the grid, so q and k rows read by a key
-        // head's second value head (or pair) come from L2.
-        let (blocks, smem) = if paired { (n_v_heads / 2, tc_prepare_pair_smem(d_k, d_v)) } else { (n_v_heads, tc_prepare_smem(d_k, d_v, compact)) };
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, table.n_chunks as u32, 1), block_dim: (CHUNK_THREADS, 1, 1), shared_mem_bytes: smem as u32 };
+        // head's second value head come from L2.
+        let cfg = LaunchConfig {
+            grid_dim: (n_v_heads as u32, table.n_chunks as u32, 1),
+            block_dim: (CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: tc_prepare_smem(d_k, d_v, compact) as u32,
+        };
         let mut l = self.gpu.launch_builder(prepare);
         l.arg(&args);
         // SAFETY: TcPrepArgs mirrors the kernel's struct; every pointer is a live buffer of the
@@ -1547,7 +1499,7 @@ impl GatedDeltaCuda {
         let cfg = LaunchConfig {
             grid_dim: (n_v_heads as u32, slices, segs.n_seqs() as u32),
             block_dim: (CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: tc_state_smem(d_k, stages, cluster, defer_readout) as u32,
+            shared_mem_bytes: tc_state_smem(d_k, stages, cluster) as u32,
         };
         let mut l = self.gpu.launch_builder(state);
         l.arg(&args);
