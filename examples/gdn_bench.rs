@@ -16,7 +16,9 @@
 //! timed without its sequential pass; the fast mode's time is set against the fewest bytes
 //! the layer must move (q, k, v read and the output written once, f32) at the copy bandwidth.
 //! The fast mode also runs with q, k, v and the output in bf16 (fla's interface), timed and
-//! set against its own floor (those bytes in bf16).
+//! set against its own floor (those bytes in bf16). Each of the fast mode's two passes is also
+//! set against the fewest bytes it must move in this design (`prefill_two_pass_floor`: its
+//! operands for the state pass written to device memory and read back included).
 
 use tern::cuda::{CudaSlice, Gpu};
 use tern::kernels::gated_delta::cuda::{ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, FAST_VARIANT, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuBf16DeltaRuleInputs, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
