@@ -21,7 +21,7 @@
 //! operands for the state pass written to device memory and read back included).
 
 use tern::cuda::{CudaSlice, Gpu};
-use tern::kernels::gated_delta::cuda::{ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, FAST_VARIANT, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuBf16DeltaRuleInputs, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
+use tern::kernels::gated_delta::cuda::{fast_operand_bytes, ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, FAST_VARIANT, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuBf16DeltaRuleInputs, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
@@ -351,8 +351,7 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
 /// the output and the state. Printed beside the passes' times (`times`: total and prepare ms).
 fn two_pass_floor(heads: &DeltaRuleHeads, t: usize, io: usize, copy_bw: f64, times: (f64, f64)) {
     let DeltaRuleHeads { n_k_heads: nk, n_v_heads: nv, d_k: dk, d_v: dv, .. } = *heads;
-    let chunks = t.div_ceil(64);
-    let operands = chunks * (nv * 64 * (2 * dk + 2 * dv + 2 * 64 + 4 * 2) + nk * 2 * 64 * 2 * dk);
+    let operands = fast_operand_bytes(heads, t);
     let prepare = io * t * (2 * nk * dk + nv * dv) + 8 * t * nv + operands;
     let state = operands + io * t * nv * dv + 8 * heads.state_len();
     let ms = |bytes: usize| bytes as f64 / copy_bw * 1e3;

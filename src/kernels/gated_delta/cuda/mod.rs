@@ -621,6 +621,21 @@ fn tc_state_smem(d_k: usize, stages: usize, cluster: bool) -> usize {
     stages * stage + 2 * (TC_STATE_ROWS * (d_k + 8) + 2 * TC_STATE_ROWS * 72) + if cluster { 2 * 8 * stages } else { 0 }
 }
 
+/// Bytes of the fast prefill's operands for its state pass, by region of the chunk scratch:
+/// bf16 W, U, read-out weights (per value head and chunk), normalised q, k (per key head and
+/// chunk), each a whole number of 16-byte pieces; then the f32 decays.
+fn fast_operand_regions(heads: &DeltaRuleHeads, n_chunks: usize) -> [usize; 6] {
+    let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, .. } = *heads;
+    let (per, per_k) = (n_chunks * n_v_heads, n_chunks * n_k_heads);
+    [per * CHUNK * d_k * 2, per * CHUNK * d_v * 2, per * CHUNK * CHUNK * 2, per_k * CHUNK * d_k * 2, per_k * CHUNK * d_k * 2, per * 2 * CHUNK * 4]
+}
+
+/// Bytes the fast prefill's prepare pass writes for its state pass to read over `tokens` tokens
+/// of one sequence (the chunk scratch it fills).
+pub fn fast_operand_bytes(heads: &DeltaRuleHeads, tokens: usize) -> usize {
+    fast_operand_regions(heads, tokens.div_ceil(CHUNK)).iter().sum()
+}
+
 /// Mirrors `tern_gdn_tc_prep_args` in chunked_tc.cu field for field (C layout).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -1419,10 +1434,7 @@ impl GatedDeltaCuda {
         if table.n_chunks > 65_535 {
             return Err(Error::Shape(format!("{what}: {} chunks, at most 65535 per launch", table.n_chunks)));
         }
-        let (per, per_k) = (table.n_chunks * n_v_heads, table.n_chunks * n_k_heads);
-        // bf16 regions, each a whole number of 16-byte pieces: W, U, read-out weights, q, k;
-        // then the f32 decays.
-        let bytes = [per * CHUNK * d_k * 2, per * CHUNK * d_v * 2, per * CHUNK * CHUNK * 2, per_k * CHUNK * d_k * 2, per_k * CHUNK * d_k * 2, per * 2 * CHUNK * 4];
+        let bytes = fast_operand_regions(heads, table.n_chunks);
         let scratch = self.scratch(bytes.iter().sum::<usize>() / 4)?;
         let stream = self.gpu.stream();
         let base = self.gpu.ptr(&*scratch);
