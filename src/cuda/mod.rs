@@ -54,6 +54,16 @@ fn source_override_in(dir: Option<&Path>, name: &str) -> Result<Option<String>> 
     std::fs::read_to_string(&path).map(Some).map_err(|e| Error::Cuda(format!("reading {}: {e}", path.display())))
 }
 
+/// The NVRTC target for a device of compute capability `major.minor`: its own architecture, and
+/// on sm_90 (H100, H200) the arch-specific sm_90a, without which the warpgroup products
+/// (src/kernels/wgmma.cuh) do not exist. A module is compiled for the device it runs on, so
+/// the arch-specific target costs no portability; code without such instructions compiles to
+/// the same registers either way (checked on every module when the target changed).
+pub fn nvrtc_arch(major: i32, minor: i32) -> String {
+    let specific = if (major, minor) == (9, 0) { "a" } else { "" };
+    format!("sm_{major}{minor}{specific}")
+}
+
 /// Every CUDA source of the op set (the CI compile check covers exactly these).
 pub fn sources() -> Vec<KernelSource> {
     let mut all = crate::kernels::gated_delta::cuda::SOURCES.to_vec();
@@ -350,7 +360,7 @@ impl Gpu {
             ctx,
             stream,
             ordinal,
-            arch: format!("sm_{major}{minor}"),
+            arch: nvrtc_arch(major, minor),
             name,
             modules: Mutex::new(HashMap::new()),
             staging: Mutex::new(None),
@@ -969,7 +979,8 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    /// CI check: every CUDA source of the op set compiles with NVRTC for sm_90. It needs NVRTC
+    /// CI check: every CUDA source of the op set compiles with NVRTC for sm_90a (what an H100
+    /// or H200 compiles them for: `nvrtc_arch`). It needs NVRTC
     /// (scripts/test.sh installs it and sets LD_LIBRARY_PATH); without it this test FAILS, so a
     /// missing compiler can never pass for a compiled kernel.
     #[test]
@@ -984,14 +995,14 @@ mod tests {
         let sources = sources();
         assert!(!sources.is_empty());
         for src in &sources {
-            let cubin = nvrtc::compile(src.name, src.code, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+            let cubin = nvrtc::compile(src.name, src.code, &nvrtc_arch(9, 0)).unwrap_or_else(|e| panic!("{e}"));
             // An ELF image: what the driver loads.
             assert_eq!(&cubin[..4], b"\x7fELF", "{}", src.name);
             // For reading register counts and SASS without a GPU (cuobjdump -res-usage, nvdisasm).
             if let Some(dir) = std::env::var_os("TERN_CUBIN_DUMP") {
                 std::fs::write(std::path::Path::new(&dir).join(format!("{}.cubin", src.name)), &cubin).unwrap();
             }
-            eprintln!("nvrtc {major}.{minor}: {} -> {} bytes of sm_90 CUBIN", src.name, cubin.len());
+            eprintln!("nvrtc {major}.{minor}: {} -> {} bytes of sm_90a CUBIN", src.name, cubin.len());
         }
     }
 
@@ -1069,7 +1080,7 @@ mod tests {
             (&crate::kernels::gated_delta::cuda::RECURRENCE, &[("tern_gdn_recurrence_fused_dk128_s_b64", 64)]),
         ];
         for (src, kernels) in bounds {
-            let cubin = nvrtc::compile_cached(src.name, src.code, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+            let cubin = nvrtc::compile_cached(src.name, src.code, &nvrtc_arch(9, 0)).unwrap_or_else(|e| panic!("{e}"));
             let counts = cubin_register_counts(&cubin).unwrap_or_else(|| panic!("{}: no register counts read from its CUBIN", src.name));
             for &(kernel, most) in kernels {
                 let regs = *counts.get(kernel).unwrap_or_else(|| panic!("{}: no register count for {kernel}", src.name));

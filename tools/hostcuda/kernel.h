@@ -6,9 +6,9 @@
 // logic a GPU test checks: every thread of a block runs as its own fiber with its own stack
 // (so a thread's locals are its registers), blocks run one after another (a cooperative
 // launch's all together, so that they may wait for each other), and the points where
-// CUDA threads meet — __syncthreads, named barriers, warp shuffles, votes, ldmatrix and mma —
-// are real rendezvous: a fiber that reaches one waits until every thread it names has arrived.
-// Code that only works when a warp runs in lockstep (shared memory read by another lane without
+// CUDA threads meet — __syncthreads, named barriers, warp shuffles, votes, ldmatrix, mma and
+// the warpgroup products (wgmma, four warps together) — are real rendezvous: a fiber that
+// reaches one waits until every thread it names has arrived. Code that only works when a warp runs in lockstep (shared memory read by another lane without
 // a __syncwarp) therefore fails here as it may on the GPU; a rendezvous that can never complete
 // (a thread waits for a lane that has exited, or a barrier some threads skip) is reported as a
 // deadlock instead of hanging. Shared memory is filled with 0xff bytes (NaN as floats) at each
@@ -88,7 +88,7 @@ constexpr size_t kStackBytes = 512 * 1024;
 constexpr size_t kStaticShared = 48 * 1024;
 constexpr size_t kMaxShared = 232448;  // per block, with the opt-in (H200)
 
-enum class Wait : int { None, Barrier, WarpArrive, WarpRead, Sleep, Done };
+enum class Wait : int { None, Barrier, WarpArrive, WarpRead, Sleep, GroupArrive, GroupRead, Done };
 
 struct Thread {
     void* sp;
@@ -123,6 +123,19 @@ struct NamedBarrier {
     unsigned gen = 0;
 };
 
+// A warpgroup's rendezvous for its products (wgmma): the four warps' 128 threads deposit their
+// accumulators; the last to arrive computes every thread's result in their place; each takes its
+// own and leaves; the next product opens when all have left.
+struct WarpgroupSlot {
+    int arrived = 0;
+    int left = 0;
+    unsigned gen = 0;
+    bool reading = false;
+    int n = 0, accumulate = 0;
+    uint64_t desc_a = 0, desc_b = 0;
+    float acc[128][64];
+};
+
 struct Launch {
     void (*run)(void**) = nullptr;
     void** params = nullptr;
@@ -133,6 +146,8 @@ struct Launch {
     Thread threads[kMaxThreads];
     WarpSlot warps[kMaxThreads / 32];
     NamedBarrier barriers[16];
+    // Allocated at a block's first warpgroup product (a block of up to 8 warpgroups).
+    std::unique_ptr<WarpgroupSlot[]> warpgroups;
     unsigned exited_mask[kMaxThreads / 32];
     Thread* current = nullptr;
     void* scheduler_sp = nullptr;
@@ -689,6 +704,102 @@ inline void bar_sync(I id, N count) {
     named_barrier((int)id, (int)count);
 }
 inline void griddepcontrol() {}
+
+// ---- warpgroup products (wgmma; src/kernels/wgmma.cuh) ---------------------------------------
+// Modelled: bf16 operands from shared memory, both K-major and unswizzled (translate.py refuses
+// other forms), scales of 1, f32 accumulators. A product completes when the last thread of the
+// warpgroup arrives, so fences, commits and waits have nothing to order; the tiles are read at
+// that moment. Each output sums its 16 products exactly and rounds once with the accumulator
+// (as mma_all; the hardware's own partial sums differ in the last bits).
+inline void wgmma_fence() {}
+inline void wgmma_commit_group() {}
+template <class N>
+inline void wgmma_wait_group(N) {}
+inline void fence_proxy_async() {}
+
+// The shared address a descriptor's 14-bit start field (address / 16, modulo 256 KiB) names.
+// On the GPU every shared address is below 228 KiB; here the dynamic region lies at the end of
+// a larger arena (kernel.h's layout, for its guard page), so its addresses may pass 256 KiB:
+// the one candidate inside the block's shared memory is the address.
+inline unsigned wgmma_start(uint64_t desc) {
+    const Launch& l = L();
+    const size_t dyn = (size_t)(l.dynamic_shared - l.shared_base);
+    unsigned found = 0;
+    int n = 0;
+    for (unsigned c = (unsigned)(desc & 0x3fff) << 4; c < dyn + l.dynamic_bytes + 0x40000; c += 0x40000)
+        if (c < l.static_used || (c >= dyn && c < dyn + l.dynamic_bytes)) {
+            found = c;
+            ++n;
+        }
+    if (n != 1) fault("wgmma descriptor start (%s0x%llx) names %lld places in this block's shared memory", "", (long long)(desc & 0x3fff) << 4, n);
+    return found;
+}
+
+// Element (r, k) of a K-major operand tile without swizzle, as its descriptor places it.
+inline float wgmma_operand(uint64_t desc, int r, int k) {
+    if ((desc >> 62) != 0 || ((desc >> 49) & 7) != 0) fault("wgmma descriptor with a swizzle or base offset (%s0x%llx): not modelled", "", (long long)desc);
+    const unsigned start = wgmma_start(desc), lbo = (unsigned)(desc >> 16 & 0x3fff) << 4, sbo = (unsigned)(desc >> 32 & 0x3fff) << 4;
+    const unsigned at = start + (unsigned)(r / 8) * sbo + (unsigned)(k / 8) * lbo + (unsigned)(r % 8) * 16 + (unsigned)(k % 8) * 2;
+    uint16_t b;
+    memcpy(&b, shared_pointer(at, 2), 2);
+    return f32_of_bf16(b);
+}
+
+inline void wgmma_complete(WarpgroupSlot& s) {
+    for (int i = 0; i < 128; ++i) {
+        const int w = i / 32, g = (i % 32) / 4, q = i % 4;
+        for (int j = 0; j < s.n / 2; ++j) {
+            const int row = 16 * w + g + 8 * ((j / 2) % 2), col = 8 * (j / 4) + 2 * q + j % 2;
+            double sum = 0.0;
+            for (int k = 0; k < 16; ++k) sum += (double)wgmma_operand(s.desc_a, row, k) * (double)wgmma_operand(s.desc_b, col, k);
+            s.acc[i][j] = s.accumulate ? (float)(sum + (double)s.acc[i][j]) : (float)sum;
+        }
+    }
+}
+
+// d (+)= A B^T, A 64 x 16 and B N x 16: every thread of the warpgroup passes its N / 2
+// accumulators (their addresses), the two descriptors and whether to accumulate.
+template <int N, class DA, class DB, class S>
+inline void wgmma_m64k16_bf16(float* const (&d)[N / 2], DA desc_a, DB desc_b, S accumulate) {
+    static_assert(N % 8 == 0 && N >= 8 && N <= 128, "wgmma n: a multiple of 8 up to 128");
+    Launch& l = L();
+    if (l.nthreads % 128) fault("wgmma in a block of %s%lld threads: not whole warpgroups", "", l.nthreads);
+    if (!l.warpgroups) l.warpgroups.reset(new WarpgroupSlot[kMaxThreads / 128]);
+    Thread* t = l.current;
+    const int group = t->linear / 128, i = t->linear % 128;
+    if (l.exited_mask[4 * group] | l.exited_mask[4 * group + 1] | l.exited_mask[4 * group + 2] | l.exited_mask[4 * group + 3])
+        fault("wgmma waits for threads of its warpgroup that have exited%s");
+    WarpgroupSlot& s = l.warpgroups[group];
+    t->wait = Wait::GroupArrive;
+    while (s.reading) yield();
+    const int acc = (int)accumulate != 0;
+    if (s.arrived == 0) {
+        s.n = N;
+        s.accumulate = acc;
+        s.desc_a = (uint64_t)desc_a;
+        s.desc_b = (uint64_t)desc_b;
+    } else if (s.n != N || s.accumulate != acc || s.desc_a != (uint64_t)desc_a || s.desc_b != (uint64_t)desc_b) {
+        fault("threads of a warpgroup meet at different wgmma products (descriptor %s0x%llx and 0x%llx)", "", (long long)s.desc_a, (long long)desc_a);
+    }
+    for (int j = 0; j < N / 2; ++j) s.acc[i][j] = *d[j];
+    ++s.arrived;
+    ++l.epoch;
+    const unsigned gen = s.gen;
+    if (s.arrived == 128) {
+        wgmma_complete(s);
+        s.reading = true;
+    }
+    t->wait = Wait::GroupRead;
+    while (!(s.reading && s.gen == gen)) yield();
+    t->wait = Wait::None;
+    for (int j = 0; j < N / 2; ++j) *d[j] = s.acc[i][j];
+    ++l.epoch;
+    if (++s.left == 128) {
+        s.arrived = s.left = 0;
+        s.reading = false;
+        ++s.gen;
+    }
+}
 }  // namespace tern_host_ptx
 
 // ---- launching (translate.py appends the table of the source's kernels) ----------------------
@@ -794,6 +905,8 @@ inline const char* wait_name(const Thread& t) {
         case Wait::WarpArrive: return "a warp collective (before arriving)";
         case Wait::WarpRead: return "a warp collective (for other lanes)";
         case Wait::Sleep: return "a sleep (a spin-wait on memory)";
+        case Wait::GroupArrive: return "a warpgroup product (before arriving)";
+        case Wait::GroupRead: return "a warpgroup product (for other threads of the group)";
         default: return "nothing";
     }
 }
@@ -839,6 +952,8 @@ inline void start_block(Launch& l, uint3_ idx, char* stacks, size_t stride) {
     l.static_used = 0;
     for (auto& w : l.warps) w = WarpSlot{};
     for (auto& b : l.barriers) b = NamedBarrier{};
+    if (l.warpgroups)
+        for (int g = 0; g < kMaxThreads / 128; ++g) l.warpgroups[g] = WarpgroupSlot{};
     for (auto& e : l.exited_mask) e = 0;
     memset(l.shared_base, 0xff, kStaticShared);
     memset(l.dynamic_shared, 0xff, l.dynamic_bytes);

@@ -94,7 +94,32 @@ PTX = [
     ("prefetch.global.L2", "tern_host_ptx::prefetch({args})", 1),
     ("bar.sync", "tern_host_ptx::bar_sync({args})", 2),
     ("griddepcontrol.", "tern_host_ptx::griddepcontrol()", 0),
+    ("wgmma.fence.sync.aligned", "tern_host_ptx::wgmma_fence()", 0),
+    ("wgmma.commit_group.sync.aligned", "tern_host_ptx::wgmma_commit_group()", 0),
+    ("wgmma.wait_group.sync.aligned", "tern_host_ptx::wgmma_wait_group({args})", 1),
+    ("fence.proxy.async.shared::cta", "tern_host_ptx::fence_proxy_async()", 0),
+    ("wgmma.mma_async.", None, None),  # by its shape, below
 ]
+
+# The one form of warpgroup product modelled (kernel.h): bf16 operands from two descriptors, both
+# K-major (trans 0), scales 1, scale-d the predicate p that the prologue sets from an operand.
+WGMMA = re.compile(
+    r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16\s*\{[^}]*\}\s*,\s*%(\d+)\s*,\s*%(\d+)\s*,"
+    r"\s*p\s*,\s*1\s*,\s*1\s*,\s*0\s*,\s*0\s*;"
+)
+SCALE_D = re.compile(r"setp\.ne\.b32\s+p\s*,\s*%(\d+)\s*,\s*0\s*;")
+
+
+def wgmma_call(template, instr, outs, ins):
+    """The call of kernel.h for one warpgroup product, after checking its form."""
+    m, scale = WGMMA.match(instr), SCALE_D.search(template)
+    if not m or not scale:
+        fail(f"wgmma form not modelled (bf16, K-major A and B from descriptors, scale-d from setp.ne.b32 p): {template!r}")
+    n, da, db = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    if len(outs) != n // 2 or len(ins) != 3 or (da, db, int(scale.group(1))) != (n // 2, n // 2 + 1, n // 2 + 2):
+        fail(f"{template!r}: wgmma operands not as the model takes them ({n // 2} accumulators, then the two descriptors and scale-d)")
+    acc = ", ".join(f"&({e})" for c, e in outs)
+    return f"tern_host_ptx::wgmma_m64k16_bf16<{n}>({{{acc}}}, " + ", ".join(f"({e})" for c, e in ins) + ")"
 
 
 def operands(section):
@@ -126,12 +151,17 @@ def rewrite_asm(text):
         sections = split_top(body[lit.end() :], ":")[1:]
         outs = operands(sections[0]) if len(sections) > 0 else []
         ins = operands(sections[1]) if len(sections) > 1 else []
-        instr = re.sub(r"^\s*\{\s*(\.reg[^;]*;\s*)*", "", template).strip()
+        instr = re.sub(r"^\s*\{\s*(\.reg[^;]*;\s*)*(setp\.ne\.b32\s+p\s*,\s*%\d+\s*,\s*0\s*;\s*)?", "", template).strip()
         for prefix, call, count in PTX:
             if instr.startswith(prefix):
                 break
         else:
             fail(f"PTX instruction not modelled: {template!r}")
+        if prefix == "wgmma.mma_async.":
+            out.append(text[pos : m.start()])
+            out.append(wgmma_call(template, instr, outs, ins))
+            pos = close + 1
+            continue
         if prefix == "cp.async.cg.shared.global":
             call = "tern_host_ptx::cp_async_16({args})" if len(ins) == 2 else "tern_host_ptx::cp_async_16_n({args})"
             count = len(ins)

@@ -36,8 +36,12 @@ pub const RECURRENCE: KernelSource = gdn_source!("tern_gdn_recurrence", "recurre
 pub const CHUNKED: KernelSource = gdn_source!("tern_gdn_chunked", "chunked.cu");
 pub const CHUNKED_TC: KernelSource = gdn_source!("tern_gdn_chunked_tc", "chunked_tc.cu");
 
+/// The warpgroup products (src/kernels/wgmma.cuh) checked against the CPU on their own
+/// (tests.rs, `cuda_wgmma_products_match_cpu`): only that test loads it.
+pub const WGMMA_CHECK: KernelSource = gdn_source!("tern_gdn_wgmma_check", "../../wgmma.cuh", "wgmma_check.cu");
+
 /// The family's CUDA translation units.
-pub const SOURCES: &[KernelSource] = &[GATES, CONV, NORM, RECURRENCE, CHUNKED, CHUNKED_TC];
+pub const SOURCES: &[KernelSource] = &[GATES, CONV, NORM, RECURRENCE, CHUNKED, CHUNKED_TC, WGMMA_CHECK];
 
 /// Threads per block of the one-thread-per-element kernels.
 const ELEMENT_BLOCK: u32 = 256;

@@ -901,3 +901,64 @@ fn cuda_fused_recurrence_equals_gates_recurrence_norm() {
     let x = GpuDeltaRuleInputs { fused: None, ..x };
     assert!(matches!(k.delta_rule(&heads, &x, &segs, GpuStates::Each(&mut refs), &mut out), Err(Error::Shape(_))));
 }
+
+/// The warpgroup products (src/kernels/wgmma.cuh, checked through wgmma_check.cu) against the
+/// CPU in f64: d = c + a b^T over k of 16, 64 and 128, with the operands' core matrices stored
+/// k-step after k-step (`lbo` 128, `sbo` past a row group's whole k, padded) or row group after
+/// row group (`sbo` 128, `lbo` past a k-step's rows, padded), so that a misread stride of the
+/// descriptor lands on other values; with a prior accumulator and without (the first k-step
+/// then replaces accumulators that start as NaN). Products of bf16 are exact in f32, so only the
+/// order of the sums differs from the CPU's. They exist only on sm_90 (H100, H200).
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device-test.sh"]
+fn cuda_wgmma_products_match_cpu() {
+    use half::bf16;
+    let gpu = gpu();
+    assert_eq!(gpu.arch(), "sm_90a", "warpgroup products need an sm_90 GPU (H100, H200)");
+    let f = gpu.function(&WGMMA_CHECK, "tern_gdn_wgmma_check_m64n32").unwrap();
+    let mut rng = rng("cuda_wgmma_products_match_cpu");
+    let bf16_rows = |rng: &mut Lcg, n: usize| -> (Vec<u16>, Vec<f32>) {
+        let bits: Vec<u16> = rng.vec(n, -1.0, 1.0).iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+        let values = bits.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+        (bits, values)
+    };
+    for k in [16usize, 64, 128] {
+        for (rows_adjacent, prior) in [(false, true), (true, false), (false, false), (true, true)] {
+            // (lbo, sbo) of a tile of `rows` rows; 16 bytes of padding between the runs.
+            let strides = |rows: usize| -> (u32, u32) {
+                if rows_adjacent {
+                    ((128 * rows / 8 + 16) as u32, 128)
+                } else {
+                    (128, (128 * k / 8 + 16) as u32)
+                }
+            };
+            let ((lbo_a, sbo_a), (lbo_b, sbo_b)) = (strides(64), strides(32));
+            // The last byte of a tile: its last core matrix's end.
+            let span = |rows: usize, lbo: u32, sbo: u32| (rows / 8 - 1) as u32 * sbo + (k / 8 - 1) as u32 * lbo + 128;
+            let b_at = span(64, lbo_a, sbo_a).next_multiple_of(16);
+            let shared = b_at + span(32, lbo_b, sbo_b);
+            let (a16, a) = bf16_rows(&mut rng, 64 * k);
+            let (b16, b) = bf16_rows(&mut rng, 32 * k);
+            let c = rng.vec(64 * 32, -1.0, 1.0);
+            let want: Vec<f32> = (0..64 * 32)
+                .map(|i| {
+                    let (r, n) = (i / 32, i % 32);
+                    let dot: f64 = (0..k).map(|j| a[r * k + j] as f64 * b[n * k + j] as f64).sum();
+                    (dot + if prior { c[i] as f64 } else { 0.0 }) as f32
+                })
+                .collect();
+            let (da, db, dc) = (gpu.upload(&a16).unwrap(), gpu.upload(&b16).unwrap(), gpu.upload(&c).unwrap());
+            let d = nan(&gpu, 64 * 32);
+            let c_at = gpu.ptr_opt(prior.then_some(&dc));
+            let ki = k as i32;
+            let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: shared };
+            let mut l = gpu.launch_builder(&f);
+            l.buf(&da).buf(&db).arg(&c_at).buf(&d).arg(&ki).arg(&lbo_a).arg(&sbo_a).arg(&lbo_b).arg(&sbo_b).arg(&b_at);
+            // SAFETY: argument types match tern_gdn_wgmma_check_m64n32; a is 64 x k, b 32 x k, c
+            // and d 64 x 32, and the shared memory holds both tiles at these strides.
+            unsafe { l.launch(cfg) }.unwrap();
+            let e = check("wgmma", &gpu.download(&d).unwrap(), &want, 1e-6);
+            eprintln!("wgmma k {k}, core matrices {}, prior {prior}: {e:.2e}", if rows_adjacent { "row group after row group" } else { "k-step after k-step" });
+        }
+    }
+}
