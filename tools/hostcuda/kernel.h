@@ -8,8 +8,9 @@
 // launch's all together, so that they may wait for each other), and the points where
 // CUDA threads meet — __syncthreads, named barriers, warp shuffles, votes, ldmatrix, mma and
 // the warpgroup products (wgmma, four warps together) — are real rendezvous: a fiber that
-// reaches one waits until every thread it names has arrived. Code that only works when a warp runs in lockstep (shared memory read by another lane without
-// a __syncwarp) therefore fails here as it may on the GPU; a rendezvous that can never complete
+// reaches one waits until every thread it names has arrived. Code that only works when a warp
+// runs in lockstep (shared memory read by another lane without a __syncwarp) therefore fails
+// here as it may on the GPU; a rendezvous that can never complete
 // (a thread waits for a lane that has exited, or a barrier some threads skip) is reported as a
 // deadlock instead of hanging. Shared memory is filled with 0xff bytes (NaN as floats) at each
 // block's start, so a read of shared memory no thread wrote is visible. Threads run in thread
