@@ -15,8 +15,8 @@
 //     the normalised bf16 q and k (per key head, by the first value head that reads it).
 //  2. tern_gdn_tc_state_*: one block per (value head, 32 state rows, sequence), walking the
 //     chunks in order with the next chunks' operands in flight (cp.async, 2 or 3 stages). The
-//     prepare pass stores those operands as the state pass keeps them in shared memory (rows
-//     unpadded, pieces permuted: tern_gdn_tc_swz; U in slices of 32 columns), so they are
+//     prepare pass stores those operands as the state pass keeps them in shared memory (in
+//     8 x 8 blocks: tern_gdn_tc_tile_at; k transposed; U in slices of 32 columns), so they are
 //     copied verbatim, in whole runs. Per
 //     chunk: Delta = U - W S and P = Q S (one pass over S), o = e^G P + QKd Delta,
 //     S = e^{G_L} S + K^T (e^{G_L - G_c} Delta). The state's 32 x d_k slice lives in the
@@ -95,23 +95,26 @@ __device__ __forceinline__ void tern_gdn_tc_frag_b_kn(unsigned (&r)[4], const te
     tern_gdn_tc_ldm_t(r, x + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
 }
 
-// The tiles the prepare pass hands to the state pass (W, q, k, the read-out weights) are stored
-// in rows of `row` bf16 without padding, each row's 16-byte pieces permuted: piece p of row r
-// at piece p ^ (r % 8). Copied verbatim into shared memory (16-byte cp.async pieces, or whole
-// runs of rows as one bulk copy), the eight rows of an 8 x 8 matrix that ldmatrix reads then
-// fall on eight distinct bank groups, as the padded rows did. Element (r, c):
-__device__ __forceinline__ int tern_gdn_tc_swz(int r, int c, int row) {
-    return r * row + ((((c >> 3) ^ r) & 7) | ((c >> 3) & ~7)) * 8 + (c & 7);
+// The tiles the prepare pass hands to the state pass (W, q and the read-out weights as [64][row],
+// k transposed as [row][64]) are stored in 8 x 8 blocks: the eight 16-byte rows of a block
+// contiguous (128 bytes), the blocks of a group of 8 rows one after another along the row, the
+// groups after each other. Copied verbatim into shared memory (16-byte cp.async pieces, or
+// whole runs as one bulk copy), every 8 x 8 matrix that ldmatrix reads is one block (its rows on
+// eight distinct bank groups), and the tile is in the layout the warpgroup products read
+// (../../wgmma.cuh: lbo 128 bytes, sbo 16 row bytes). Element (r, c):
+__device__ __forceinline__ int tern_gdn_tc_tile_at(int r, int c, int row) {
+    return (r >> 3) * (8 * row) + (c >> 3) * 64 + (r & 7) * 8 + (c & 7);
 }
 
-__device__ __forceinline__ void tern_gdn_tc_frag_a_swz(unsigned (&r)[4], const tern_gdn_bf16* x, int row, int m0, int k0) {
+__device__ __forceinline__ void tern_gdn_tc_frag_a_tile(unsigned (&r)[4], const tern_gdn_bf16* x, int row, int m0, int k0) {
     const int lane = threadIdx.x & 31;
-    tern_gdn_tc_ldm(r, x + tern_gdn_tc_swz(m0 + (lane & 15), k0 + (lane >> 4) * 8, row));
+    tern_gdn_tc_ldm(r, x + tern_gdn_tc_tile_at(m0 + (lane & 15), k0 + (lane >> 4) * 8, row));
 }
 
-__device__ __forceinline__ void tern_gdn_tc_frag_b_kn_swz(unsigned (&r)[4], const tern_gdn_bf16* x, int row, int n0, int k0) {
+// B fragments as tern_gdn_tc_frag_b_nk's, from a tile stored [n][k] in blocks.
+__device__ __forceinline__ void tern_gdn_tc_frag_b_nk_tile(unsigned (&r)[4], const tern_gdn_bf16* x, int row, int n0, int k0) {
     const int lane = threadIdx.x & 31;
-    tern_gdn_tc_ldm_t(r, x + tern_gdn_tc_swz(k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8, row));
+    tern_gdn_tc_ldm(r, x + tern_gdn_tc_tile_at(n0 + (lane & 7) + (lane >> 4) * 8, k0 + ((lane >> 3) & 1) * 8, row));
 }
 
 // q, k, v are f32 or bf16 rows (the kernel's IN); strides count elements.
@@ -206,7 +209,7 @@ __device__ void tern_gdn_tc_put(tern_gdn_bf16* dst, const tern_gdn_tc_rows<D, NR
             for (int e = 0; e < E; e++) x[e] = (x[e] * inv) * scale;
         }
         // E bf16 in one store: 8 bytes (E = 4) or 4 (E = 2); the E columns lie in one 16-byte
-        // piece, which the permutation moves whole.
+        // row of a block of the tile.
         unsigned packed[E / 2];
 #pragma unroll
         for (int m = 0; m < E / 2; m++) packed[m] = tern_gdn_tc_pack(x[2 * m], x[2 * m + 1]);
@@ -215,7 +218,7 @@ __device__ void tern_gdn_tc_put(tern_gdn_bf16* dst, const tern_gdn_tc_rows<D, NR
             else *reinterpret_cast<unsigned*>(at) = packed[0];
         };
         store(dst + r * (D + 8) + E * lane);
-        if (out) store(out + tern_gdn_tc_swz(r, E * lane, D));
+        if (out) store(out + tern_gdn_tc_tile_at(r, E * lane, D));
     }
 }
 
@@ -253,13 +256,13 @@ __device__ __forceinline__ uint4 tern_gdn_tc_quad_transpose(const unsigned (&w)[
     return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
-// Where element (r, c) of a chunk's [64][N] result goes in global memory: W's rows permuted by
-// pieces (tern_gdn_tc_swz), or U's columns in slices of the state pass's 32 rows, [N / 32][64][32],
+// Where element (r, c) of a chunk's [64][N] result goes in global memory: W in blocks
+// (tern_gdn_tc_tile_at), or U's columns in slices of the state pass's 32 rows, [N / 32][64][32],
 // so that each state block's slice is one run of bytes.
 template <int N, bool SLICED>
 __device__ __forceinline__ int tern_gdn_tc_out_at(int r, int c) {
     if constexpr (SLICED) return (c >> 5) * (64 * tern_gdn_tc_bv) + r * tern_gdn_tc_bv + (c & 31);
-    else return tern_gdn_tc_swz(r, c, N);
+    else return tern_gdn_tc_tile_at(r, c, N);
 }
 
 // out[r][n] = sum_c X[r][c] Y[c][n] for the chunk's 64 rows and N columns (X [64][64] with the
@@ -515,15 +518,27 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
         for (int r = lane; r < C; r += 32) Bt[r] = r < len ? a.beta[(t0 + r) * nv + h] : 0.0f;
     }
     if constexpr (KQ_TOGETHER || ALL_TOGETHER) {
-        tern_gdn_tc_put<DK, HELD>(Kb, xk, len, warp, a.l2qk, a.eps, 1.0f, kn);
+        tern_gdn_tc_put<DK, HELD>(Kb, xk, len, warp, a.l2qk, a.eps, 1.0f, nullptr);
         tern_gdn_tc_put<DK, HELD>(Qb, xq, len, warp, a.l2qk, a.eps, a.q_scale, qn);
     } else {
-        tern_gdn_tc_load_rows<DK, NR>(Kb, ks, a.k_stride, t0, len, (size_t)kh * DK, a.l2qk, a.eps, 1.0f, kn);
+        tern_gdn_tc_load_rows<DK, NR>(Kb, ks, a.k_stride, t0, len, (size_t)kh * DK, a.l2qk, a.eps, 1.0f, nullptr);
         tern_gdn_tc_load_rows<DK, NR>(Qb, qs, a.q_stride, t0, len, (size_t)kh * DK, a.l2qk, a.eps, a.q_scale, qn);
     }
     if constexpr (ALL_TOGETHER) tern_gdn_tc_put<DV, NR>(Vb, xv, len, warp, 0, 0.0f, 1.0f, nullptr);
     else tern_gdn_tc_load_rows<DV, NR>(Vb, vs, a.v_stride, t0, len, (size_t)h * DV, 0, 0.0f, 1.0f, nullptr);
     __syncthreads();
+    // k's tile for the state pass, transposed ([DK][64]: the state update's operand is k^T):
+    // 16-byte rows of 8 chunk positions gathered from the rows in shared memory, lanes along i
+    // (the reads of a row conflict-free, the stores whole blocks).
+    if (kn)
+        for (int p = tid; p < DK * C / 8; p += blockDim.x) {
+            const int i = p % DK, c0 = (p / DK) * 8;
+            unsigned words[4];
+#pragma unroll
+            for (int m = 0; m < 4; m++)
+                words[m] = (unsigned)Kb[(c0 + 2 * m) * (DK + 8) + i] | (unsigned)Kb[(c0 + 2 * m + 1) * (DK + 8) + i] << 16;
+            *reinterpret_cast<uint4*>(kn + tern_gdn_tc_tile_at(i, c0, C)) = make_uint4(words[0], words[1], words[2], words[3]);
+        }
     if (tid < C) {
         const float e = tid < len ? (float)exp(G[tid]) : 0.0f;
         Ex[tid] = e;
@@ -572,10 +587,10 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
                         dq[e] = qk[n][2 * hf + e] * decay;
                     }
                     words[n] = tern_gdn_tc_pack(dq[0], dq[1]);
-                    if constexpr (!TILED) *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + tern_gdn_tc_swz(r, c, C)) = words[n];
+                    if constexpr (!TILED) *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, c, C)) = words[n];
                 }
                 if constexpr (TILED)
-                    *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_swz(r, n0 + 8 * q, C)) = tern_gdn_tc_quad_transpose(words);
+                    *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, n0 + 8 * q, C)) = tern_gdn_tc_quad_transpose(words);
             }
         }
     }
@@ -658,9 +673,9 @@ struct tern_gdn_tc_state_args {
 // One pipeline stage of the state pass: the chunk's operands, bf16 unless noted.
 template <int DK>
 struct tern_gdn_tc_stage {
-    tern_gdn_bf16 w[64 * DK];                // pieces permuted (tern_gdn_tc_swz), as stored
+    tern_gdn_bf16 w[64 * DK];                // in blocks (tern_gdn_tc_tile_at), as stored
     tern_gdn_bf16 q[64 * DK];                // the same
-    tern_gdn_bf16 k[64 * DK];                // the same
+    tern_gdn_bf16 k[DK * 64];                // the same, transposed: [DK][64]
     tern_gdn_bf16 qk[64 * 64];               // the same
     tern_gdn_bf16 u[64 * tern_gdn_tc_bv];    // this block's slice, [c][j]
     float dec[128];
@@ -682,11 +697,21 @@ struct tern_gdn_tc_state_smem_mc {
     unsigned long long empty[NS];  // every block of the cluster has left the stage's chunk
 };
 
+// The warpgroup form's (tern_gdn_tc_state_wg_body): the state copy and Delta in blocks, as the
+// products read them.
+struct tern_gdn_tc_state_wg_smem {
+    tern_gdn_tc_stage<128> st[3];
+    tern_gdn_bf16 s[tern_gdn_tc_bv * 128];  // bf16 copy of the state slice, [j][i] in blocks
+    tern_gdn_bf16 d[tern_gdn_tc_bv * 64];   // Delta, [j][c] in blocks
+    tern_gdn_bf16 dt[tern_gdn_tc_bv * 64];  // e^{G_L - G_c} Delta, the same
+};
+
 // The host sizes the launch by the same sums (tc_state_smem in mod.rs; its test pins these).
 static_assert(sizeof(tern_gdn_tc_stage<128>) == 61952 && sizeof(tern_gdn_tc_stage<128>) % 16 == 0, "a stage: whole 16-byte pieces");
 static_assert(sizeof(tern_gdn_tc_state_smem<128, 3>) == 203776, "state pass at d_k 128, 3 stages: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<128, 3>) == 203824, "state pass in clusters at d_k 128: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<64, 3>) == 126000, "state pass in clusters at d_k 64: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_wg_smem) == 202240, "warpgroup state pass: as mod.rs sizes it");
 
 template <int DK>
 __device__ void tern_gdn_tc_issue(tern_gdn_tc_stage<DK>& st, const tern_gdn_tc_state_args& a, int chunk, int h, int kh, int j0) {
@@ -932,8 +957,8 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         {
             unsigned aw[2][4], aq[2][4], b[2][4];
             const auto frags = [&](int kt, int p) {
-                tern_gdn_tc_frag_a_swz(aw[p], st.w, DK, mc, 16 * kt);
-                tern_gdn_tc_frag_a_swz(aq[p], st.q, DK, mc, 16 * kt);
+                tern_gdn_tc_frag_a_tile(aw[p], st.w, DK, mc, 16 * kt);
+                tern_gdn_tc_frag_a_tile(aq[p], st.q, DK, mc, 16 * kt);
                 tern_gdn_tc_frag_b_nk(b[p], sm.s, LDK, jn, 16 * kt);
             };
             frags(0, 0);
@@ -971,7 +996,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
         {
             unsigned aw[2][4], b[2][4];
             const auto frags = [&](int kt, int p) {
-                tern_gdn_tc_frag_a_swz(aw[p], st.qk, C, mc, 16 * kt);
+                tern_gdn_tc_frag_a_tile(aw[p], st.qk, C, mc, 16 * kt);
                 tern_gdn_tc_frag_b_nk(b[p], sm.d, LDC, jn, 16 * kt);
             };
             frags(0, 0);
@@ -1006,7 +1031,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
             const auto frags = [&](int kt, int p) {
                 tern_gdn_tc_frag_a(ad[p], sm.dt, LDC, mj, 16 * kt);
 #pragma unroll
-                for (int np = 0; np < NI / 2; np++) tern_gdn_tc_frag_b_kn_swz(b[p][np], st.k, DK, ib + 16 * np, 16 * kt);
+                for (int np = 0; np < NI / 2; np++) tern_gdn_tc_frag_b_nk_tile(b[p][np], st.k, C, ib + 16 * np, 16 * kt);
             };
             frags(0, 0);
 #pragma unroll
@@ -1041,6 +1066,138 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
             *reinterpret_cast<float2*>(state + (size_t)j * DK + i) = make_float2(s[n][2 * hf], s[n][2 * hf + 1]);
         }
     if constexpr (MC) tern_gdn_tc_cluster_sync();  // no block leaves while another may arrive on its barriers
+}
+
+// The state pass on the warpgroup tensor cores (wgmma, ../../wgmma.cuh; sm_90, d_k = 128, three
+// stages, copies issued while the first products run). The same algebra and operands as
+// tern_gdn_tc_state_body, with the block's two warpgroups splitting the work:
+//   Delta = U - W S (group 0) and P = Q S (group 1), each 64 x 32 over i = 0..127, both reading
+//     the state copy as their B operand ([j][i] in blocks);
+//   group 0 stores Delta and e^{G_L - G_c} Delta ([j][c] in blocks), group 1 scales P by e^{G_c};
+//   after the barrier, group 1 adds QKd Delta (every k-step: the weights above the diagonal are
+//     zeros) and writes the output; both groups take the update S = e^{G_L} S + K^T (e^{G_L-G_c}
+//     Delta) for their 64 key columns i, whose accumulators hold the state, [i][j] (k stored
+//     transposed is the product's A operand as it stands).
+// Each product reads its tiles once for its four warps, where the mma.sync form makes every
+// warp load its own fragments: under ncu that form is bound by its shared-memory traffic.
+// Products in flight leave the issue slots free: the next chunk's copies leave meanwhile.
+template <bool OUT16>
+__device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
+    constexpr int DK = 128, NS = 3, C = tern_gdn_tc_c, BV = tern_gdn_tc_bv;
+    // Block strides (bytes between 8-row groups) of the operands: [64][128] tiles, [32][128]
+    // state copy, [64][64] read-out weights, [32][64] Delta, k^T [128][64].
+    constexpr unsigned ROW128 = 16 * DK, ROW64 = 16 * C, CORE = 128;
+    const int h = blockIdx.x, j0 = blockIdx.y * BV, seq = blockIdx.z;
+    // The group index taken from lane 0, so that the compiler sees it uniform across each warp:
+    // a product in a branch it cannot prove uniform is serialised (ptxas C7520).
+    const int group = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
+    const int w = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
+    const int nv = a.nv, dv = a.dv;
+    const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
+    extern __shared__ __align__(128) unsigned char tern_gdn_tc_smem[];
+    tern_gdn_tc_state_wg_smem& sm = *reinterpret_cast<tern_gdn_tc_state_wg_smem*>(tern_gdn_tc_smem);
+    // Accumulator e of this thread: row 16 w + g + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2 q + (e & 1).
+    const auto row_of = [&](int e) { return 16 * w + g + 8 * ((e >> 1) & 1); };
+    const auto col_of = [&](int e) { return 8 * (e >> 2) + 2 * q + (e & 1); };
+
+    float* state = (a.state_at ? (float*)a.state_at[seq] : a.states + (size_t)a.slot[seq] * nv * dv * DK) + (size_t)h * dv * DK + (size_t)j0 * DK;
+    // This group's state, S[i][j] for key columns i = 64 group + row, state rows j = column.
+    float s[16];
+#pragma unroll
+    for (int e = 0; e < 16; e++) {
+        const int i = 64 * group + row_of(e), j = col_of(e);
+        s[e] = state[(size_t)j * DK + i];
+        sm.s[tern_gdn_tc_tile_at(j, i, DK)] = tern_gdn_tc_bf16(s[e]);
+    }
+
+    const int c0 = (int)a.seg_chunk0[seq], nc = (int)a.seg_nchunks[seq];
+    for (int p = 0; p < NS - 1; p++) {
+        if (p < nc) tern_gdn_tc_issue<DK>(sm.st[p], a, c0 + p, h, kh, j0);
+        tern_gdn_tc_commit();
+    }
+    float acc[16];
+#pragma unroll
+    for (int e = 0; e < 16; e++) acc[e] = 0.0f;
+    for (int n = 0; n < nc; n++) {
+        const int chunk = c0 + n;
+        tern_gdn_tc_stage<DK>& st = sm.st[n % NS];
+        asm volatile("cp.async.wait_group %0;" ::"n"(NS - 2) : "memory");
+        tern_wgmma_fence_stores();  // this thread's copies and state-copy stores, to the products
+        __syncthreads();            // this chunk's operands and the state copy are in; chunk n - 1's stage is free
+        const size_t t0 = a.chunk_t0[chunk];
+        const int len = (int)a.chunk_len[chunk];
+
+        // Delta (group 0: W) or P (group 1: Q) = X S, eight k-steps over i.
+        tern_wgmma_fence();
+        {
+            const tern_gdn_bf16* x = group == 0 ? st.w : st.q;
+#pragma unroll
+            for (int kt = 0; kt < DK / 16; kt++)
+                tern_wgmma_m64n32k16(acc, tern_wgmma_desc(x + 128 * kt, CORE, ROW128), tern_wgmma_desc(sm.s + 128 * kt, CORE, ROW128), kt > 0);
+        }
+        tern_wgmma_commit();
+        if (n + NS - 1 < nc) tern_gdn_tc_issue<DK>(sm.st[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
+        tern_gdn_tc_commit();
+        // This thread's decays and U values, read while the products run.
+        float eg[2], el[2];
+        unsigned uw[4][2];  // U at (c, j), (c, j + 1) by [n8 tile][row half]
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int c = 16 * w + g + 8 * hf;
+            eg[hf] = st.dec[c];
+            el[hf] = st.dec[C + c];
+            if (group == 0)
+#pragma unroll
+                for (int t = 0; t < 4; t++) uw[t][hf] = *reinterpret_cast<const unsigned*>(st.u + c * BV + 8 * t + 2 * q);
+        }
+        tern_wgmma_wait<0>();
+        if (group == 0) {
+#pragma unroll
+            for (int e = 0; e < 16; e++) {
+                const int c = row_of(e), j = col_of(e), hf = (e >> 1) & 1;
+                const float dl = tern_gdn_tc_f32_of_pair(uw[e >> 2][hf], e & 1) - acc[e];
+                sm.d[tern_gdn_tc_tile_at(j, c, C)] = tern_gdn_tc_bf16(dl);
+                sm.dt[tern_gdn_tc_tile_at(j, c, C)] = tern_gdn_tc_bf16(dl * el[hf]);
+            }
+            tern_wgmma_fence_stores();
+        } else {
+#pragma unroll
+            for (int e = 0; e < 16; e++) acc[e] *= eg[(e >> 1) & 1];
+        }
+        __syncthreads();  // Delta complete; every read of the state copy is done
+
+        // Group 1: o = e^G P + QKd Delta, four k-steps over the chunk's positions. Both groups:
+        // S = e^{G_L} S + K^T Delta_t for their 64 key columns, four k-steps.
+        const float keep = st.dec[len - 1];
+#pragma unroll
+        for (int e = 0; e < 16; e++) s[e] *= keep;
+        tern_wgmma_fence();
+        if (group == 1) {
+#pragma unroll
+            for (int kt = 0; kt < C / 16; kt++)
+                tern_wgmma_m64n32k16(acc, tern_wgmma_desc(st.qk + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.d + 128 * kt, CORE, ROW64), 1);
+        }
+#pragma unroll
+        for (int kt = 0; kt < C / 16; kt++)
+            tern_wgmma_m64n32k16(s, tern_wgmma_desc(st.k + 64 * C * group + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.dt + 128 * kt, CORE, ROW64), 1);
+        tern_wgmma_commit();
+        tern_wgmma_wait<0>();
+        if (group == 1) {
+#pragma unroll
+            for (int e = 0; e < 16; e += 2) {
+                const int c = row_of(e), j = col_of(e);
+                if (c >= len) continue;
+                const size_t at = ((t0 + c) * nv + h) * dv + j0 + j;
+                if constexpr (OUT16) *reinterpret_cast<unsigned*>(static_cast<tern_gdn_bf16*>(a.out) + at) = tern_gdn_tc_pack(acc[e], acc[e + 1]);
+                else *reinterpret_cast<float2*>(static_cast<float*>(a.out) + at) = make_float2(acc[e], acc[e + 1]);
+            }
+        }
+        // The state copy for the next chunk's products (read after its first barrier).
+#pragma unroll
+        for (int e = 0; e < 16; e++) sm.s[tern_gdn_tc_tile_at(col_of(e), 64 * group + row_of(e), DK)] = tern_gdn_tc_bf16(s[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < 16; e++) state[(size_t)col_of(e) * DK + 64 * group + row_of(e)] = s[e];
 }
 
 // Prepare kernels by head sizes and fetch rows: _r{NR} in the wide layout (two blocks a
@@ -1109,6 +1266,11 @@ TERN_GDN_TC_STATE(128, 3, true, l)
     }
 TERN_GDN_TC_STATE_BF16_OUT(64)
 TERN_GDN_TC_STATE_BF16_OUT(128)
+// The warpgroup form (d_k 128 only; an sm_90 device: Gpu compiles for sm_90a there): _s3lw.
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lw(tern_gdn_tc_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_state_wg_body<false>(a);
+}
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 TERN_GDN_TC_STATE_CLUSTER(64, 3, true, l)
 TERN_GDN_TC_STATE_CLUSTER(128, 3, true, l)

@@ -34,7 +34,7 @@ pub const CONV: KernelSource = gdn_source!("tern_gdn_conv", "conv_sum.cuh", "con
 pub const NORM: KernelSource = gdn_source!("tern_gdn_norm", "norm.cu");
 pub const RECURRENCE: KernelSource = gdn_source!("tern_gdn_recurrence", "recurrence.cu");
 pub const CHUNKED: KernelSource = gdn_source!("tern_gdn_chunked", "chunked.cu");
-pub const CHUNKED_TC: KernelSource = gdn_source!("tern_gdn_chunked_tc", "chunked_tc.cu");
+pub const CHUNKED_TC: KernelSource = gdn_source!("tern_gdn_chunked_tc", "../../wgmma.cuh", "chunked_tc.cu");
 
 /// The warpgroup products (src/kernels/wgmma.cuh) checked against the CPU on their own
 /// (tests.rs, `cuda_wgmma_products_match_cpu`): only that test loads it.
@@ -438,9 +438,10 @@ pub struct GatedDeltaCuda {
     /// incomplete), so that the two passes can be timed apart.
     chunk_prepare_only: bool,
     /// Fast mode: prepare kernels by (d_k, d_v, rows, compact, tiled) and state kernels by
-    /// (d_k, stages, late issue, in clusters); those in clusters only where the device has them.
+    /// (d_k, stages, late issue, in clusters, warpgroup); those in clusters only where the device
+    /// has them, the warpgroup one only on sm_90.
     tc_prepare: Vec<((usize, usize, usize, bool, bool), CudaFunction)>,
-    tc_state: Vec<((usize, usize, bool, bool), CudaFunction)>,
+    tc_state: Vec<((usize, usize, bool, bool, bool), CudaFunction)>,
     fast_variant: FastVariant,
     /// Blocks a cluster of the state pass in clusters share a chunk's tiles among: 2, or 4
     /// where d_v is 128 (TERN_GDN_CLUSTER_BLOCKS). 2 by default: with one block a
@@ -570,14 +571,20 @@ pub struct FastVariant {
     /// [`GatedDeltaCuda::fast_variants`]). Slower than the blocks alone on an H100 (1.27 against
     /// 0.99 ms at 32k tokens, BENCHMARKS.md, twenty-seventh session): opt-in.
     pub cluster: bool,
+    /// The state pass's products on the warpgroup tensor cores (wgmma, `tern_gdn_tc_state_wg_body`
+    /// in chunked_tc.cu): each tile read once by four warps instead of by each warp. sm_90 only
+    /// (H100, H200), d_k 128, 3 stages with late copies, not in clusters. Its products may
+    /// round their partial sums in another order than mma.sync's, so it is compared with the
+    /// others within a bound instead of bit for bit.
+    pub warpgroup: bool,
 }
 
 const fn fast(rows: usize, stages: usize, compact: bool, late_issue: bool) -> FastVariant {
-    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false }
+    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false, warpgroup: false }
 }
 
 /// The fast variants compiled (those in clusters only for devices that launch clusters).
-pub const FAST_VARIANTS: [FastVariant; 10] = [
+pub const FAST_VARIANTS: [FastVariant; 11] = [
     fast(1, 2, false, false),
     fast(8, 2, false, false),
     fast(1, 3, false, false),
@@ -588,13 +595,14 @@ pub const FAST_VARIANTS: [FastVariant; 10] = [
     fast(8, 3, true, true),
     FAST_VARIANT,
     FastVariant { cluster: true, ..FAST_VARIANT },
+    FastVariant { warpgroup: true, ..FAST_VARIANT },
 ];
 /// The default fast variant: the compact prepare layout (three blocks a multiprocessor), TILED,
 /// with the state pass's late copies: the fastest at 2k, 8k and 32k tokens. Untiled it was the
 /// fastest on the H200 (2026-12-05, BENCHMARKS.md: 2.495 ms against 2.796 ms for
 /// (8, 3, false, false) at 32k); tiling took its prepare pass from 1.322 to 1.182 ms at 32k on
 /// an H100 (2.464 -> 2.321 ms in all; 0.195 -> 0.182 at 2k, 0.646 -> 0.618 at 8k), the same bits.
-/// The state pass's operands stored as it keeps them (unpadded rows, permuted pieces) took it
+/// The state pass's operands stored as it keeps them (unpadded, then in 8 x 8 blocks) took it
 /// from 1.137 to 0.991–0.997 ms at 32k on an H100 (2.309 -> 2.136–2.142 ms in all). Rows
 /// fetched one vector a lane took the prepare pass from 1.16 to 1.04 ms, and the state pass's
 /// fragments loaded a k-step ahead took it from 1.01 to 0.87 ms (1.89–1.94 ms in all at 32k,
@@ -616,13 +624,24 @@ fn tc_prepare_smem(d_k: usize, d_v: usize, compact: bool) -> usize {
     }
 }
 
-/// `sizeof(tern_gdn_tc_state_smem<d_k, stages>)`: per stage W, Q, K (unpadded bf16 rows of d_k,
-/// their pieces permuted as the prepare pass stores them), the read-out weights, the U slice and
+/// `sizeof(tern_gdn_tc_state_smem<d_k, stages>)`: per stage W, Q, K (bf16 tiles of d_k columns,
+/// K transposed, in 8 x 8 blocks as the prepare pass stores them), the read-out weights, the U slice and
 /// the decays; then the state copy and the two Delta tiles (rows padded by 8); in clusters
 /// (`tern_gdn_tc_state_smem_mc`) two barriers a stage after them.
 fn tc_state_smem(d_k: usize, stages: usize, cluster: bool) -> usize {
-    let stage = 2 * (3 * CHUNK * d_k + CHUNK * CHUNK + CHUNK * TC_STATE_ROWS) + 4 * 2 * CHUNK;
-    stages * stage + 2 * (TC_STATE_ROWS * (d_k + 8) + 2 * TC_STATE_ROWS * 72) + if cluster { 2 * 8 * stages } else { 0 }
+    stages * tc_stage_bytes(d_k) + 2 * (TC_STATE_ROWS * (d_k + 8) + 2 * TC_STATE_ROWS * 72) + if cluster { 2 * 8 * stages } else { 0 }
+}
+
+/// One stage of the state pass's operands: W, q, k (d_k wide), the read-out weights, the U
+/// slice (bf16) and the decays (f32).
+fn tc_stage_bytes(d_k: usize) -> usize {
+    2 * (3 * CHUNK * d_k + CHUNK * CHUNK + CHUNK * TC_STATE_ROWS) + 4 * 2 * CHUNK
+}
+
+/// The warpgroup state pass's shared memory (`tern_gdn_tc_state_wg_smem`, d_k 128): three
+/// stages, the state copy and Delta twice, unpadded (in blocks).
+fn tc_state_wg_smem() -> usize {
+    3 * tc_stage_bytes(128) + 2 * (TC_STATE_ROWS * 128 + 2 * TC_STATE_ROWS * CHUNK)
 }
 
 /// Bytes of the fast prefill's operands for its state pass, by region of the chunk scratch:
@@ -839,13 +858,17 @@ impl GatedDeltaCuda {
             }
             for (stages, late) in [(2, false), (3, false), (3, true)] {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s{stages}{}", if late { "l" } else { "" });
-                tc_state.push(((dk, stages, late, false), fc(&name, tc_state_smem(dk, stages, false))?));
+                tc_state.push(((dk, stages, late, false, false), fc(&name, tc_state_smem(dk, stages, false))?));
             }
             tc_state_bf16.push((dk, fc(&format!("tern_gdn_tc_state_dk{dk}_s3lb"), tc_state_smem(dk, 3, false))?));
             // Compiled for sm_90 and later only (chunked_tc.cu).
             if gpu.cluster_launch()? {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s3lm");
-                tc_state.push(((dk, 3, true, true), fc(&name, tc_state_smem(dk, 3, true))?));
+                tc_state.push(((dk, 3, true, true, false), fc(&name, tc_state_smem(dk, 3, true))?));
+            }
+            // The warpgroup products exist on sm_90 only (compiled there for sm_90a).
+            if dk == 128 && gpu.arch() == "sm_90a" {
+                tc_state.push(((dk, 3, true, false, true), fc("tern_gdn_tc_state_dk128_s3lw", tc_state_wg_smem())?));
             }
         }
         Ok(GatedDeltaCuda {
@@ -907,16 +930,22 @@ impl GatedDeltaCuda {
     /// The fast variants this device runs: [`FAST_VARIANTS`] less those in clusters where the
     /// device cannot launch clusters.
     pub fn fast_variants(&self) -> Vec<FastVariant> {
-        let has = |v: &FastVariant| self.tc_state.iter().any(|((_, stages, late, cluster), _)| (*stages, *late, *cluster) == (v.stages, v.late_issue, v.cluster));
+        let has = |v: &FastVariant| {
+            self.tc_state.iter().any(|((_, stages, late, cluster, wg), _)| (*stages, *late, *cluster, *wg) == (v.stages, v.late_issue, v.cluster, v.warpgroup))
+        };
         FAST_VARIANTS.into_iter().filter(has).collect()
     }
 
     /// Selects how the fast mode's kernels are built (one of [`Self::fast_variants`]); results
-    /// are bit-identical for every choice.
+    /// are bit-identical for every choice but [`FastVariant::warpgroup`] (within a bound).
     pub fn set_fast_variant(&mut self, variant: FastVariant) -> Result<()> {
         let offered = self.fast_variants();
         if !offered.contains(&variant) {
-            let why = if FAST_VARIANTS.contains(&variant) { " on this device (it launches no thread block clusters)" } else { "" };
+            let why = match (FAST_VARIANTS.contains(&variant), variant.warpgroup) {
+                (true, true) => " on this device (warpgroup products need an sm_90 GPU)",
+                (true, false) => " on this device (it launches no thread block clusters)",
+                _ => "",
+            };
             return Err(Error::Input(format!("fast variant {variant:?}: not available{why}; expected one of {offered:?}")));
         }
         self.fast_variant = variant;
@@ -1420,11 +1449,13 @@ impl GatedDeltaCuda {
         let (pool, state_table, state_ranges) = states.resolve(&self.gpu, &format!("{what} states"), segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
         // The bf16 forms exist for the default variant only.
-        let FastVariant { rows, stages, compact, late_issue, tiled, cluster } = if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
+        let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup } = if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
+        // The warpgroup state pass is built for d_k 128; other head sizes take the default's.
+        let warpgroup = warpgroup && d_k == 128;
         let (prepare, state) = match io {
             FastIo::F32 => (
                 self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f),
-                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster)).map(|(_, f)| f),
+                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster, warpgroup)).map(|(_, f)| f),
             ),
             FastIo::Bf16 => (
                 self.tc_prepare_bf16.iter().find(|(d, _)| *d == (d_k, d_v)).map(|(_, f)| f),
@@ -1515,7 +1546,7 @@ impl GatedDeltaCuda {
         let cfg = LaunchConfig {
             grid_dim: (n_v_heads as u32, slices, segs.n_seqs() as u32),
             block_dim: (CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: tc_state_smem(d_k, stages, cluster) as u32,
+            shared_mem_bytes: if warpgroup { tc_state_wg_smem() } else { tc_state_smem(d_k, stages, cluster) } as u32,
         };
         let mut l = self.gpu.launch_builder(state);
         l.arg(&args);
