@@ -21,7 +21,7 @@
 //! operands for the state pass written to device memory and read back included).
 
 use tern::cuda::{CudaSlice, Gpu};
-use tern::kernels::gated_delta::cuda::{fast_operand_bytes, ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, FAST_VARIANT, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuBf16DeltaRuleInputs, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
+use tern::kernels::gated_delta::cuda::{fast_operand_bytes, ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuBf16DeltaRuleInputs, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
@@ -314,7 +314,7 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
                         vms - vprep
                     );
                 }
-                k.set_fast_variant(FAST_VARIANT)?;
+                k.set_fast_variant(k.default_fast_variant())?;
             } else {
                 k.set_chunk_state_rows(8)?;
                 let ms8 = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;

@@ -547,7 +547,8 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     }
 
     // KK^T and QK^T: warp w owns rows 16 (w % 4).. and columns 32 (w / 4)..; tiles wholly
-    // above the diagonal are never read (by the substitution or the state pass) and skipped.
+    // above the diagonal are not multiplied: the substitution never reads them, and their
+    // read-out weights are zeros (the warpgroup state pass multiplies every k-step).
     {
         const int g = lane >> 2, q = lane & 3, m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
         if (n0 <= m0 + 15) {
@@ -592,6 +593,10 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
                 if constexpr (TILED)
                     *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, n0 + 8 * q, C)) = tern_gdn_tc_quad_transpose(words);
             }
+        } else {
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++)
+                *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(m0 + g + 8 * hf, n0 + 8 * q, C)) = make_uint4(0u, 0u, 0u, 0u);
         }
     }
     __syncthreads();
@@ -1266,10 +1271,15 @@ TERN_GDN_TC_STATE(128, 3, true, l)
     }
 TERN_GDN_TC_STATE_BF16_OUT(64)
 TERN_GDN_TC_STATE_BF16_OUT(128)
-// The warpgroup form (d_k 128 only; an sm_90 device: Gpu compiles for sm_90a there): _s3lw.
+// The warpgroup form (d_k 128 only; an sm_90 device: Gpu compiles for sm_90a there): _s3lw,
+// with a bf16 output _s3lwb.
 extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lw(tern_gdn_tc_state_args a) {
     tern_await_prior_kernel();
     tern_gdn_tc_state_wg_body<false>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lwb(tern_gdn_tc_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_state_wg_body<true>(a);
 }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 TERN_GDN_TC_STATE_CLUSTER(64, 3, true, l)

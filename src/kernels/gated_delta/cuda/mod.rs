@@ -452,9 +452,9 @@ pub struct GatedDeltaCuda {
     /// default's 0.88 ms at 32k tokens on an H100, BENCHMARKS.md, twenty-eighth session).
     cluster_blocks: usize,
     /// The default variant's kernels with bf16 q, k, v in (prepare, by (d_k, d_v)) and a bf16
-    /// output (state, by d_k): [`GatedDeltaCuda::delta_rule_chunked_fast_bf16`].
+    /// output (state, by d_k and warpgroup form): [`GatedDeltaCuda::delta_rule_chunked_fast_bf16`].
     tc_prepare_bf16: Vec<((usize, usize), CudaFunction)>,
-    tc_state_bf16: Vec<(usize, CudaFunction)>,
+    tc_state_bf16: Vec<((usize, bool), CudaFunction)>,
     /// Per-(chunk, head) intermediates of the chunked prefill (either mode), grown on demand.
     /// Shared with the graphs of the steps that used it: a recorded prefill holds its address,
     /// so growing it (for a longer prompt) must not free it under such a graph.
@@ -593,11 +593,18 @@ pub const FAST_VARIANTS: [FastVariant; 11] = [
     fast(8, 3, true, false),
     fast(8, 3, false, true),
     fast(8, 3, true, true),
+    FAST_VARIANT_MMA,
+    FastVariant { cluster: true, ..FAST_VARIANT_MMA },
     FAST_VARIANT,
-    FastVariant { cluster: true, ..FAST_VARIANT },
-    FastVariant { warpgroup: true, ..FAST_VARIANT },
 ];
-/// The default fast variant: the compact prepare layout (three blocks a multiprocessor), TILED,
+/// The default fast variant on an sm_90 GPU: [`FAST_VARIANT_MMA`] with the state pass on the
+/// warpgroup tensor cores, the same bits (on an H100 at 32k tokens: state pass 0.766 against
+/// 0.872 ms, 1.820 against 1.933 ms in all; 8k 0.497 against 0.526; BENCHMARKS.md,
+/// thirtieth session). Elsewhere, and for head sizes other than d_k 128, the state pass is
+/// FAST_VARIANT_MMA's.
+pub const FAST_VARIANT: FastVariant = FastVariant { warpgroup: true, ..FAST_VARIANT_MMA };
+
+/// The default fast variant where there are no warpgroup products: the compact prepare layout (three blocks a multiprocessor), TILED,
 /// with the state pass's late copies: the fastest at 2k, 8k and 32k tokens. Untiled it was the
 /// fastest on the H200 (2026-12-05, BENCHMARKS.md: 2.495 ms against 2.796 ms for
 /// (8, 3, false, false) at 32k); tiling took its prepare pass from 1.322 to 1.182 ms at 32k on
@@ -607,7 +614,7 @@ pub const FAST_VARIANTS: [FastVariant; 11] = [
 /// fetched one vector a lane took the prepare pass from 1.16 to 1.04 ms, and the state pass's
 /// fragments loaded a k-step ahead took it from 1.01 to 0.87 ms (1.89–1.94 ms in all at 32k,
 /// 0.80–0.82 of fla's graph time on the same H100; BENCHMARKS.md, twenty-eighth session).
-pub const FAST_VARIANT: FastVariant = FastVariant { tiled: true, ..fast(8, 3, true, true) };
+pub const FAST_VARIANT_MMA: FastVariant = FastVariant { tiled: true, ..fast(8, 3, true, true) };
 
 /// Bytes of `tern_gdn_tc_prepare_body`'s shared memory (`tern_gdn_tc_prep_smem` in
 /// chunked_tc.cu): G (f64), beta and e^G, then A, T, the block-row partials (f32), k, q, v and
@@ -860,7 +867,7 @@ impl GatedDeltaCuda {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s{stages}{}", if late { "l" } else { "" });
                 tc_state.push(((dk, stages, late, false, false), fc(&name, tc_state_smem(dk, stages, false))?));
             }
-            tc_state_bf16.push((dk, fc(&format!("tern_gdn_tc_state_dk{dk}_s3lb"), tc_state_smem(dk, 3, false))?));
+            tc_state_bf16.push(((dk, false), fc(&format!("tern_gdn_tc_state_dk{dk}_s3lb"), tc_state_smem(dk, 3, false))?));
             // Compiled for sm_90 and later only (chunked_tc.cu).
             if gpu.cluster_launch()? {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s3lm");
@@ -869,14 +876,16 @@ impl GatedDeltaCuda {
             // The warpgroup products exist on sm_90 only (compiled there for sm_90a).
             if dk == 128 && gpu.arch() == "sm_90a" {
                 tc_state.push(((dk, 3, true, false, true), fc("tern_gdn_tc_state_dk128_s3lw", tc_state_wg_smem())?));
+                tc_state_bf16.push(((dk, true), fc("tern_gdn_tc_state_dk128_s3lwb", tc_state_wg_smem())?));
             }
         }
+        let default_variant = if tc_state.iter().any(|(key, _)| key.4) { FAST_VARIANT } else { FAST_VARIANT_MMA };
         Ok(GatedDeltaCuda {
             tc_prepare,
             tc_state,
             tc_prepare_bf16,
             tc_state_bf16,
-            fast_variant: FAST_VARIANT,
+            fast_variant: default_variant,
             cluster_blocks: match std::env::var("TERN_GDN_CLUSTER_BLOCKS").as_deref() {
                 Ok("4") => 4,
                 Ok("1") => 1,
@@ -934,6 +943,16 @@ impl GatedDeltaCuda {
             self.tc_state.iter().any(|((_, stages, late, cluster, wg), _)| (*stages, *late, *cluster, *wg) == (v.stages, v.late_issue, v.cluster, v.warpgroup))
         };
         FAST_VARIANTS.into_iter().filter(has).collect()
+    }
+
+    /// The fast variant a new instance runs: [`FAST_VARIANT`] where the warpgroup products exist,
+    /// else [`FAST_VARIANT_MMA`].
+    pub fn default_fast_variant(&self) -> FastVariant {
+        if self.tc_state.iter().any(|(key, _)| key.4) {
+            FAST_VARIANT
+        } else {
+            FAST_VARIANT_MMA
+        }
     }
 
     /// Selects how the fast mode's kernels are built (one of [`Self::fast_variants`]); results
@@ -1450,8 +1469,9 @@ impl GatedDeltaCuda {
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
         // The bf16 forms exist for the default variant only.
         let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup } = if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
-        // The warpgroup state pass is built for d_k 128; other head sizes take the default's.
-        let warpgroup = warpgroup && d_k == 128;
+        // The warpgroup state pass is built for d_k 128 on sm_90; other head sizes and devices
+        // take the mma.sync form (the same operands).
+        let warpgroup = warpgroup && d_k == 128 && self.tc_state.iter().any(|(key, _)| key.4);
         let (prepare, state) = match io {
             FastIo::F32 => (
                 self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f),
@@ -1459,7 +1479,7 @@ impl GatedDeltaCuda {
             ),
             FastIo::Bf16 => (
                 self.tc_prepare_bf16.iter().find(|(d, _)| *d == (d_k, d_v)).map(|(_, f)| f),
-                self.tc_state_bf16.iter().find(|(d, _)| *d == d_k).map(|(_, f)| f),
+                self.tc_state_bf16.iter().find(|(d, _)| *d == (d_k, warpgroup)).map(|(_, f)| f),
             ),
         };
         let (Some(prepare), Some(state)) = (prepare, state) else {

@@ -678,12 +678,12 @@ fn cuda_chunked_fast_matches_cpu_scan() {
             }
         }
         // The warpgroup variant runs exactly where its products exist.
-        let warpgroup = FastVariant { warpgroup: true, ..FAST_VARIANT };
-        assert_eq!(variants.contains(&warpgroup), gpu.arch() == "sm_90a", "warpgroup variant offered exactly on sm_90");
+        assert_eq!(variants.contains(&FAST_VARIANT), gpu.arch() == "sm_90a", "warpgroup variant offered exactly on sm_90");
+        assert_eq!(kv.default_fast_variant(), if gpu.arch() == "sm_90a" { FAST_VARIANT } else { FAST_VARIANT_MMA });
         let skipped: Vec<_> = FAST_VARIANTS.iter().filter(|v| !variants.contains(v)).collect();
         eprintln!("fast d_k {dk} d_v {dv}: variants {variants:?} agree; not run on this device: {skipped:?}");
         // A cluster variant, where it runs, is among those compared; elsewhere it is refused.
-        let in_clusters = FastVariant { cluster: true, ..FAST_VARIANT };
+        let in_clusters = FastVariant { cluster: true, ..FAST_VARIANT_MMA };
         let clusters = gpu.cluster_launch().unwrap();
         assert_eq!(variants.contains(&in_clusters), clusters, "cluster variant offered exactly where clusters launch");
         if !clusters {
