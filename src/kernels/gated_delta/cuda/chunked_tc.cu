@@ -603,19 +603,20 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
 
     // T = (I + A)^-1. Diagonal 16 x 16 blocks first: thread (b, c) walks column c of block b,
     // T[r][c] = -sum_{m<r} A[r][m] T[m][c] with T[c][c] = 1 and zeros above.
+    // Right-looking: once t[m] is final, every row below takes its term, so the rows' sums
+    // advance together; each row still adds its terms in m order from zero (the dot form's
+    // bits: the terms before column c are exact zeros), and without a branch on c the chains
+    // interleave (the dot form waited on r of them one after another).
     if (tid < C) {
         const int b = tid >> 4, c = tid & 15, o = 16 * b;
-        float t[16];
+        float t[16], s[16];
 #pragma unroll
-        for (int m = 0; m < 16; m++) t[m] = m == c ? 1.0f : 0.0f;
+        for (int r = 0; r < 16; r++) s[r] = 0.0f;
 #pragma unroll
-        for (int r = 1; r < 16; r++) {
-            if (r > c) {
-                float s = 0.0f;
+        for (int m = 0; m < 16; m++) {
+            t[m] = m < c ? 0.0f : m == c ? 1.0f : -s[m];
 #pragma unroll
-                for (int m = 0; m < r; m++) s += As[(o + r) * LDA + o + m] * t[m];
-                t[r] = -s;
-            }
+            for (int r = m + 1; r < 16; r++) s[r] += As[(o + r) * LDA + o + m] * t[m];
         }
 #pragma unroll
         for (int r = 0; r < 16; r++) Ts[(o + r) * LDA + o + c] = t[r];
