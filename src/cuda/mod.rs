@@ -517,6 +517,12 @@ impl Gpu {
             DependentLaunch::Always => true,
         }
     }
+    /// Whether the device has the warpgroup products (src/kernels/wgmma.cuh): an sm_90 GPU, whose
+    /// modules compile for sm_90a ([`nvrtc_arch`]).
+    pub fn warpgroup_products(&self) -> bool {
+        self.arch == nvrtc_arch(9, 0)
+    }
+
     /// Whether kernels can be launched in thread block clusters (sm_90 and later;
     /// [`KernelLaunch::cluster`]).
     pub fn cluster_launch(&self) -> Result<bool> {

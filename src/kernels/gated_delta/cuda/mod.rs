@@ -874,18 +874,17 @@ impl GatedDeltaCuda {
                 tc_state.push(((dk, 3, true, true, false), fc(&name, tc_state_smem(dk, 3, true))?));
             }
             // The warpgroup products exist on sm_90 only (compiled there for sm_90a).
-            if dk == 128 && gpu.arch() == "sm_90a" {
+            if dk == 128 && gpu.warpgroup_products() {
                 tc_state.push(((dk, 3, true, false, true), fc("tern_gdn_tc_state_dk128_s3lw", tc_state_wg_smem())?));
                 tc_state_bf16.push(((dk, true), fc("tern_gdn_tc_state_dk128_s3lwb", tc_state_wg_smem())?));
             }
         }
-        let default_variant = if tc_state.iter().any(|(key, _)| key.4) { FAST_VARIANT } else { FAST_VARIANT_MMA };
         Ok(GatedDeltaCuda {
             tc_prepare,
             tc_state,
             tc_prepare_bf16,
             tc_state_bf16,
-            fast_variant: default_variant,
+            fast_variant: if gpu.warpgroup_products() { FAST_VARIANT } else { FAST_VARIANT_MMA },
             cluster_blocks: match std::env::var("TERN_GDN_CLUSTER_BLOCKS").as_deref() {
                 Ok("4") => 4,
                 Ok("1") => 1,
@@ -937,7 +936,7 @@ impl GatedDeltaCuda {
     }
 
     /// The fast variants this device runs: [`FAST_VARIANTS`] less those in clusters where the
-    /// device cannot launch clusters.
+    /// device cannot launch clusters, and the warpgroup one where it has no warpgroup products.
     pub fn fast_variants(&self) -> Vec<FastVariant> {
         let has = |v: &FastVariant| {
             self.tc_state.iter().any(|((_, stages, late, cluster, wg), _)| (*stages, *late, *cluster, *wg) == (v.stages, v.late_issue, v.cluster, v.warpgroup))
@@ -948,7 +947,7 @@ impl GatedDeltaCuda {
     /// The fast variant a new instance runs: [`FAST_VARIANT`] where the warpgroup products exist,
     /// else [`FAST_VARIANT_MMA`].
     pub fn default_fast_variant(&self) -> FastVariant {
-        if self.tc_state.iter().any(|(key, _)| key.4) {
+        if self.gpu.warpgroup_products() {
             FAST_VARIANT
         } else {
             FAST_VARIANT_MMA
@@ -1471,7 +1470,7 @@ impl GatedDeltaCuda {
         let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup } = if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
         // The warpgroup state pass is built for d_k 128 on sm_90; other head sizes and devices
         // take the mma.sync form (the same operands).
-        let warpgroup = warpgroup && d_k == 128 && self.tc_state.iter().any(|(key, _)| key.4);
+        let warpgroup = warpgroup && d_k == 128 && self.gpu.warpgroup_products();
         let (prepare, state) = match io {
             FastIo::F32 => (
                 self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f),
