@@ -736,23 +736,30 @@ inline unsigned wgmma_start(uint64_t desc) {
     return found;
 }
 
-// Element (r, k) of a K-major operand tile without swizzle, as its descriptor places it.
-inline float wgmma_operand(uint64_t desc, int r, int k) {
+// The `rows` x 16 K-major operand tile without swizzle that a descriptor places, into out[r][k]
+// (read once per product: the descriptor's fields decoded once).
+inline void wgmma_operand(uint64_t desc, int rows, float (*out)[16]) {
     if ((desc >> 62) != 0 || ((desc >> 49) & 7) != 0) fault("wgmma descriptor with a swizzle or base offset (%s0x%llx): not modelled", "", (long long)desc);
     const unsigned start = wgmma_start(desc), lbo = (unsigned)(desc >> 16 & 0x3fff) << 4, sbo = (unsigned)(desc >> 32 & 0x3fff) << 4;
-    const unsigned at = start + (unsigned)(r / 8) * sbo + (unsigned)(k / 8) * lbo + (unsigned)(r % 8) * 16 + (unsigned)(k % 8) * 2;
-    uint16_t b;
-    memcpy(&b, shared_pointer(at, 2), 2);
-    return f32_of_bf16(b);
+    for (int r = 0; r < rows; ++r)
+        for (int k = 0; k < 16; ++k) {
+            const unsigned at = start + (unsigned)(r / 8) * sbo + (unsigned)(k / 8) * lbo + (unsigned)(r % 8) * 16 + (unsigned)(k % 8) * 2;
+            uint16_t b;
+            memcpy(&b, shared_pointer(at, 2), 2);
+            out[r][k] = f32_of_bf16(b);
+        }
 }
 
 inline void wgmma_complete(WarpgroupSlot& s) {
+    float a[64][16], b[128][16];
+    wgmma_operand(s.desc_a, 64, a);
+    wgmma_operand(s.desc_b, s.n, b);
     for (int i = 0; i < 128; ++i) {
         const int w = i / 32, g = (i % 32) / 4, q = i % 4;
         for (int j = 0; j < s.n / 2; ++j) {
             const int row = 16 * w + g + 8 * ((j / 2) % 2), col = 8 * (j / 4) + 2 * q + j % 2;
             double sum = 0.0;
-            for (int k = 0; k < 16; ++k) sum += (double)wgmma_operand(s.desc_a, row, k) * (double)wgmma_operand(s.desc_b, col, k);
+            for (int k = 0; k < 16; ++k) sum += (double)a[row][k] * (double)b[col][k];
             s.acc[i][j] = s.accumulate ? (float)(sum + (double)s.acc[i][j]) : (float)sum;
         }
     }
