@@ -434,8 +434,9 @@ __device__ __forceinline__ void tern_gdn_tc_block_row_tiled(const float* As, flo
 
 // NR: rows of q, k and v a warp fetches at once (1 or 8; the results are the same bits). The
 // wide layout with NR = 8 holds a warp's 8 rows of k and of q in registers together (100
-// registers, two blocks a multiprocessor); the compact one fetches k's rows, then q's (three
-// blocks need <= 80 registers).
+// registers, two blocks a multiprocessor); the compact one fetches k's rows (the gates' loads
+// waiting with them), then q's and v's, prefetched into L2 meanwhile (three blocks need <= 80
+// registers).
 //
 // TILED (the launcher's default, FAST_VARIANT in mod.rs): the same bits with fewer shared-memory
 // reads and global stores (measured under ncu on the H200, the untiled pass is bound by its
@@ -482,22 +483,26 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
 
     tern_gdn_bf16* kn = writer ? a.kn_s + chk * C * DK : nullptr;
     tern_gdn_bf16* qn = writer ? a.qn_s + chk * C * DK : nullptr;
-    // Rows held across the gates' loads (those fetched together); a fetch of one row otherwise.
+    // Rows held across the gates' loads (with 8 rows a fetch, k's always: the gates' loads
+    // then wait together with them, not before them); a fetch of one row otherwise.
     constexpr int HELD = KQ_TOGETHER || ALL_TOGETHER ? NR : 1;
-    tern_gdn_tc_rows<DK, HELD, IN> xk, xq;
+    tern_gdn_tc_rows<DK, NR == 8 ? NR : 1, IN> xk;
+    tern_gdn_tc_rows<DK, HELD, IN> xq;
     tern_gdn_tc_rows<DV, ALL_TOGETHER ? NR : 1, IN> xv;
     if constexpr (NR == 8 && !ALL_TOGETHER) {
-        // v's rows fetched into L2 while k and q come in, a request a 128-byte line.
-        constexpr int LINE = 128 / (int)sizeof(IN), VL = DV / LINE;
-        for (int idx = tid; idx < C * VL; idx += blockDim.x) {
-            const int r = idx / VL, p = (idx % VL) * LINE;
-            if (r < len) asm volatile("prefetch.global.L2 [%0];" ::"l"(vs + (t0 + r) * a.v_stride + (size_t)h * DV + p));
+        // The rows fetched after k's (v's, and q's where they are not held with k's) requested
+        // into L2 while k's come in, a request a 128-byte line.
+        constexpr int LINE = 128 / (int)sizeof(IN), VL = DV / LINE, QL = KQ_TOGETHER ? 0 : DK / LINE;
+        for (int idx = tid; idx < C * (VL + QL); idx += blockDim.x) {
+            const int r = idx / (VL + QL), p = (idx % (VL + QL)) * LINE;
+            const IN* line = p < DV ? vs + (t0 + r) * a.v_stride + (size_t)h * DV + p : qs + (t0 + r) * a.q_stride + (size_t)kh * DK + (p - DV);
+            if (r < len) asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
         }
     }
-    if constexpr (KQ_TOGETHER || ALL_TOGETHER) {
-        // All of a warp's k and q rows (and v's) requested at once.
+    if constexpr (NR == 8) {
+        // All of a warp's k rows requested at once (and q's and v's where they are held).
         xk.fetch(ks, a.k_stride, t0, len, (size_t)kh * DK, warp);
-        xq.fetch(qs, a.q_stride, t0, len, (size_t)kh * DK, warp);
+        if constexpr (KQ_TOGETHER || ALL_TOGETHER) xq.fetch(qs, a.q_stride, t0, len, (size_t)kh * DK, warp);
         if constexpr (ALL_TOGETHER) xv.fetch(vs, a.v_stride, t0, len, (size_t)h * DV, warp);
     }
     // G by a warp scan in f64 (differences of nearby prefix sums must keep the small terms);
@@ -517,13 +522,10 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     } else if (warp == 1) {
         for (int r = lane; r < C; r += 32) Bt[r] = r < len ? a.beta[(t0 + r) * nv + h] : 0.0f;
     }
-    if constexpr (KQ_TOGETHER || ALL_TOGETHER) {
-        tern_gdn_tc_put<DK, HELD>(Kb, xk, len, warp, a.l2qk, a.eps, 1.0f, nullptr);
-        tern_gdn_tc_put<DK, HELD>(Qb, xq, len, warp, a.l2qk, a.eps, a.q_scale, qn);
-    } else {
-        tern_gdn_tc_load_rows<DK, NR>(Kb, ks, a.k_stride, t0, len, (size_t)kh * DK, a.l2qk, a.eps, 1.0f, nullptr);
-        tern_gdn_tc_load_rows<DK, NR>(Qb, qs, a.q_stride, t0, len, (size_t)kh * DK, a.l2qk, a.eps, a.q_scale, qn);
-    }
+    if constexpr (NR == 8) tern_gdn_tc_put<DK, NR>(Kb, xk, len, warp, a.l2qk, a.eps, 1.0f, nullptr);
+    else tern_gdn_tc_load_rows<DK, NR>(Kb, ks, a.k_stride, t0, len, (size_t)kh * DK, a.l2qk, a.eps, 1.0f, nullptr);
+    if constexpr (KQ_TOGETHER || ALL_TOGETHER) tern_gdn_tc_put<DK, HELD>(Qb, xq, len, warp, a.l2qk, a.eps, a.q_scale, qn);
+    else tern_gdn_tc_load_rows<DK, NR>(Qb, qs, a.q_stride, t0, len, (size_t)kh * DK, a.l2qk, a.eps, a.q_scale, qn);
     if constexpr (ALL_TOGETHER) tern_gdn_tc_put<DV, NR>(Vb, xv, len, warp, 0, 0.0f, 1.0f, nullptr);
     else tern_gdn_tc_load_rows<DV, NR>(Vb, vs, a.v_stride, t0, len, (size_t)h * DV, 0, 0.0f, 1.0f, nullptr);
     __syncthreads();
