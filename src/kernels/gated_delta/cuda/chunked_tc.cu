@@ -10,7 +10,7 @@
 //  1. tern_gdn_tc_prepare_*: one block per (value head, chunk); the heads of a chunk are
 //     neighbours in the grid, so the second head of a key head finds q and k in L2. Builds
 //     KK^T and QK^T on tensor cores, A, T = (I + A)^-1 in f32 (16 x 16 diagonal blocks by
-//     substitution, then block rows), W = T diag(beta e^G) K and U = T diag(beta) V on tensor
+//     substitution, then the blocks below them in two levels), W = T diag(beta e^G) K and U = T diag(beta) V on tensor
 //     cores, and writes W, U, the decayed read-out weights and the decays (per value head) and
 //     the normalised bf16 q and k (per key head, by the first value head that reads it).
 //  2. tern_gdn_tc_state_*: one block per (value head, 32 state rows, sequence), walking the
@@ -321,13 +321,13 @@ __device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y
 }
 
 // Where tern_gdn_tc_prepare_body keeps its arrays in shared memory. Wide: every array apart
-// (106 KB at d_k = d_v = 128, two blocks a multiprocessor). Compact: arrays whose lives do not
-// meet share room (72 KB, three blocks a multiprocessor), in the body's phases
+// (107 KB at d_k = d_v = 128, two blocks a multiprocessor). Compact: arrays whose lives do not
+// meet share room (73 KB, three blocks a multiprocessor), in the body's phases
 //   1. k, q, v rows in; KK^T and QK^T, A written     live: G, beta, e^G, K, V, Q, A
-//   2. T's diagonal blocks, then its block rows       live: G, beta, e^G, K, V, A, T, P
+//   2. T's diagonal blocks, then the blocks below     live: G, beta, e^G, K, V, A, T, P
 //   3. the two scaled bf16 copies of T                live: beta, e^G, K, V, T, Tw, Tu
 //   4. W and U                                        live: K, V, Tw, Tu
-// so Q (dead after phase 1) lies under T and the block-row partials P, and Tw, Tu (born in
+// so Q (dead after phase 1) lies under T and its blocks' partials P, and Tw, Tu (born in
 // phase 3) under A (dead after phase 2). A barrier separates each phase from the next, so no
 // read of an array's last phase meets a write of the array that takes its place. Same
 // arithmetic in both layouts, so the same bits.
@@ -336,7 +336,7 @@ struct tern_gdn_tc_prep_smem {
     static constexpr int C = tern_gdn_tc_c, LDA = C + 1, LDT = tern_gdn_tc_ldc;
     static constexpr int SCALARS = 8 * C + 4 * 2 * C;  // G (f64), beta, e^G
     static constexpr int MAT = 4 * C * LDA;            // A or T, f32
-    static constexpr int PARTS = 4 * 3 * 16 * 17;      // block-row partials, f32
+    static constexpr int PARTS = 4 * 32 * 33;          // partials of T's off-diagonal blocks, f32
     static constexpr int KROWS = 2 * C * (DK + 8), VROWS = 2 * C * (DV + 8), TCOPY = 2 * C * LDT;
     static constexpr int QROOM = KROWS > MAT + PARTS ? KROWS : MAT + PARTS;   // compact: Q | T, P
     static constexpr int AROOM = MAT > 2 * TCOPY ? MAT : 2 * TCOPY;          // compact: A | Tw, Tu
@@ -379,55 +379,94 @@ struct tern_gdn_tc_prep_smem {
 };
 
 // The host sizes the launch by the same sum (tc_prepare_smem in mod.rs; its test pins these).
-static_assert(tern_gdn_tc_prep_smem<128, 128, false>::BYTES == 108224, "wide layout at 128 x 128: as mod.rs sizes it");
-static_assert(tern_gdn_tc_prep_smem<128, 128, true>::BYTES == 74176, "compact layout at 128 x 128: as mod.rs sizes it");
-static_assert(tern_gdn_tc_prep_smem<64, 64, true>::BYTES == 57792, "compact layout at 64 x 64: as mod.rs sizes it");
+static_assert(tern_gdn_tc_prep_smem<128, 128, false>::BYTES == 109184, "wide layout at 128 x 128: as mod.rs sizes it");
+static_assert(tern_gdn_tc_prep_smem<128, 128, true>::BYTES == 75136, "compact layout at 128 x 128: as mod.rs sizes it");
+static_assert(tern_gdn_tc_prep_smem<64, 64, true>::BYTES == 58752, "compact layout at 64 x 64: as mod.rs sizes it");
 
-// Block row i (1..3) of T = (I + A)^-1 from the rows above it, as the one-element loops of
-// tern_gdn_tc_prepare_body compute it (each element's sums in the same order: the same bits),
-// with thread (j, p, c) of the first i x 32 owning rows p and p + 8, columns 4c .. 4c + 3 of
-// block (i, j): partials P_j = sum_{k=j}^{i-1} A_ik T_kj, then T_ij = -T_ii P_j. Ends with the
-// block's barrier, as each of the two steps does.
+// The blocks of T = (I + A)^-1 below its diagonal 16 x 16 blocks (already in Ts), in two levels
+// of the block-triangular inverse [[L0, 0], [B, L1]]^-1 = [[L0^-1, 0], [-L1^-1 B L0^-1, L1^-1]]:
+//  1. the 32 x 32 diagonal blocks' lower-left blocks side by side, T10 = -T11 (A10 T00) and
+//     T32 = -T33 (A32 T22), thread (b, p, c) of the first 64 owning rows p and p + 8, columns
+//     4c .. 4c + 3 of block b (T10 or T32; partials [2][16][17]);
+//  2. the lower-left 32 x 32 block, -T[32:][32:] (A[32:][:32] T[:32][:32]), thread (r, c) owning
+//     row r, columns 4c .. 4c + 3 (partials [32][33]).
+// Serial depth 16 + 16 + 32 + 32 terms across four barriers, where T's block rows one after
+// another take 144 across six. Every element sums its terms in increasing order from zero. T's
+// stored zeros above a diagonal 16 x 16 block's diagonal may be among them (a product with zero
+// adds nothing to a partial); the blocks above the 16 x 16 block diagonal, never written (other
+// arrays live there in the compact layout), are never read. The final products skip the terms
+// past a row's diagonal rather than add zeros (which could turn a -0 sum into +0).
 template <int LDA>
-__device__ __forceinline__ void tern_gdn_tc_block_row_tiled(const float* As, float* Ts, float* Ps, int i) {
-    const int tid = threadIdx.x, j = tid >> 5, p = (tid >> 2) & 7, c0 = 4 * (tid & 3);
-    const bool mine = tid < 32 * i;
-    if (mine) {
-        float part[2][4] = {};
-        for (int kb = j; kb < i; kb++)
+__device__ __forceinline__ void tern_gdn_tc_inverse_blocks(const float* As, float* Ts, float* Ps) {
+    const int tid = threadIdx.x;
+    {
+        const int b = tid >> 5, p = (tid >> 2) & 7, c0 = 4 * (tid & 3), o = 32 * b;  // T[o + 16..][o..]
+        const bool mine = tid < 64;
+        if (mine) {
+            float part[2][4] = {};
 #pragma unroll
             for (int m = 0; m < 16; m++) {
-                const float a0 = As[(16 * i + p) * LDA + 16 * kb + m], a1 = As[(16 * i + p + 8) * LDA + 16 * kb + m];
+                const float a0 = As[(o + 16 + p) * LDA + o + m], a1 = As[(o + 24 + p) * LDA + o + m];
 #pragma unroll
                 for (int u = 0; u < 4; u++) {
-                    const float t = Ts[(16 * kb + m) * LDA + 16 * j + c0 + u];
+                    const float t = Ts[(o + m) * LDA + o + c0 + u];
                     part[0][u] += a0 * t;
                     part[1][u] += a1 * t;
                 }
             }
 #pragma unroll
-        for (int h = 0; h < 2; h++)
+            for (int h = 0; h < 2; h++)
 #pragma unroll
-            for (int u = 0; u < 4; u++) Ps[(j * 16 + p + 8 * h) * 17 + c0 + u] = part[h][u];
-    }
-    __syncthreads();
-    if (mine) {
-        // Row p sums T_ii[p][m] P[m] over m <= p, row p + 8 over m <= p + 8: terms past a row's
-        // diagonal are skipped, not added as zeros (which could turn a -0 sum into +0).
-        float t[2][4] = {};
-        for (int m = 0; m <= p + 8; m++) {
-            const float lo = m <= p ? Ts[(16 * i + p) * LDA + 16 * i + m] : 0.0f, hi = Ts[(16 * i + p + 8) * LDA + 16 * i + m];
+                for (int u = 0; u < 4; u++) Ps[(16 * b + p + 8 * h) * 17 + c0 + u] = part[h][u];
+        }
+        __syncthreads();
+        if (mine) {
+            float t[2][4] = {};
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const float pv = Ps[(j * 16 + m) * 17 + c0 + u];
-                if (m <= p) t[0][u] += lo * pv;
-                t[1][u] += hi * pv;
+            for (int m = 0; m < 16; m++) {
+                const float lo = m <= p ? Ts[(o + 16 + p) * LDA + o + 16 + m] : 0.0f, hi = m <= p + 8 ? Ts[(o + 24 + p) * LDA + o + 16 + m] : 0.0f;
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const float pv = Ps[(16 * b + m) * 17 + c0 + u];
+                    if (m <= p) t[0][u] += lo * pv;
+                    if (m <= p + 8) t[1][u] += hi * pv;
+                }
             }
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int u = 0; u < 4; u++) Ts[(o + 16 + p + 8 * h) * LDA + o + c0 + u] = -t[h][u];
+        }
+        __syncthreads();
+    }
+    const int r = tid >> 3, c0 = 4 * (tid & 7);
+    {
+        // Column c's terms start at row c of T[:32][:32]; a thread's four columns start at c0,
+        // in the 16 x 16 diagonal block that holds them (its stored zeros above the diagonal).
+        float part[4] = {};
+#pragma unroll
+        for (int m = 0; m < 32; m++) {
+            if (m < c0) continue;
+            const float a = As[(32 + r) * LDA + m];
+#pragma unroll
+            for (int u = 0; u < 4; u++) part[u] += a * Ts[m * LDA + c0 + u];
         }
 #pragma unroll
-        for (int h = 0; h < 2; h++)
+        for (int u = 0; u < 4; u++) Ps[r * 33 + c0 + u] = part[u];
+    }
+    __syncthreads();
+    {
+        float t[4] = {};
 #pragma unroll
-            for (int u = 0; u < 4; u++) Ts[(16 * i + p + 8 * h) * LDA + 16 * j + c0 + u] = -t[h][u];
+        for (int m = 0; m < 32; m++) {
+            if (m > r) continue;
+            const float l = Ts[(32 + r) * LDA + 32 + m];
+#pragma unroll
+            for (int u = 0; u < 4; u++) t[u] += l * Ps[m * 33 + c0 + u];
+        }
+        // T[32:][:32] is read by neither product: written in place without a barrier before.
+#pragma unroll
+        for (int u = 0; u < 4; u++) Ts[(32 + r) * LDA + c0 + u] = -t[u];
     }
     __syncthreads();
 }
@@ -441,10 +480,6 @@ __device__ __forceinline__ void tern_gdn_tc_block_row_tiled(const float* As, flo
 // TILED (the launcher's default, FAST_VARIANT in mod.rs): the same bits with fewer shared-memory
 // reads and global stores (measured under ncu on the H200, the untiled pass is bound by its
 // shared-memory pipe, and a fifth of its global store sectors are partly filled):
-//  - the block rows of T: a thread owns 2 rows x 4 columns of a block (i x 32 threads for block
-//    row i) and reuses each element of A, T and the partials it reads from shared memory
-//    across them: per multiply-add of the warp, 6 wavefronts per 8 where the one-element form
-//    spends 16; every element's sum keeps its order, so its bits;
 //  - the decayed QK^T tile and W, U leave in whole 16-byte pieces (tern_gdn_tc_quad_transpose);
 //  - the scaled bf16 copies of T are written two columns a store.
 //
@@ -474,7 +509,7 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     float* const Ex = sm.Ex;         // [C] exp(G_r)
     float* const As = sm.As;         // [C][C + 1] A (strictly lower)
     float* const Ts = sm.Ts;         // [C][C + 1] T (lower)
-    float* const Ps = sm.Ps;         // [3][16][17] block-row partials
+    float* const Ps = sm.Ps;         // partials of T's off-diagonal blocks
     tern_gdn_bf16* const Kb = sm.Kb; // [C][DK + 8]
     tern_gdn_bf16* const Qb = sm.Qb; // [C][DK + 8]
     tern_gdn_bf16* const Vb = sm.Vb; // [C][DV + 8]
@@ -624,29 +659,7 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
         for (int r = 0; r < 16; r++) Ts[(o + r) * LDA + o + c] = t[r];
     }
     __syncthreads();
-    // Block rows: T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj for j < i, rows i in order.
-    for (int i = 1; i < 4; i++) {
-        if constexpr (TILED) {
-            tern_gdn_tc_block_row_tiled<LDA>(As, Ts, Ps, i);
-            continue;
-        }
-        for (int e = tid; e < i * 256; e += blockDim.x) {
-            const int j = e >> 8, rr = (e >> 4) & 15, cc = e & 15;
-            float p = 0.0f;
-            for (int kb = j; kb < i; kb++)
-#pragma unroll
-                for (int m = 0; m < 16; m++) p += As[(16 * i + rr) * LDA + 16 * kb + m] * Ts[(16 * kb + m) * LDA + 16 * j + cc];
-            Ps[(j * 16 + rr) * 17 + cc] = p;
-        }
-        __syncthreads();
-        for (int e = tid; e < i * 256; e += blockDim.x) {
-            const int j = e >> 8, rr = (e >> 4) & 15, cc = e & 15;
-            float t = 0.0f;
-            for (int m = 0; m <= rr; m++) t += Ts[(16 * i + rr) * LDA + 16 * i + m] * Ps[(j * 16 + m) * 17 + cc];
-            Ts[(16 * i + rr) * LDA + 16 * j + cc] = -t;
-        }
-        __syncthreads();
-    }
+    tern_gdn_tc_inverse_blocks<LDA>(As, Ts, Ps);
     if constexpr (TILED) {
         for (int idx = tid; idx < C * C / 2; idx += blockDim.x) {
             const int r = idx >> 5, c = 2 * (idx & 31);

@@ -562,8 +562,8 @@ pub struct FastVariant {
     /// The state pass issues a chunk's copies of the chunk `stages - 1` ahead after its first
     /// products instead of before them (3 stages only).
     pub late_issue: bool,
-    /// The prepare pass's block rows of T in register tiles and its stores in whole 16-byte
-    /// pieces (`TILED` in chunked_tc.cu; compact layout, 8 rows only).
+    /// The prepare pass's stores in whole 16-byte pieces and T's scaled copies two columns a
+    /// store (`TILED` in chunked_tc.cu; compact layout, 8 rows only).
     pub tiled: bool,
     /// The state pass in thread block clusters: 2 (or 4) blocks of a value head share each
     /// chunk's W, q, k and read-out tiles (bulk copies multicast into the cluster) instead of
@@ -617,12 +617,12 @@ pub const FAST_VARIANT: FastVariant = FastVariant { warpgroup: true, ..FAST_VARI
 pub const FAST_VARIANT_MMA: FastVariant = FastVariant { tiled: true, ..fast(8, 3, true, true) };
 
 /// Bytes of `tern_gdn_tc_prepare_body`'s shared memory (`tern_gdn_tc_prep_smem` in
-/// chunked_tc.cu): G (f64), beta and e^G, then A, T, the block-row partials (f32), k, q, v and
+/// chunked_tc.cu): G (f64), beta and e^G, then A, T, the partials of T's off-diagonal blocks (f32), k, q, v and
 /// the two scaled copies of T (bf16 rows padded by 8) apart (wide) or with Q under T and the
 /// partials, and the copies of T under A (compact).
 fn tc_prepare_smem(d_k: usize, d_v: usize, compact: bool) -> usize {
     let scalars = 8 * CHUNK + 4 * 2 * CHUNK;
-    let (mat, parts) = (4 * CHUNK * (CHUNK + 1), 4 * 3 * 16 * 17);
+    let (mat, parts) = (4 * CHUNK * (CHUNK + 1), 4 * 32 * 33);
     let (k_rows, v_rows, t_copy) = (2 * CHUNK * (d_k + 8), 2 * CHUNK * (d_v + 8), 2 * CHUNK * 72);
     if compact {
         scalars + k_rows + v_rows + k_rows.max(mat + parts) + mat.max(2 * t_copy)
