@@ -194,6 +194,23 @@ template <int D, int NR, typename IN>
 __device__ void tern_gdn_tc_put(tern_gdn_bf16* dst, const tern_gdn_tc_rows<D, NR, IN>& rows, int len, int r0, int norm, float eps, float scale, tern_gdn_bf16* out) {
     constexpr int E = D / 32;
     const int lane = threadIdx.x & 31;
+    // The rows' sums of squares reduced side by side, each by tern_gdn_warp_sum's butterfly
+    // (so its bits): NR independent shuffle chains in flight rather than one after another.
+    float inv[NR];
+    if (norm) {
+#pragma unroll
+        for (int u = 0; u < NR; u++) {
+            inv[u] = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; e++) inv[u] += rows.at(u, e) * rows.at(u, e);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+            for (int u = 0; u < NR; u++) inv[u] += __shfl_xor_sync(0xffffffffu, inv[u], off);
+#pragma unroll
+        for (int u = 0; u < NR; u++) inv[u] = 1.0f / sqrtf(inv[u] + eps);
+    }
 #pragma unroll
     for (int u = 0; u < NR; u++) {
         const int r = r0 + 8 * u;
@@ -201,12 +218,8 @@ __device__ void tern_gdn_tc_put(tern_gdn_bf16* dst, const tern_gdn_tc_rows<D, NR
 #pragma unroll
         for (int e = 0; e < E; e++) x[e] = rows.at(u, e);
         if (norm && r < len) {
-            float ss = 0.0f;
 #pragma unroll
-            for (int e = 0; e < E; e++) ss += x[e] * x[e];
-            const float inv = 1.0f / sqrtf(tern_gdn_warp_sum(ss) + eps);
-#pragma unroll
-            for (int e = 0; e < E; e++) x[e] = (x[e] * inv) * scale;
+            for (int e = 0; e < E; e++) x[e] = (x[e] * inv[u]) * scale;
         }
         // E bf16 in one store: 8 bytes (E = 4) or 4 (E = 2); the E columns lie in one 16-byte
         // row of a block of the tile.
@@ -564,25 +577,6 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     if constexpr (ALL_TOGETHER) tern_gdn_tc_put<DV, NR>(Vb, xv, len, warp, 0, 0.0f, 1.0f, nullptr);
     else tern_gdn_tc_load_rows<DV, NR>(Vb, vs, a.v_stride, t0, len, (size_t)h * DV, 0, 0.0f, 1.0f, nullptr);
     __syncthreads();
-    // k's tile for the state pass, transposed ([DK][64]: the state update's operand is k^T):
-    // 16-byte rows of 8 chunk positions gathered from the rows in shared memory, lanes along i
-    // (the reads of a row conflict-free, the stores whole blocks).
-    if (kn)
-        for (int p = tid; p < DK * C / 8; p += blockDim.x) {
-            const int i = p % DK, c0 = (p / DK) * 8;
-            unsigned words[4];
-#pragma unroll
-            for (int m = 0; m < 4; m++)
-                words[m] = (unsigned)Kb[(c0 + 2 * m) * (DK + 8) + i] | (unsigned)Kb[(c0 + 2 * m + 1) * (DK + 8) + i] << 16;
-            *reinterpret_cast<uint4*>(kn + tern_gdn_tc_tile_at(i, c0, C)) = make_uint4(words[0], words[1], words[2], words[3]);
-        }
-    if (tid < C) {
-        const float e = tid < len ? (float)exp(G[tid]) : 0.0f;
-        Ex[tid] = e;
-        a.dec_s[ch * 2 * C + tid] = e;
-        a.dec_s[ch * 2 * C + C + tid] = tid < len ? (float)exp(G[len - 1] - G[tid]) : 0.0f;
-    }
-
     // KK^T and QK^T: warp w owns rows 16 (w % 4).. and columns 32 (w / 4)..; tiles wholly
     // above the diagonal are not multiplied: the substitution never reads them, and their
     // read-out weights are zeros (the warpgroup state pass multiplies every k-step).
@@ -657,6 +651,27 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
         }
 #pragma unroll
         for (int r = 0; r < 16; r++) Ts[(o + r) * LDA + o + c] = t[r];
+    } else {
+        // Meanwhile the other threads: the decays (e^G kept for T's scaled copies) and k's
+        // tile for the state pass, transposed ([DK][64]: the state update's operand is k^T),
+        // in 16-byte rows of 8 chunk positions gathered from the rows in shared memory, lanes
+        // along i (the reads of a row conflict-free, the stores whole blocks).
+        const int id = tid - C;
+        if (id < C) {
+            const float e = id < len ? (float)exp(G[id]) : 0.0f;
+            Ex[id] = e;
+            a.dec_s[ch * 2 * C + id] = e;
+            a.dec_s[ch * 2 * C + C + id] = id < len ? (float)exp(G[len - 1] - G[id]) : 0.0f;
+        }
+        if (kn)
+            for (int p = id; p < DK * C / 8; p += blockDim.x - C) {
+                const int i = p % DK, c0 = (p / DK) * 8;
+                unsigned words[4];
+#pragma unroll
+                for (int m = 0; m < 4; m++)
+                    words[m] = (unsigned)Kb[(c0 + 2 * m) * (DK + 8) + i] | (unsigned)Kb[(c0 + 2 * m + 1) * (DK + 8) + i] << 16;
+                *reinterpret_cast<uint4*>(kn + tern_gdn_tc_tile_at(i, c0, C)) = make_uint4(words[0], words[1], words[2], words[3]);
+            }
     }
     __syncthreads();
     tern_gdn_tc_inverse_blocks<LDA>(As, Ts, Ps);
