@@ -10,9 +10,10 @@
 //  1. tern_gdn_tc_prepare_*: one block per (value head, chunk); the heads of a chunk are
 //     neighbours in the grid, so the second head of a key head finds q and k in L2. Builds
 //     KK^T and QK^T on tensor cores, A, T = (I + A)^-1 in f32 (16 x 16 diagonal blocks by
-//     substitution, then the blocks below them in two levels), W = T diag(beta e^G) K and U = T diag(beta) V on tensor
-//     cores, and writes W, U, the decayed read-out weights and the decays (per value head) and
-//     the normalised bf16 q and k (per key head, by the first value head that reads it).
+//     substitution, then the blocks below them in two levels), W = T diag(beta e^G) K and
+//     U = T diag(beta) V on tensor cores, and writes W, U, the decayed read-out weights and
+//     the decays (per value head) and the normalised bf16 q and k (per key head, by the first
+//     value head that reads it).
 //  2. tern_gdn_tc_state_*: one block per (value head, 32 state rows, sequence), walking the
 //     chunks in order with the next chunks' operands in flight (cp.async, 2 or 3 stages). The
 //     prepare pass stores those operands as the state pass keeps them in shared memory (in
@@ -194,8 +195,8 @@ template <int D, int NR, typename IN>
 __device__ void tern_gdn_tc_put(tern_gdn_bf16* dst, const tern_gdn_tc_rows<D, NR, IN>& rows, int len, int r0, int norm, float eps, float scale, tern_gdn_bf16* out) {
     constexpr int E = D / 32;
     const int lane = threadIdx.x & 31;
-    // The rows' sums of squares reduced side by side, each by tern_gdn_warp_sum's butterfly
-    // (so its bits): NR independent shuffle chains in flight rather than one after another.
+    // The rows' sums of squares reduced side by side (tern_gdn_warp_sums): NR shuffle chains in
+    // flight rather than one after another.
     float inv[NR];
     if (norm) {
 #pragma unroll
@@ -204,10 +205,7 @@ __device__ void tern_gdn_tc_put(tern_gdn_bf16* dst, const tern_gdn_tc_rows<D, NR
 #pragma unroll
             for (int e = 0; e < E; e++) inv[u] += rows.at(u, e) * rows.at(u, e);
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-            for (int u = 0; u < NR; u++) inv[u] += __shfl_xor_sync(0xffffffffu, inv[u], off);
+        tern_gdn_warp_sums(inv);
 #pragma unroll
         for (int u = 0; u < NR; u++) inv[u] = 1.0f / sqrtf(inv[u] + eps);
     }

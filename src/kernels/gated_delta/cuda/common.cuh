@@ -43,6 +43,18 @@ __device__ __forceinline__ float tern_gdn_warp_sum(float x) {
     return x;
 }
 
+// tern_gdn_warp_sum of N values, each exchange taken by all N together so that their N chains
+// of shuffles are in flight at once: the same exchanges in the same order, so each value gets
+// the bits tern_gdn_warp_sum gives it. (Not the one-value form's body: written as a loop,
+// it moves the registers of kernels that call it.)
+template <int N>
+__device__ __forceinline__ void tern_gdn_warp_sums(float (&x)[N]) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+        for (int u = 0; u < N; u++) x[u] += __shfl_xor_sync(0xffffffffu, x[u], off);
+}
+
 // The key head that value head h reads: grouped (Hugging Face) or tiled (GGUF).
 __device__ __forceinline__ int tern_gdn_key_head(int h, int nk, int nv, int grouped) {
     return grouped ? h / (nv / nk) : h % nk;

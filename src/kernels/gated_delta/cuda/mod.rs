@@ -617,9 +617,9 @@ pub const FAST_VARIANT: FastVariant = FastVariant { warpgroup: true, ..FAST_VARI
 pub const FAST_VARIANT_MMA: FastVariant = FastVariant { tiled: true, ..fast(8, 3, true, true) };
 
 /// Bytes of `tern_gdn_tc_prepare_body`'s shared memory (`tern_gdn_tc_prep_smem` in
-/// chunked_tc.cu): G (f64), beta and e^G, then A, T, the partials of T's off-diagonal blocks (f32), k, q, v and
-/// the two scaled copies of T (bf16 rows padded by 8) apart (wide) or with Q under T and the
-/// partials, and the copies of T under A (compact).
+/// chunked_tc.cu): G (f64), beta and e^G, then A, T, the partials of T's off-diagonal blocks
+/// (f32), k, q, v and the two scaled copies of T (bf16 rows padded by 8) apart (wide) or with Q
+/// under T and the partials, and the copies of T under A (compact).
 fn tc_prepare_smem(d_k: usize, d_v: usize, compact: bool) -> usize {
     let scalars = 8 * CHUNK + 4 * 2 * CHUNK;
     let (mat, parts) = (4 * CHUNK * (CHUNK + 1), 4 * 32 * 33);
