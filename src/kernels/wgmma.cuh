@@ -9,6 +9,7 @@
 // the descriptor gives the byte distance between core matrices adjacent in k (`lbo`) and in m or
 // n (`sbo`). Element (r, k) of a tile whose first core matrix starts at `base`:
 //   base + (r / 8) * sbo + (k / 8) * lbo + (r % 8) * 16 + (k % 8) * 2.
+// A may also be M-major (tern_wgmma_offset_mn, tern_wgmma_m64n32k16_mn_a).
 // Accumulator d[4j + e] of thread t (warp w = t / 32 of the group, g = lane / 4, q = lane % 4)
 // is element (16 w + g + 8 (e / 2), 8 j + 2 q + e % 2) of the 64 x N result: each warp holds 16
 // rows as mma.sync's m16n8 C fragments, one n8 tile after another.
@@ -19,7 +20,7 @@
 // must not be touched in between. Every thread of the warpgroup executes each of them
 // (`.sync.aligned`). Tiles that threads stored with ordinary stores reach the products only
 // through tern_wgmma_fence_stores (the tensor cores read shared memory through the async proxy),
-// then a barrier. tools/hostcuda models this layout, without swizzles, and the products as
+// then a barrier. tools/hostcuda models these layouts, without swizzles, and the products as
 // completed at once.
 //
 // The instructions exist only in sm_90a builds (Gpu compiles for sm_90a on an sm_90 device:
@@ -38,6 +39,16 @@ __device__ __forceinline__ unsigned long long tern_wgmma_desc(const void* smem, 
 // reads it: where a kernel stores an operand that a product will read.
 __device__ __forceinline__ unsigned tern_wgmma_offset(int r, int k, unsigned lbo, unsigned sbo) {
     return (unsigned)(r >> 3) * sbo + (unsigned)(k >> 3) * lbo + (unsigned)(r & 7) * 16u + (unsigned)(k & 7) * 2u;
+}
+
+// The same for an A operand stored M-major (tern_wgmma_m64n32k16_mn_a): a core matrix is eight
+// 16-byte rows of 8 consecutive m, one row per k, so element (r, k) of the 64 x 16 tile lies at
+//   base + (r / 8) * sbo + (k / 8) * lbo + (k % 8) * 16 + (r % 8) * 2
+// (sbo between core matrices adjacent in m, lbo adjacent in k: the PTX ISA's unswizzled
+// MN-major canonical layout). A tile kept transposed for another product, [k][m] in 8 x 8
+// blocks, is such an operand as it stands.
+__device__ __forceinline__ unsigned tern_wgmma_offset_mn(int r, int k, unsigned lbo, unsigned sbo) {
+    return (unsigned)(r >> 3) * sbo + (unsigned)(k >> 3) * lbo + (unsigned)(k & 7) * 16u + (unsigned)(r & 7) * 2u;
 }
 
 __device__ __forceinline__ void tern_wgmma_fence() {
@@ -79,6 +90,22 @@ __device__ __forceinline__ void tern_wgmma_m64n32k16(float (&d)[16], unsigned lo
         "{ .reg .pred p; setp.ne.b32 p, %18, 0;"
         " wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16"
         " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate)
+        : "memory");
+#else
+    __trap();
+#endif
+}
+
+// The same with A stored M-major (tern_wgmma_offset_mn; the instruction's transpose-A flag).
+__device__ __forceinline__ void tern_wgmma_m64n32k16_mn_a(float (&d)[16], unsigned long long desc_a, unsigned long long desc_b, int accumulate) {
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %18, 0;"
+        " wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16"
+        " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 0; }"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
         : "l"(desc_a), "l"(desc_b), "r"(accumulate)

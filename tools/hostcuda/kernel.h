@@ -132,7 +132,7 @@ struct WarpgroupSlot {
     int left = 0;
     unsigned gen = 0;
     bool reading = false;
-    int n = 0, accumulate = 0;
+    int n = 0, accumulate = 0, trans_a = 0;
     uint64_t desc_a = 0, desc_b = 0;
     float acc[128][64];
 };
@@ -707,8 +707,8 @@ inline void bar_sync(I id, N count) {
 inline void griddepcontrol() {}
 
 // ---- warpgroup products (wgmma; src/kernels/wgmma.cuh) ---------------------------------------
-// Modelled: bf16 operands from shared memory, both K-major and unswizzled (translate.py refuses
-// other forms), scales of 1, f32 accumulators. A product completes when the last thread of the
+// Modelled: bf16 operands from shared memory, unswizzled, B K-major and A K-major or M-major
+// (translate.py refuses other forms), scales of 1, f32 accumulators. A product completes when the last thread of the
 // warpgroup arrives, so fences, commits and waits have nothing to order; the tiles are read at
 // that moment. Each output sums its 16 products exactly and rounds once with the accumulator
 // (as mma_all; the hardware's own partial sums differ in the last bits).
@@ -736,14 +736,17 @@ inline unsigned wgmma_start(uint64_t desc) {
     return found;
 }
 
-// The `rows` x 16 K-major operand tile without swizzle that a descriptor places, into out[r][k]
-// (read once per product: the descriptor's fields decoded once).
-inline void wgmma_operand(uint64_t desc, int rows, float (*out)[16]) {
+// The `rows` x 16 operand tile without swizzle that a descriptor places, into out[r][k] (read
+// once per product: the descriptor's fields decoded once). K-major: a core matrix's 16-byte rows
+// run along k (one row per r); M-major (`mn`): along r (one row per k), as
+// tern_wgmma_offset_mn in src/kernels/wgmma.cuh.
+inline void wgmma_operand(uint64_t desc, int rows, float (*out)[16], bool mn = false) {
     if ((desc >> 62) != 0 || ((desc >> 49) & 7) != 0) fault("wgmma descriptor with a swizzle or base offset (%s0x%llx): not modelled", "", (long long)desc);
     const unsigned start = wgmma_start(desc), lbo = (unsigned)(desc >> 16 & 0x3fff) << 4, sbo = (unsigned)(desc >> 32 & 0x3fff) << 4;
     for (int r = 0; r < rows; ++r)
         for (int k = 0; k < 16; ++k) {
-            const unsigned at = start + (unsigned)(r / 8) * sbo + (unsigned)(k / 8) * lbo + (unsigned)(r % 8) * 16 + (unsigned)(k % 8) * 2;
+            const unsigned in_core = mn ? (unsigned)(k % 8) * 16 + (unsigned)(r % 8) * 2 : (unsigned)(r % 8) * 16 + (unsigned)(k % 8) * 2;
+            const unsigned at = start + (unsigned)(r / 8) * sbo + (unsigned)(k / 8) * lbo + in_core;
             uint16_t b;
             memcpy(&b, shared_pointer(at, 2), 2);
             out[r][k] = f32_of_bf16(b);
@@ -752,7 +755,7 @@ inline void wgmma_operand(uint64_t desc, int rows, float (*out)[16]) {
 
 inline void wgmma_complete(WarpgroupSlot& s) {
     float a[64][16], b[128][16];
-    wgmma_operand(s.desc_a, 64, a);
+    wgmma_operand(s.desc_a, 64, a, s.trans_a != 0);
     wgmma_operand(s.desc_b, s.n, b);
     for (int i = 0; i < 128; ++i) {
         const int w = i / 32, g = (i % 32) / 4, q = i % 4;
@@ -765,9 +768,9 @@ inline void wgmma_complete(WarpgroupSlot& s) {
     }
 }
 
-// d (+)= A B^T, A 64 x 16 and B N x 16: every thread of the warpgroup passes its N / 2
+// d (+)= A B^T, A 64 x 16 (M-major where TRANS_A) and B N x 16: every thread of the warpgroup passes its N / 2
 // accumulators (their addresses), the two descriptors and whether to accumulate.
-template <int N, class DA, class DB, class S>
+template <int N, int TRANS_A, class DA, class DB, class S>
 inline void wgmma_m64k16_bf16(float* const (&d)[N / 2], DA desc_a, DB desc_b, S accumulate) {
     static_assert(N % 8 == 0 && N >= 8 && N <= 128, "wgmma n: a multiple of 8 up to 128");
     Launch& l = L();
@@ -784,9 +787,10 @@ inline void wgmma_m64k16_bf16(float* const (&d)[N / 2], DA desc_a, DB desc_b, S 
     if (s.arrived == 0) {
         s.n = N;
         s.accumulate = acc;
+        s.trans_a = TRANS_A;
         s.desc_a = (uint64_t)desc_a;
         s.desc_b = (uint64_t)desc_b;
-    } else if (s.n != N || s.accumulate != acc || s.desc_a != (uint64_t)desc_a || s.desc_b != (uint64_t)desc_b) {
+    } else if (s.n != N || s.accumulate != acc || s.trans_a != TRANS_A || s.desc_a != (uint64_t)desc_a || s.desc_b != (uint64_t)desc_b) {
         fault("threads of a warpgroup meet at different wgmma products (descriptor %s0x%llx and 0x%llx)", "", (long long)s.desc_a, (long long)desc_a);
     }
     for (int j = 0; j < N / 2; ++j) s.acc[i][j] = *d[j];

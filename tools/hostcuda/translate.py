@@ -101,11 +101,12 @@ PTX = [
     ("wgmma.mma_async.", None, None),  # by its shape, below
 ]
 
-# The one form of warpgroup product modelled (kernel.h): bf16 operands from two descriptors, both
-# K-major (trans 0), scales 1, scale-d the predicate p that the prologue sets from an operand.
+# The forms of warpgroup product modelled (kernel.h): bf16 operands from two descriptors, B
+# K-major (trans-b 0), A K-major or M-major (trans-a 0 or 1), scales 1, scale-d the predicate p
+# that the prologue sets from an operand.
 WGMMA = re.compile(
     r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16\s*\{[^}]*\}\s*,\s*%(\d+)\s*,\s*%(\d+)\s*,"
-    r"\s*p\s*,\s*1\s*,\s*1\s*,\s*0\s*,\s*0\s*;"
+    r"\s*p\s*,\s*1\s*,\s*1\s*,\s*([01])\s*,\s*0\s*;"
 )
 SCALE_D = re.compile(r"setp\.ne\.b32\s+p\s*,\s*%(\d+)\s*,\s*0\s*;")
 
@@ -114,12 +115,13 @@ def wgmma_call(template, instr, outs, ins):
     """The call of kernel.h for one warpgroup product, after checking its form."""
     m, scale = WGMMA.match(instr), SCALE_D.search(template)
     if not m or not scale:
-        fail(f"wgmma form not modelled (bf16, K-major A and B from descriptors, scale-d from setp.ne.b32 p): {template!r}")
+        fail(f"wgmma form not modelled (bf16, A and K-major B from descriptors, scale-d from setp.ne.b32 p): {template!r}")
     n, da, db = int(m.group(1)), int(m.group(2)), int(m.group(3))
     if len(outs) != n // 2 or len(ins) != 3 or (da, db, int(scale.group(1))) != (n // 2, n // 2 + 1, n // 2 + 2):
         fail(f"{template!r}: wgmma operands not as the model takes them ({n // 2} accumulators, then the two descriptors and scale-d)")
     acc = ", ".join(f"&({e})" for c, e in outs)
-    return f"tern_host_ptx::wgmma_m64k16_bf16<{n}>({{{acc}}}, " + ", ".join(f"({e})" for c, e in ins) + ")"
+    trans_a = int(m.group(4))
+    return f"tern_host_ptx::wgmma_m64k16_bf16<{n}, {trans_a}>({{{acc}}}, " + ", ".join(f"({e})" for c, e in ins) + ")"
 
 
 def operands(section):

@@ -572,10 +572,11 @@ pub struct FastVariant {
     /// 0.99 ms at 32k tokens, BENCHMARKS.md, twenty-seventh session): opt-in.
     pub cluster: bool,
     /// The state pass's products on the warpgroup tensor cores (wgmma, `tern_gdn_tc_state_wg_body`
-    /// in chunked_tc.cu): each tile read once by four warps instead of by each warp. sm_90 only
-    /// (H100, H200), d_k 128, 3 stages with late copies, not in clusters. Its products may
-    /// round their partial sums in another order than mma.sync's, so it is compared with the
-    /// others within a bound instead of bit for bit.
+    /// in chunked_tc.cu): each tile read once by four warps instead of by each warp, and W S
+    /// formed as Tw (K S), so that the prepare pass hands over Tw (8 KB a chunk and value head)
+    /// instead of W (16 KB). sm_90 only (H100, H200), d_k 128, 3 or 4 stages with late copies,
+    /// not in clusters. It rounds K S where the others round W, so it is compared with them
+    /// within the fast mode's bound instead of bit for bit.
     pub warpgroup: bool,
 }
 
@@ -584,7 +585,7 @@ const fn fast(rows: usize, stages: usize, compact: bool, late_issue: bool) -> Fa
 }
 
 /// The fast variants compiled (those in clusters only for devices that launch clusters).
-pub const FAST_VARIANTS: [FastVariant; 11] = [
+pub const FAST_VARIANTS: [FastVariant; 12] = [
     fast(1, 2, false, false),
     fast(8, 2, false, false),
     fast(1, 3, false, false),
@@ -596,6 +597,7 @@ pub const FAST_VARIANTS: [FastVariant; 11] = [
     FAST_VARIANT_MMA,
     FastVariant { cluster: true, ..FAST_VARIANT_MMA },
     FAST_VARIANT,
+    FastVariant { stages: 4, ..FAST_VARIANT },
 ];
 /// The default fast variant on an sm_90 GPU: [`FAST_VARIANT_MMA`] with the state pass on the
 /// warpgroup tensor cores, the same bits (on an H100 at 32k tokens: state pass 0.766 against
@@ -645,10 +647,10 @@ fn tc_stage_bytes(d_k: usize) -> usize {
     2 * (3 * CHUNK * d_k + CHUNK * CHUNK + CHUNK * TC_STATE_ROWS) + 4 * 2 * CHUNK
 }
 
-/// The warpgroup state pass's shared memory (`tern_gdn_tc_state_wg_smem`, d_k 128): three
-/// stages, the state copy and Delta twice, unpadded (in blocks).
-fn tc_state_wg_smem() -> usize {
-    3 * tc_stage_bytes(128) + 2 * (TC_STATE_ROWS * 128 + 2 * TC_STATE_ROWS * CHUNK)
+/// The warpgroup state pass's shared memory (`tern_gdn_tc_state_wg_smem`, d_k 128): `stages`
+/// stages with Tw ([64][64]) in W's place, the state copy and Delta twice, unpadded (in blocks).
+fn tc_state_wg_smem(stages: usize) -> usize {
+    stages * (tc_stage_bytes(128) - 2 * CHUNK * (128 - CHUNK)) + 2 * (TC_STATE_ROWS * 128 + 2 * TC_STATE_ROWS * CHUNK)
 }
 
 /// Bytes of the fast prefill's operands for its state pass, by region of the chunk scratch:
@@ -661,9 +663,15 @@ fn fast_operand_regions(heads: &DeltaRuleHeads, n_chunks: usize) -> [usize; 6] {
 }
 
 /// Bytes the fast prefill's prepare pass writes for its state pass to read over `tokens` tokens
-/// of one sequence (the chunk scratch it fills).
-pub fn fast_operand_bytes(heads: &DeltaRuleHeads, tokens: usize) -> usize {
-    fast_operand_regions(heads, tokens.div_ceil(CHUNK)).iter().sum()
+/// of one sequence (the chunk scratch it fills); `w_factored`: Tw ([64][64]) in W's place, as
+/// for the warpgroup state pass.
+pub fn fast_operand_bytes(heads: &DeltaRuleHeads, tokens: usize, w_factored: bool) -> usize {
+    let n_chunks = tokens.div_ceil(CHUNK);
+    let mut regions = fast_operand_regions(heads, n_chunks);
+    if w_factored {
+        regions[0] = n_chunks * heads.n_v_heads * CHUNK * CHUNK * 2;
+    }
+    regions.iter().sum()
 }
 
 /// Mirrors `tern_gdn_tc_prep_args` in chunked_tc.cu field for field (C layout).
@@ -690,6 +698,7 @@ struct TcPrepArgs {
     nv: i32,
     grouped: i32,
     l2qk: i32,
+    w_factored: i32,
     eps: f32,
     q_scale: f32,
 }
@@ -875,8 +884,9 @@ impl GatedDeltaCuda {
             }
             // The warpgroup products exist on sm_90 only (compiled there for sm_90a).
             if dk == 128 && gpu.warpgroup_products() {
-                tc_state.push(((dk, 3, true, false, true), fc("tern_gdn_tc_state_dk128_s3lw", tc_state_wg_smem())?));
-                tc_state_bf16.push(((dk, true), fc("tern_gdn_tc_state_dk128_s3lwb", tc_state_wg_smem())?));
+                tc_state.push(((dk, 3, true, false, true), fc("tern_gdn_tc_state_dk128_s3lw", tc_state_wg_smem(3))?));
+                tc_state.push(((dk, 4, true, false, true), fc("tern_gdn_tc_state_dk128_s4lw", tc_state_wg_smem(4))?));
+                tc_state_bf16.push(((dk, true), fc("tern_gdn_tc_state_dk128_s3lwb", tc_state_wg_smem(3))?));
             }
         }
         Ok(GatedDeltaCuda {
@@ -1469,8 +1479,9 @@ impl GatedDeltaCuda {
         // The bf16 forms exist for the default variant only.
         let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup } = if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
         // The warpgroup state pass is built for d_k 128 on sm_90; other head sizes and devices
-        // take the mma.sync form (the same operands).
+        // take the mma.sync form (W itself from the prepare pass; at most 3 stages).
         let warpgroup = warpgroup && d_k == 128 && self.gpu.warpgroup_products();
+        let stages = if warpgroup { stages } else { stages.min(3) };
         let (prepare, state) = match io {
             FastIo::F32 => (
                 self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f),
@@ -1522,6 +1533,7 @@ impl GatedDeltaCuda {
             nv,
             grouped,
             l2qk: x.normalize_qk as i32,
+            w_factored: warpgroup as i32,
             eps: L2_NORM_EPS,
             q_scale: (1.0 / (d_k as f64).sqrt()) as f32,
         };
@@ -1565,7 +1577,7 @@ impl GatedDeltaCuda {
         let cfg = LaunchConfig {
             grid_dim: (n_v_heads as u32, slices, segs.n_seqs() as u32),
             block_dim: (CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: if warpgroup { tc_state_wg_smem() } else { tc_state_smem(d_k, stages, cluster) } as u32,
+            shared_mem_bytes: if warpgroup { tc_state_wg_smem(stages) } else { tc_state_smem(d_k, stages, cluster) } as u32,
         };
         let mut l = self.gpu.launch_builder(state);
         l.arg(&args);
