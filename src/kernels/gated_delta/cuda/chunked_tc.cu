@@ -128,7 +128,11 @@ struct tern_gdn_tc_prep_args {
     tern_gdn_bf16* w_s; tern_gdn_bf16* u_s; tern_gdn_bf16* qk_s; float* dec_s;
     tern_gdn_bf16* qn_s; tern_gdn_bf16* kn_s;
     int nk, nv, grouped, l2qk;
-    int w_factored;  // 1: w_s receives Tw = T diag(beta e^G) itself, not W = Tw K (the warpgroup state pass)
+    // What the state pass reads (tern_gdn_tc_state_wg_body's forms): 0, W and the read-out
+    // weights; 1, Tw = T diag(beta e^G) in W's place (w_s), and the read-out weights; 2, Tw,
+    // and in the read-out weights' place only G (f32, from the chunk's start): the state pass
+    // forms the weights from q, k and G.
+    int factored;
     float eps, q_scale;
 };
 
@@ -578,7 +582,9 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     __syncthreads();
     // KK^T and QK^T: warp w owns rows 16 (w % 4).. and columns 32 (w / 4)..; tiles wholly
     // above the diagonal are not multiplied: the substitution never reads them, and their
-    // read-out weights are zeros (the warpgroup state pass multiplies every k-step).
+    // read-out weights are zeros (the warpgroup state pass multiplies every k-step). QK^T only
+    // where the state pass reads the read-out weights (factored < 2).
+    const bool readout = a.factored < 2;
     {
         const int g = lane >> 2, q = lane & 3, m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
         if (n0 <= m0 + 15) {
@@ -591,15 +597,17 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
             for (int kt = 0; kt < DK / 16; kt++) {
                 unsigned ak[4], aq[4];
                 tern_gdn_tc_frag_a(ak, Kb, DK + 8, m0, 16 * kt);
-                tern_gdn_tc_frag_a(aq, Qb, DK + 8, m0, 16 * kt);
+                if (readout) tern_gdn_tc_frag_a(aq, Qb, DK + 8, m0, 16 * kt);
 #pragma unroll
                 for (int np = 0; np < 2; np++) {
                     unsigned b[4];
                     tern_gdn_tc_frag_b_nk(b, Kb, DK + 8, n0 + 16 * np, 16 * kt);
                     tern_gdn_tc_mma(kk[2 * np], ak, b[0], b[1]);
                     tern_gdn_tc_mma(kk[2 * np + 1], ak, b[2], b[3]);
-                    tern_gdn_tc_mma(qk[2 * np], aq, b[0], b[1]);
-                    tern_gdn_tc_mma(qk[2 * np + 1], aq, b[2], b[3]);
+                    if (readout) {
+                        tern_gdn_tc_mma(qk[2 * np], aq, b[0], b[1]);
+                        tern_gdn_tc_mma(qk[2 * np + 1], aq, b[2], b[3]);
+                    }
                 }
             }
 #pragma unroll
@@ -618,12 +626,13 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
                         dq[e] = qk[n][2 * hf + e] * decay;
                     }
                     words[n] = tern_gdn_tc_pack(dq[0], dq[1]);
-                    if constexpr (!TILED) *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, c, C)) = words[n];
+                    if constexpr (!TILED)
+                        if (readout) *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, c, C)) = words[n];
                 }
                 if constexpr (TILED)
-                    *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, n0 + 8 * q, C)) = tern_gdn_tc_quad_transpose(words);
+                    if (readout) *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, n0 + 8 * q, C)) = tern_gdn_tc_quad_transpose(words);
             }
-        } else {
+        } else if (readout) {
 #pragma unroll
             for (int hf = 0; hf < 2; hf++)
                 *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(m0 + g + 8 * hf, n0 + 8 * q, C)) = make_uint4(0u, 0u, 0u, 0u);
@@ -661,6 +670,7 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
             Ex[id] = e;
             a.dec_s[ch * 2 * C + id] = e;
             a.dec_s[ch * 2 * C + C + id] = id < len ? (float)exp(G[len - 1] - G[id]) : 0.0f;
+            if (!readout) reinterpret_cast<float*>(a.qk_s + ch * C * C)[id] = (float)G[id];
         }
         if (kn)
             for (int p = id; p < DK * C / 8; p += blockDim.x - C) {
@@ -694,7 +704,7 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     // Factored, Tw itself leaves in W's place, in blocks (tern_gdn_tc_tile_at), the 16-byte rows
     // of a group of 8 rows in the order stored: the warpgroup state pass forms W S as Tw (K S)
     // from the k^T tile it holds anyway, and reads 8 KB a chunk where W took 16.
-    if (a.w_factored) {
+    if (a.factored) {
         for (int idx = tid; idx < C * 8; idx += blockDim.x) {
             const int r = 8 * (idx >> 6) + (idx & 7), c = 8 * ((idx >> 3) & 7);
             *reinterpret_cast<uint4*>(a.w_s + ch * C * DK + tern_gdn_tc_tile_at(r, c, C)) = *reinterpret_cast<const uint4*>(Tw + r * LDT + c);
@@ -719,6 +729,7 @@ struct tern_gdn_tc_state_args {
 template <int DK>
 struct tern_gdn_tc_stage {
     static constexpr int D = DK, W_ROW = DK;  // the W tile's row
+    static constexpr bool FORMS_READOUT = false;
     tern_gdn_bf16 w[64 * DK];                // in blocks (tern_gdn_tc_tile_at), as stored
     tern_gdn_bf16 q[64 * DK];                // the same
     tern_gdn_bf16 k[DK * 64];                // the same, transposed: [DK][64]
@@ -729,15 +740,31 @@ struct tern_gdn_tc_stage {
 
 // The warpgroup form's stage (d_k 128): the same operands, but W = Tw K factored, its place
 // taken by Tw = T diag(beta e^G) ([64][64] in blocks, as the prepare pass stores it when
-// w_factored): 53.8 KB where the stage above takes 62.
-struct tern_gdn_tc_stage_wg {
+// factored): 53.8 KB where the stage above takes 62. FORMS_READOUT: the read-out weights are
+// formed in the state pass from q, k and G (factored 2), so the stage holds G after the
+// decays instead of the weights: 45.8 KB.
+template <bool FORMS>
+struct tern_gdn_tc_stage_wg;
+template <>
+struct tern_gdn_tc_stage_wg<false> {
     static constexpr int D = 128, W_ROW = 64;
+    static constexpr bool FORMS_READOUT = false;
     tern_gdn_bf16 w[64 * 64];                // Tw
     tern_gdn_bf16 q[64 * 128];
     tern_gdn_bf16 k[128 * 64];
     tern_gdn_bf16 qk[64 * 64];
     tern_gdn_bf16 u[64 * tern_gdn_tc_bv];
     float dec[128];
+};
+template <>
+struct tern_gdn_tc_stage_wg<true> {
+    static constexpr int D = 128, W_ROW = 64;
+    static constexpr bool FORMS_READOUT = true;
+    tern_gdn_bf16 w[64 * 64];                // Tw
+    tern_gdn_bf16 q[64 * 128];
+    tern_gdn_bf16 k[128 * 64];
+    tern_gdn_bf16 u[64 * tern_gdn_tc_bv];
+    float dec[192];                          // e^G, e^{G_L - G}, G
 };
 
 template <int DK, int NS>
@@ -757,23 +784,34 @@ struct tern_gdn_tc_state_smem_mc {
 };
 
 // The warpgroup form's (tern_gdn_tc_state_wg_body, NS stages): the state copy and Delta in
-// blocks, as the products read them.
-template <int NS>
+// blocks, as the products read them; where the block forms the read-out weights, those too.
+template <int NS, bool FORMS>
 struct tern_gdn_tc_state_wg_smem {
-    tern_gdn_tc_stage_wg st[NS];
+    tern_gdn_tc_stage_wg<FORMS> st[NS];
     tern_gdn_bf16 s[tern_gdn_tc_bv * 128];  // bf16 copy of the state slice, [j][i] in blocks
     tern_gdn_bf16 d[tern_gdn_tc_bv * 64];   // K S, then Delta, [j][c] in blocks
     tern_gdn_bf16 dt[tern_gdn_tc_bv * 64];  // e^{G_L - G_c} Delta, the same
 };
+template <int NS>
+struct tern_gdn_tc_state_wg_smem_formed : tern_gdn_tc_state_wg_smem<NS, true> {
+    tern_gdn_bf16 qk[64 * 64];              // the read-out weights, [c][c'] in blocks
+};
+template <int NS, bool FORMS>
+struct tern_gdn_tc_state_wg_layout { typedef tern_gdn_tc_state_wg_smem<NS, false> type; };
+template <int NS>
+struct tern_gdn_tc_state_wg_layout<NS, true> { typedef tern_gdn_tc_state_wg_smem_formed<NS> type; };
 
 // The host sizes the launch by the same sums (tc_state_smem in mod.rs; its test pins these).
 static_assert(sizeof(tern_gdn_tc_stage<128>) == 61952 && sizeof(tern_gdn_tc_stage<128>) % 16 == 0, "a stage: whole 16-byte pieces");
 static_assert(sizeof(tern_gdn_tc_state_smem<128, 3>) == 203776, "state pass at d_k 128, 3 stages: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<128, 3>) == 203824, "state pass in clusters at d_k 128: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<64, 3>) == 126000, "state pass in clusters at d_k 64: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_stage_wg) == 53760 && sizeof(tern_gdn_tc_stage_wg) % 16 == 0, "a warpgroup stage: whole 16-byte pieces");
-static_assert(sizeof(tern_gdn_tc_state_wg_smem<3>) == 177664, "warpgroup state pass, 3 stages: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_state_wg_smem<4>) == 231424, "warpgroup state pass, 4 stages: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_stage_wg<false>) == 53760 && sizeof(tern_gdn_tc_stage_wg<false>) % 16 == 0, "a warpgroup stage: whole 16-byte pieces");
+static_assert(sizeof(tern_gdn_tc_stage_wg<true>) == 45824 && sizeof(tern_gdn_tc_stage_wg<true>) % 16 == 0, "a warpgroup stage: whole 16-byte pieces");
+static_assert(sizeof(tern_gdn_tc_state_wg_smem<3, false>) == 177664, "warpgroup state pass, 3 stages: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_wg_smem<4, false>) == 231424, "warpgroup state pass, 4 stages: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_wg_smem_formed<3>) == 162048, "warpgroup state pass forming the read-out, 3 stages: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_wg_smem_formed<4>) == 207872, "warpgroup state pass forming the read-out, 4 stages: as mod.rs sizes it");
 
 // Chunk `chunk`'s operands into a stage (tern_gdn_tc_stage, or tern_gdn_tc_stage_wg with Tw in
 // W's place: its W tile's rows are narrower).
@@ -790,7 +828,12 @@ __device__ void tern_gdn_tc_issue(STAGE& st, const tern_gdn_tc_state_args& a, in
     }
     if constexpr (RW != R)
         for (int idx = threadIdx.x; idx < C * RW; idx += blockDim.x) tern_gdn_tc_cp16(st.w + 8 * idx, w + 8 * idx);
-    for (int idx = threadIdx.x; idx < C * 8; idx += blockDim.x) tern_gdn_tc_cp16(st.qk + 8 * idx, a.qk_s + ch * C * C + 8 * idx);
+    if constexpr (STAGE::FORMS_READOUT) {
+        // G, which the prepare pass leaves where the read-out weights go otherwise.
+        if (threadIdx.x < 16) tern_gdn_tc_cp16(st.dec + 2 * C + 4 * threadIdx.x, reinterpret_cast<const float*>(a.qk_s + ch * C * C) + 4 * threadIdx.x);
+    } else {
+        for (int idx = threadIdx.x; idx < C * 8; idx += blockDim.x) tern_gdn_tc_cp16(st.qk + 8 * idx, a.qk_s + ch * C * C + 8 * idx);
+    }
     const tern_gdn_bf16* u = a.u_s + ch * C * a.dv + (size_t)j0 * C;  // the slice of rows j0..
     for (int idx = threadIdx.x; idx < C * 4; idx += blockDim.x) tern_gdn_tc_cp16(st.u + 8 * idx, u + 8 * idx);
     if (threadIdx.x < 32) tern_gdn_tc_cp16(st.dec + 4 * threadIdx.x, a.dec_s + ch * 2 * C + 4 * threadIdx.x);
@@ -1150,7 +1193,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
 // Each product reads its tiles once for its four warps, where the mma.sync form makes every
 // warp load its own fragments: under ncu that form is bound by its shared-memory traffic.
 // Products in flight leave the issue slots free: the next chunk's copies leave meanwhile.
-template <int NS, bool OUT16>
+template <int NS, bool OUT16, bool FORMS = false>
 __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
     constexpr int DK = 128, C = tern_gdn_tc_c, BV = tern_gdn_tc_bv;
     // Block strides (bytes between 8-row groups) of the operands: [64][128] tiles, [32][128]
@@ -1164,7 +1207,8 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
     const int nv = a.nv, dv = a.dv;
     const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
     extern __shared__ __align__(128) unsigned char tern_gdn_tc_smem[];
-    tern_gdn_tc_state_wg_smem<NS>& sm = *reinterpret_cast<tern_gdn_tc_state_wg_smem<NS>*>(tern_gdn_tc_smem);
+    typedef typename tern_gdn_tc_state_wg_layout<NS, FORMS>::type Smem;
+    Smem& sm = *reinterpret_cast<Smem*>(tern_gdn_tc_smem);
     // Accumulator e of this thread: row 16 w + g + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2 q + (e & 1).
     const auto row_of = [&](int e) { return 16 * w + g + 8 * ((e >> 1) & 1); };
     const auto col_of = [&](int e) { return 8 * (e >> 2) + 2 * q + (e & 1); };
@@ -1184,12 +1228,14 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
         if (p < nc) tern_gdn_tc_issue(sm.st[p], a, c0 + p, h, kh, j0);
         tern_gdn_tc_commit();
     }
-    float acc[16];
+    float acc[16], kq[FORMS ? 32 : 1];  // kq: K Q^T, element (c', c) where the block forms the read-out weights
 #pragma unroll
     for (int e = 0; e < 16; e++) acc[e] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < (FORMS ? 32 : 1); e++) kq[e] = 0.0f;
     for (int n = 0; n < nc; n++) {
         const int chunk = c0 + n;
-        tern_gdn_tc_stage_wg& st = sm.st[n % NS];
+        tern_gdn_tc_stage_wg<FORMS>& st = sm.st[n % NS];
         asm volatile("cp.async.wait_group %0;" ::"n"(NS - 2) : "memory");
         tern_wgmma_fence_stores();  // this thread's copies and state-copy stores, to the products
         __syncthreads();            // this chunk's operands and the state copy are in; chunk n - 1's stage is free
@@ -1208,6 +1254,12 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
 #pragma unroll
             for (int kt = 0; kt < DK / 16; kt++)
                 tern_wgmma_m64n32k16(acc, tern_wgmma_desc(st.q + 128 * kt, CORE, ROW128), tern_wgmma_desc(sm.s + 128 * kt, CORE, ROW128), kt > 0);
+            // Forming the read-out weights: (Q K^T)^T = K Q^T, K M-major as above, q as stored
+            // its B operand.
+            if constexpr (FORMS)
+#pragma unroll
+                for (int kt = 0; kt < DK / 16; kt++)
+                    tern_wgmma_m64n64k16_mn_a(kq, tern_wgmma_desc(st.k + 16 * C * kt, ROW64, CORE), tern_wgmma_desc(st.q + 128 * kt, CORE, ROW128), kt > 0);
         }
         tern_wgmma_commit();
         if (n + NS - 1 < nc) tern_gdn_tc_issue(sm.st[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
@@ -1248,21 +1300,37 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
             }
             tern_wgmma_fence_stores();
         } else {
+            if constexpr (FORMS) {
+                // The read-out weights as the prepare pass forms them otherwise: (q_c . k_c')
+                // e^{G_c - G_c'} for c' <= c < len, zeros elsewhere, rounded once; G from the
+                // chunk's start, in f32 (there f64: the decays differ in their last bits).
+                const float* G = st.dec + 2 * C;
+#pragma unroll
+                for (int e = 0; e < 32; e++) {
+                    const int cp = row_of(e), c = col_of(e);
+                    const float decay = cp <= c && c < len ? expf(G[c] - G[cp]) : 0.0f;
+                    sm.qk[tern_gdn_tc_tile_at(c, cp, C)] = tern_gdn_tc_bf16(kq[e] * decay);
+                }
+                tern_wgmma_fence_stores();
+            }
 #pragma unroll
             for (int e = 0; e < 16; e++) acc[e] *= eg[(e >> 1) & 1];
         }
-        __syncthreads();  // Delta complete; every read of the state copy is done
+        __syncthreads();  // Delta (and the read-out weights) complete; every read of the state copy is done
 
         // Group 1: o = e^G P + QKd Delta, four k-steps over the chunk's positions. Both groups:
         // S = e^{G_L} S + K^T Delta_t for their 64 key columns, four k-steps.
         const float keep = st.dec[len - 1];
 #pragma unroll
         for (int e = 0; e < 16; e++) s[e] *= keep;
+        const tern_gdn_bf16* readout;
+        if constexpr (FORMS) readout = sm.qk;
+        else readout = st.qk;
         tern_wgmma_fence();
         if (group == 1) {
 #pragma unroll
             for (int kt = 0; kt < C / 16; kt++)
-                tern_wgmma_m64n32k16(acc, tern_wgmma_desc(st.qk + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.d + 128 * kt, CORE, ROW64), 1);
+                tern_wgmma_m64n32k16(acc, tern_wgmma_desc(readout + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.d + 128 * kt, CORE, ROW64), 1);
         }
 #pragma unroll
         for (int kt = 0; kt < C / 16; kt++)
@@ -1366,6 +1434,15 @@ extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lwb(
 extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s4lw(tern_gdn_tc_state_args a) {
     tern_await_prior_kernel();
     tern_gdn_tc_state_wg_body<4, false>(a);
+}
+// Forming the read-out weights (FORMS above): _s3lwr, _s4lwr.
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lwr(tern_gdn_tc_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_state_wg_body<3, false, true>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s4lwr(tern_gdn_tc_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_state_wg_body<4, false, true>(a);
 }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 TERN_GDN_TC_STATE_CLUSTER(64, 3, true, l)
