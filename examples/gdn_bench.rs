@@ -21,7 +21,7 @@
 //! operands for the state pass written to device memory and read back included).
 
 use tern::cuda::{CudaSlice, Gpu};
-use tern::kernels::gated_delta::cuda::{fast_operand_bytes, FastVariant, ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuBf16DeltaRuleInputs, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
+use tern::kernels::gated_delta::cuda::{fast_operand_bytes, ChunkAccumulate, ScatterSums, CHUNK_STATE_ROWS, RECURRENCE_BLOCK_WARPS, RECURRENCE_BLOCK_WARP_CHOICES, RECURRENCE_VARIANTS, FusedGatesNorm, GatedDeltaCuda, GpuBf16DeltaRuleInputs, GpuDeltaRuleInputs, GpuSegments, GpuStates, Rows};
 use tern::kernels::gated_delta::{DeltaRuleHeads, KeyHeadMap};
 use tern::kernels::pack;
 use tern::Result;
@@ -303,7 +303,7 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
                     let vprep = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
                     k.set_chunk_prepare_only(false);
                     println!(
-                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} cluster={} warpgroup={} readout_formed={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}",
+                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} cluster={} warpgroup={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}",
                         v.rows,
                         v.stages,
                         v.compact,
@@ -311,7 +311,6 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
                         v.tiled,
                         v.cluster,
                         v.warpgroup,
-                        v.readout_formed,
                         vms - vprep
                     );
                 }
@@ -340,7 +339,7 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
         }
         println!("RESULT prefill tokens={t} mode=scan ms={scan_ms:.4}");
         println!("RESULT prefill_floor tokens={t} bytes={floor_bytes} floor_ms={floor_ms:.4} fast_fraction={:.4}", floor_ms / fast.0);
-        two_pass_floor(heads, t, 4, copy_bw, (fast.0, fast.1), k.default_fast_variant());
+        two_pass_floor(heads, t, 4, copy_bw, (fast.0, fast.1));
         bf16_io(gpu, k, heads, &l, &segs, &init, &want_out, copy_bw)?;
     }
     Ok(())
@@ -348,12 +347,12 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
 
 /// The fewest bytes each pass of the fast prefill moves through device memory, at `io` bytes an
 /// element of q, k, v and the output: the prepare pass reads q, k, v, g and beta and writes its
-/// operands for the state pass (bf16 W or Tw, U, read-out weights per value head and chunk, bf16
+/// operands for the state pass (bf16 W, U, read-out weights per value head and chunk, bf16
 /// normalised q and k per key head, f32 decays); the state pass reads those once and writes
 /// the output and the state. Printed beside the passes' times (`times`: total and prepare ms).
-fn two_pass_floor(heads: &DeltaRuleHeads, t: usize, io: usize, copy_bw: f64, times: (f64, f64), variant: FastVariant) {
+fn two_pass_floor(heads: &DeltaRuleHeads, t: usize, io: usize, copy_bw: f64, times: (f64, f64)) {
     let DeltaRuleHeads { n_k_heads: nk, n_v_heads: nv, d_k: dk, d_v: dv, .. } = *heads;
-    let operands = fast_operand_bytes(heads, t, variant);
+    let operands = fast_operand_bytes(heads, t);
     let prepare = io * t * (2 * nk * dk + nv * dv) + 8 * t * nv + operands;
     let state = operands + io * t * nv * dv + 8 * heads.state_len();
     let ms = |bytes: usize| bytes as f64 / copy_bw * 1e3;
@@ -393,7 +392,7 @@ fn bf16_io(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, l: &Layer,
     // and written once.
     let floor_bytes = 2 * t * (2 * qk + 2 * heads.n_v_heads * heads.d_v) + 8 * t * heads.n_v_heads + 8 * heads.state_len();
     let floor_ms = floor_bytes as f64 / copy_bw * 1e3;
-    two_pass_floor(heads, t, 2, copy_bw, (ms, prep), k.default_fast_variant());
+    two_pass_floor(heads, t, 2, copy_bw, (ms, prep));
     println!(
         "RESULT prefill_bf16_io tokens={t} total_ms={ms:.4} parallel_pass_ms={prep:.4} state_pass_ms={:.4} out_err={:.3e} floor_ms={floor_ms:.4} fast_fraction={:.4}",
         ms - prep,

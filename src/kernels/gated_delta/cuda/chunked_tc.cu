@@ -128,11 +128,6 @@ struct tern_gdn_tc_prep_args {
     tern_gdn_bf16* w_s; tern_gdn_bf16* u_s; tern_gdn_bf16* qk_s; float* dec_s;
     tern_gdn_bf16* qn_s; tern_gdn_bf16* kn_s;
     int nk, nv, grouped, l2qk;
-    // What the state pass reads (tern_gdn_tc_state_wg_body's forms): 0, W and the read-out
-    // weights; 1, Tw = T diag(beta e^G) in W's place (w_s), and the read-out weights; 2, Tw,
-    // and in the read-out weights' place only G (f32, from the chunk's start): the state pass
-    // forms the weights from q, k and G.
-    int factored;
     float eps, q_scale;
 };
 
@@ -582,9 +577,7 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     __syncthreads();
     // KK^T and QK^T: warp w owns rows 16 (w % 4).. and columns 32 (w / 4)..; tiles wholly
     // above the diagonal are not multiplied: the substitution never reads them, and their
-    // read-out weights are zeros (the warpgroup state pass multiplies every k-step). QK^T only
-    // where the state pass reads the read-out weights (factored < 2).
-    const bool readout = a.factored < 2;
+    // read-out weights are zeros (the warpgroup state pass multiplies every k-step).
     {
         const int g = lane >> 2, q = lane & 3, m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
         if (n0 <= m0 + 15) {
@@ -597,17 +590,15 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
             for (int kt = 0; kt < DK / 16; kt++) {
                 unsigned ak[4], aq[4];
                 tern_gdn_tc_frag_a(ak, Kb, DK + 8, m0, 16 * kt);
-                if (readout) tern_gdn_tc_frag_a(aq, Qb, DK + 8, m0, 16 * kt);
+                tern_gdn_tc_frag_a(aq, Qb, DK + 8, m0, 16 * kt);
 #pragma unroll
                 for (int np = 0; np < 2; np++) {
                     unsigned b[4];
                     tern_gdn_tc_frag_b_nk(b, Kb, DK + 8, n0 + 16 * np, 16 * kt);
                     tern_gdn_tc_mma(kk[2 * np], ak, b[0], b[1]);
                     tern_gdn_tc_mma(kk[2 * np + 1], ak, b[2], b[3]);
-                    if (readout) {
-                        tern_gdn_tc_mma(qk[2 * np], aq, b[0], b[1]);
-                        tern_gdn_tc_mma(qk[2 * np + 1], aq, b[2], b[3]);
-                    }
+                    tern_gdn_tc_mma(qk[2 * np], aq, b[0], b[1]);
+                    tern_gdn_tc_mma(qk[2 * np + 1], aq, b[2], b[3]);
                 }
             }
 #pragma unroll
@@ -626,13 +617,12 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
                         dq[e] = qk[n][2 * hf + e] * decay;
                     }
                     words[n] = tern_gdn_tc_pack(dq[0], dq[1]);
-                    if constexpr (!TILED)
-                        if (readout) *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, c, C)) = words[n];
+                    if constexpr (!TILED) *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, c, C)) = words[n];
                 }
                 if constexpr (TILED)
-                    if (readout) *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, n0 + 8 * q, C)) = tern_gdn_tc_quad_transpose(words);
+                    *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, n0 + 8 * q, C)) = tern_gdn_tc_quad_transpose(words);
             }
-        } else if (readout) {
+        } else {
 #pragma unroll
             for (int hf = 0; hf < 2; hf++)
                 *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(m0 + g + 8 * hf, n0 + 8 * q, C)) = make_uint4(0u, 0u, 0u, 0u);
@@ -670,7 +660,6 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
             Ex[id] = e;
             a.dec_s[ch * 2 * C + id] = e;
             a.dec_s[ch * 2 * C + C + id] = id < len ? (float)exp(G[len - 1] - G[id]) : 0.0f;
-            if (!readout) reinterpret_cast<float*>(a.qk_s + ch * C * C)[id] = (float)G[id];
         }
         if (kn)
             for (int p = id; p < DK * C / 8; p += blockDim.x - C) {
@@ -701,17 +690,7 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     }
     __syncthreads();
     // W = T diag(beta e^G) K and U = T diag(beta) V (rows past len come out 0: beta is 0 there).
-    // Factored, Tw itself leaves in W's place, in blocks (tern_gdn_tc_tile_at), the 16-byte rows
-    // of a group of 8 rows in the order stored: the warpgroup state pass forms W S as Tw (K S)
-    // from the k^T tile it holds anyway, and reads 8 KB a chunk where W took 16.
-    if (a.factored) {
-        for (int idx = tid; idx < C * 8; idx += blockDim.x) {
-            const int r = 8 * (idx >> 6) + (idx & 7), c = 8 * ((idx >> 3) & 7);
-            *reinterpret_cast<uint4*>(a.w_s + ch * C * DK + tern_gdn_tc_tile_at(r, c, C)) = *reinterpret_cast<const uint4*>(Tw + r * LDT + c);
-        }
-    } else {
-        tern_gdn_tc_apply<DK, TILED, false>(Tw, Kb, a.w_s + ch * C * DK);
-    }
+    tern_gdn_tc_apply<DK, TILED, false>(Tw, Kb, a.w_s + ch * C * DK);
     tern_gdn_tc_apply<DV, TILED, true>(Tu, Vb, a.u_s + ch * C * DV);
 }
 
@@ -728,43 +707,12 @@ struct tern_gdn_tc_state_args {
 // One pipeline stage of the state pass: the chunk's operands, bf16 unless noted.
 template <int DK>
 struct tern_gdn_tc_stage {
-    static constexpr int D = DK, W_ROW = DK;  // the W tile's row
-    static constexpr bool FORMS_READOUT = false;
     tern_gdn_bf16 w[64 * DK];                // in blocks (tern_gdn_tc_tile_at), as stored
     tern_gdn_bf16 q[64 * DK];                // the same
     tern_gdn_bf16 k[DK * 64];                // the same, transposed: [DK][64]
     tern_gdn_bf16 qk[64 * 64];               // the same
     tern_gdn_bf16 u[64 * tern_gdn_tc_bv];    // this block's slice, [c][j]
     float dec[128];
-};
-
-// The warpgroup form's stage (d_k 128): the same operands, but W = Tw K factored, its place
-// taken by Tw = T diag(beta e^G) ([64][64] in blocks, as the prepare pass stores it when
-// factored): 53.8 KB where the stage above takes 62. FORMS_READOUT: the read-out weights are
-// formed in the state pass from q, k and G (factored 2), so the stage holds G after the
-// decays instead of the weights: 45.8 KB.
-template <bool FORMS>
-struct tern_gdn_tc_stage_wg;
-template <>
-struct tern_gdn_tc_stage_wg<false> {
-    static constexpr int D = 128, W_ROW = 64;
-    static constexpr bool FORMS_READOUT = false;
-    tern_gdn_bf16 w[64 * 64];                // Tw
-    tern_gdn_bf16 q[64 * 128];
-    tern_gdn_bf16 k[128 * 64];
-    tern_gdn_bf16 qk[64 * 64];
-    tern_gdn_bf16 u[64 * tern_gdn_tc_bv];
-    float dec[128];
-};
-template <>
-struct tern_gdn_tc_stage_wg<true> {
-    static constexpr int D = 128, W_ROW = 64;
-    static constexpr bool FORMS_READOUT = true;
-    tern_gdn_bf16 w[64 * 64];                // Tw
-    tern_gdn_bf16 q[64 * 128];
-    tern_gdn_bf16 k[128 * 64];
-    tern_gdn_bf16 u[64 * tern_gdn_tc_bv];
-    float dec[192];                          // e^G, e^{G_L - G}, G
 };
 
 template <int DK, int NS>
@@ -783,57 +731,34 @@ struct tern_gdn_tc_state_smem_mc {
     unsigned long long empty[NS];  // every block of the cluster has left the stage's chunk
 };
 
-// The warpgroup form's (tern_gdn_tc_state_wg_body, NS stages): the state copy and Delta in
-// blocks, as the products read them; where the block forms the read-out weights, those too.
-template <int NS, bool FORMS>
+// The warpgroup form's (tern_gdn_tc_state_wg_body): the state copy and Delta in blocks, as the
+// products read them.
 struct tern_gdn_tc_state_wg_smem {
-    tern_gdn_tc_stage_wg<FORMS> st[NS];
+    tern_gdn_tc_stage<128> st[3];
     tern_gdn_bf16 s[tern_gdn_tc_bv * 128];  // bf16 copy of the state slice, [j][i] in blocks
-    tern_gdn_bf16 d[tern_gdn_tc_bv * 64];   // K S, then Delta, [j][c] in blocks
+    tern_gdn_bf16 d[tern_gdn_tc_bv * 64];   // Delta, [j][c] in blocks
     tern_gdn_bf16 dt[tern_gdn_tc_bv * 64];  // e^{G_L - G_c} Delta, the same
 };
-template <int NS>
-struct tern_gdn_tc_state_wg_smem_formed : tern_gdn_tc_state_wg_smem<NS, true> {
-    tern_gdn_bf16 qk[64 * 64];              // the read-out weights, [c][c'] in blocks
-};
-template <int NS, bool FORMS>
-struct tern_gdn_tc_state_wg_layout { typedef tern_gdn_tc_state_wg_smem<NS, false> type; };
-template <int NS>
-struct tern_gdn_tc_state_wg_layout<NS, true> { typedef tern_gdn_tc_state_wg_smem_formed<NS> type; };
 
 // The host sizes the launch by the same sums (tc_state_smem in mod.rs; its test pins these).
 static_assert(sizeof(tern_gdn_tc_stage<128>) == 61952 && sizeof(tern_gdn_tc_stage<128>) % 16 == 0, "a stage: whole 16-byte pieces");
 static_assert(sizeof(tern_gdn_tc_state_smem<128, 3>) == 203776, "state pass at d_k 128, 3 stages: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<128, 3>) == 203824, "state pass in clusters at d_k 128: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<64, 3>) == 126000, "state pass in clusters at d_k 64: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_stage_wg<false>) == 53760 && sizeof(tern_gdn_tc_stage_wg<false>) % 16 == 0, "a warpgroup stage: whole 16-byte pieces");
-static_assert(sizeof(tern_gdn_tc_stage_wg<true>) == 45824 && sizeof(tern_gdn_tc_stage_wg<true>) % 16 == 0, "a warpgroup stage: whole 16-byte pieces");
-static_assert(sizeof(tern_gdn_tc_state_wg_smem<3, false>) == 177664, "warpgroup state pass, 3 stages: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_state_wg_smem<4, false>) == 231424, "warpgroup state pass, 4 stages: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_state_wg_smem_formed<3>) == 162048, "warpgroup state pass forming the read-out, 3 stages: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_state_wg_smem_formed<4>) == 207872, "warpgroup state pass forming the read-out, 4 stages: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_wg_smem) == 202240, "warpgroup state pass: as mod.rs sizes it");
 
-// Chunk `chunk`'s operands into a stage (tern_gdn_tc_stage, or tern_gdn_tc_stage_wg with Tw in
-// W's place: its W tile's rows are narrower).
-template <class STAGE>
-__device__ void tern_gdn_tc_issue(STAGE& st, const tern_gdn_tc_state_args& a, int chunk, int h, int kh, int j0) {
-    constexpr int DK = STAGE::D, C = tern_gdn_tc_c, R = DK / 8, RW = STAGE::W_ROW / 8;  // 16-byte pieces per row
+template <int DK>
+__device__ void tern_gdn_tc_issue(tern_gdn_tc_stage<DK>& st, const tern_gdn_tc_state_args& a, int chunk, int h, int kh, int j0) {
+    constexpr int C = tern_gdn_tc_c, R = DK / 8;  // 16-byte pieces per row
     const size_t ch = (size_t)chunk * a.nv + h, chk = (size_t)chunk * a.nk + kh;
     const tern_gdn_bf16 *w = a.w_s + ch * C * DK, *q = a.qn_s + chk * C * DK, *k = a.kn_s + chk * C * DK;
     // Every tile verbatim: 16-byte pieces in the order stored.
     for (int idx = threadIdx.x; idx < C * R; idx += blockDim.x) {
-        if constexpr (RW == R) tern_gdn_tc_cp16(st.w + 8 * idx, w + 8 * idx);
+        tern_gdn_tc_cp16(st.w + 8 * idx, w + 8 * idx);
         tern_gdn_tc_cp16(st.q + 8 * idx, q + 8 * idx);
         tern_gdn_tc_cp16(st.k + 8 * idx, k + 8 * idx);
     }
-    if constexpr (RW != R)
-        for (int idx = threadIdx.x; idx < C * RW; idx += blockDim.x) tern_gdn_tc_cp16(st.w + 8 * idx, w + 8 * idx);
-    if constexpr (STAGE::FORMS_READOUT) {
-        // G, which the prepare pass leaves where the read-out weights go otherwise.
-        if (threadIdx.x < 16) tern_gdn_tc_cp16(st.dec + 2 * C + 4 * threadIdx.x, reinterpret_cast<const float*>(a.qk_s + ch * C * C) + 4 * threadIdx.x);
-    } else {
-        for (int idx = threadIdx.x; idx < C * 8; idx += blockDim.x) tern_gdn_tc_cp16(st.qk + 8 * idx, a.qk_s + ch * C * C + 8 * idx);
-    }
+    for (int idx = threadIdx.x; idx < C * 8; idx += blockDim.x) tern_gdn_tc_cp16(st.qk + 8 * idx, a.qk_s + ch * C * C + 8 * idx);
     const tern_gdn_bf16* u = a.u_s + ch * C * a.dv + (size_t)j0 * C;  // the slice of rows j0..
     for (int idx = threadIdx.x; idx < C * 4; idx += blockDim.x) tern_gdn_tc_cp16(st.u + 8 * idx, u + 8 * idx);
     if (threadIdx.x < 32) tern_gdn_tc_cp16(st.dec + 4 * threadIdx.x, a.dec_s + ch * 2 * C + 4 * threadIdx.x);
@@ -992,7 +917,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
                 tern_gdn_tc_issue_cluster<DK>(st, &smc.full[m % NS], a, c, h, kh, j0, rank, blocks);
             }
         } else {
-            tern_gdn_tc_issue(st, a, c, h, kh, j0);
+            tern_gdn_tc_issue<DK>(st, a, c, h, kh, j0);
         }
     };
 
@@ -1177,15 +1102,12 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
     if constexpr (MC) tern_gdn_tc_cluster_sync();  // no block leaves while another may arrive on its barriers
 }
 
-// The state pass on the warpgroup tensor cores (wgmma, ../../wgmma.cuh; sm_90, d_k = 128, NS
-// stages, copies issued while the first products run). The algebra of tern_gdn_tc_state_body
-// with W S factored as Tw (K S) (W = Tw K: the prepare pass hands over Tw, w_factored, and the
-// stage holds k^T anyway), the block's two warpgroups splitting the work:
-//   Y = K S (group 0, K read M-major from the k^T tile) and P = Q S (group 1), each 64 x 32
-//     over i = 0..127, both reading the state copy as their B operand ([j][i] in blocks);
-//   group 0 stores Y in bf16 ([j][c] in blocks), then Delta = U - Tw Y over the chunk's 64
-//     positions (Y rounded once more than W S is, against W's rounding there), and stores Delta
-//     and e^{G_L - G_c} Delta ([j][c] in blocks), while group 1 scales P by e^{G_c};
+// The state pass on the warpgroup tensor cores (wgmma, ../../wgmma.cuh; sm_90, d_k = 128, three
+// stages, copies issued while the first products run). The same algebra and operands as
+// tern_gdn_tc_state_body, with the block's two warpgroups splitting the work:
+//   Delta = U - W S (group 0) and P = Q S (group 1), each 64 x 32 over i = 0..127, both reading
+//     the state copy as their B operand ([j][i] in blocks);
+//   group 0 stores Delta and e^{G_L - G_c} Delta ([j][c] in blocks), group 1 scales P by e^{G_c};
 //   after the barrier, group 1 adds QKd Delta (every k-step: the weights above the diagonal are
 //     zeros) and writes the output; both groups take the update S = e^{G_L} S + K^T (e^{G_L-G_c}
 //     Delta) for their 64 key columns i, whose accumulators hold the state, [i][j] (k stored
@@ -1193,11 +1115,11 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
 // Each product reads its tiles once for its four warps, where the mma.sync form makes every
 // warp load its own fragments: under ncu that form is bound by its shared-memory traffic.
 // Products in flight leave the issue slots free: the next chunk's copies leave meanwhile.
-template <int NS, bool OUT16, bool FORMS = false>
+template <bool OUT16>
 __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
-    constexpr int DK = 128, C = tern_gdn_tc_c, BV = tern_gdn_tc_bv;
+    constexpr int DK = 128, NS = 3, C = tern_gdn_tc_c, BV = tern_gdn_tc_bv;
     // Block strides (bytes between 8-row groups) of the operands: [64][128] tiles, [32][128]
-    // state copy, [64][64] Tw and read-out weights, [32][64] Y and Delta, k^T [128][64].
+    // state copy, [64][64] read-out weights, [32][64] Delta, k^T [128][64].
     constexpr unsigned ROW128 = 16 * DK, ROW64 = 16 * C, CORE = 128;
     const int h = blockIdx.x, j0 = blockIdx.y * BV, seq = blockIdx.z;
     // The group index taken from lane 0, so that the compiler sees it uniform across each warp:
@@ -1207,8 +1129,7 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
     const int nv = a.nv, dv = a.dv;
     const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
     extern __shared__ __align__(128) unsigned char tern_gdn_tc_smem[];
-    typedef typename tern_gdn_tc_state_wg_layout<NS, FORMS>::type Smem;
-    Smem& sm = *reinterpret_cast<Smem*>(tern_gdn_tc_smem);
+    tern_gdn_tc_state_wg_smem& sm = *reinterpret_cast<tern_gdn_tc_state_wg_smem*>(tern_gdn_tc_smem);
     // Accumulator e of this thread: row 16 w + g + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2 q + (e & 1).
     const auto row_of = [&](int e) { return 16 * w + g + 8 * ((e >> 1) & 1); };
     const auto col_of = [&](int e) { return 8 * (e >> 2) + 2 * q + (e & 1); };
@@ -1225,44 +1146,31 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
 
     const int c0 = (int)a.seg_chunk0[seq], nc = (int)a.seg_nchunks[seq];
     for (int p = 0; p < NS - 1; p++) {
-        if (p < nc) tern_gdn_tc_issue(sm.st[p], a, c0 + p, h, kh, j0);
+        if (p < nc) tern_gdn_tc_issue<DK>(sm.st[p], a, c0 + p, h, kh, j0);
         tern_gdn_tc_commit();
     }
-    float acc[16], kq[FORMS ? 32 : 1];  // kq: K Q^T, element (c', c) where the block forms the read-out weights
+    float acc[16];
 #pragma unroll
     for (int e = 0; e < 16; e++) acc[e] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < (FORMS ? 32 : 1); e++) kq[e] = 0.0f;
     for (int n = 0; n < nc; n++) {
         const int chunk = c0 + n;
-        tern_gdn_tc_stage_wg<FORMS>& st = sm.st[n % NS];
+        tern_gdn_tc_stage<DK>& st = sm.st[n % NS];
         asm volatile("cp.async.wait_group %0;" ::"n"(NS - 2) : "memory");
         tern_wgmma_fence_stores();  // this thread's copies and state-copy stores, to the products
         __syncthreads();            // this chunk's operands and the state copy are in; chunk n - 1's stage is free
         const size_t t0 = a.chunk_t0[chunk];
         const int len = (int)a.chunk_len[chunk];
 
-        // Y = K S (group 0) or P = Q S (group 1), eight k-steps over i. K's element (c, i) is
-        // k^T's (i, c): M-major, core matrices 128 bytes apart along c and a row group of k^T
-        // (8 x 64 elements) apart along i.
+        // Delta (group 0: W) or P (group 1: Q) = X S, eight k-steps over i.
         tern_wgmma_fence();
-        if (group == 0) {
+        {
+            const tern_gdn_bf16* x = group == 0 ? st.w : st.q;
 #pragma unroll
             for (int kt = 0; kt < DK / 16; kt++)
-                tern_wgmma_m64n32k16_mn_a(acc, tern_wgmma_desc(st.k + 16 * C * kt, ROW64, CORE), tern_wgmma_desc(sm.s + 128 * kt, CORE, ROW128), kt > 0);
-        } else {
-#pragma unroll
-            for (int kt = 0; kt < DK / 16; kt++)
-                tern_wgmma_m64n32k16(acc, tern_wgmma_desc(st.q + 128 * kt, CORE, ROW128), tern_wgmma_desc(sm.s + 128 * kt, CORE, ROW128), kt > 0);
-            // Forming the read-out weights: (Q K^T)^T = K Q^T, K M-major as above, q as stored
-            // its B operand.
-            if constexpr (FORMS)
-#pragma unroll
-                for (int kt = 0; kt < DK / 16; kt++)
-                    tern_wgmma_m64n64k16_mn_a(kq, tern_wgmma_desc(st.k + 16 * C * kt, ROW64, CORE), tern_wgmma_desc(st.q + 128 * kt, CORE, ROW128), kt > 0);
+                tern_wgmma_m64n32k16(acc, tern_wgmma_desc(x + 128 * kt, CORE, ROW128), tern_wgmma_desc(sm.s + 128 * kt, CORE, ROW128), kt > 0);
         }
         tern_wgmma_commit();
-        if (n + NS - 1 < nc) tern_gdn_tc_issue(sm.st[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
+        if (n + NS - 1 < nc) tern_gdn_tc_issue<DK>(sm.st[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
         tern_gdn_tc_commit();
         // This thread's decays and U values, read while the products run.
         float eg[2], el[2];
@@ -1278,19 +1186,6 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
         }
         tern_wgmma_wait<0>();
         if (group == 0) {
-            // Y in bf16 as the B operand of Tw Y, in Delta's room (the last chunk's readers of
-            // Delta finished before this chunk's first barrier); the group's own barrier, then
-            // four k-steps over the chunk's positions.
-#pragma unroll
-            for (int e = 0; e < 16; e++) sm.d[tern_gdn_tc_tile_at(col_of(e), row_of(e), C)] = tern_gdn_tc_bf16(acc[e]);
-            tern_wgmma_fence_stores();
-            asm volatile("bar.sync %0, %1;" ::"r"(1), "r"(128) : "memory");  // group 0 alone
-            tern_wgmma_fence();
-#pragma unroll
-            for (int kt = 0; kt < C / 16; kt++)
-                tern_wgmma_m64n32k16(acc, tern_wgmma_desc(st.w + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.d + 128 * kt, CORE, ROW64), kt > 0);
-            tern_wgmma_commit();
-            tern_wgmma_wait<0>();  // Y read: Delta may take its place
 #pragma unroll
             for (int e = 0; e < 16; e++) {
                 const int c = row_of(e), j = col_of(e), hf = (e >> 1) & 1;
@@ -1300,37 +1195,21 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
             }
             tern_wgmma_fence_stores();
         } else {
-            if constexpr (FORMS) {
-                // The read-out weights as the prepare pass forms them otherwise: (q_c . k_c')
-                // e^{G_c - G_c'} for c' <= c < len, zeros elsewhere, rounded once; G from the
-                // chunk's start, in f32 (there f64: the decays differ in their last bits).
-                const float* G = st.dec + 2 * C;
-#pragma unroll
-                for (int e = 0; e < 32; e++) {
-                    const int cp = row_of(e), c = col_of(e);
-                    const float decay = cp <= c && c < len ? expf(G[c] - G[cp]) : 0.0f;
-                    sm.qk[tern_gdn_tc_tile_at(c, cp, C)] = tern_gdn_tc_bf16(kq[e] * decay);
-                }
-                tern_wgmma_fence_stores();
-            }
 #pragma unroll
             for (int e = 0; e < 16; e++) acc[e] *= eg[(e >> 1) & 1];
         }
-        __syncthreads();  // Delta (and the read-out weights) complete; every read of the state copy is done
+        __syncthreads();  // Delta complete; every read of the state copy is done
 
         // Group 1: o = e^G P + QKd Delta, four k-steps over the chunk's positions. Both groups:
         // S = e^{G_L} S + K^T Delta_t for their 64 key columns, four k-steps.
         const float keep = st.dec[len - 1];
 #pragma unroll
         for (int e = 0; e < 16; e++) s[e] *= keep;
-        const tern_gdn_bf16* readout;
-        if constexpr (FORMS) readout = sm.qk;
-        else readout = st.qk;
         tern_wgmma_fence();
         if (group == 1) {
 #pragma unroll
             for (int kt = 0; kt < C / 16; kt++)
-                tern_wgmma_m64n32k16(acc, tern_wgmma_desc(readout + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.d + 128 * kt, CORE, ROW64), 1);
+                tern_wgmma_m64n32k16(acc, tern_wgmma_desc(st.qk + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.d + 128 * kt, CORE, ROW64), 1);
         }
 #pragma unroll
         for (int kt = 0; kt < C / 16; kt++)
@@ -1422,27 +1301,14 @@ TERN_GDN_TC_STATE(128, 3, true, l)
 TERN_GDN_TC_STATE_BF16_OUT(64)
 TERN_GDN_TC_STATE_BF16_OUT(128)
 // The warpgroup form (d_k 128 only; an sm_90 device: Gpu compiles for sm_90a there): _s3lw,
-// with a bf16 output _s3lwb; _s4lw with four stages (the narrower stage lets a fourth fit).
+// with a bf16 output _s3lwb.
 extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lw(tern_gdn_tc_state_args a) {
     tern_await_prior_kernel();
-    tern_gdn_tc_state_wg_body<3, false>(a);
+    tern_gdn_tc_state_wg_body<false>(a);
 }
 extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lwb(tern_gdn_tc_state_args a) {
     tern_await_prior_kernel();
-    tern_gdn_tc_state_wg_body<3, true>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s4lw(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_wg_body<4, false>(a);
-}
-// Forming the read-out weights (FORMS above): _s3lwr, _s4lwr.
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lwr(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_wg_body<3, false, true>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s4lwr(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_wg_body<4, false, true>(a);
+    tern_gdn_tc_state_wg_body<true>(a);
 }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 TERN_GDN_TC_STATE_CLUSTER(64, 3, true, l)

@@ -441,7 +441,7 @@ pub struct GatedDeltaCuda {
     /// (d_k, stages, late issue, in clusters, warpgroup); those in clusters only where the device
     /// has them, the warpgroup one only on sm_90.
     tc_prepare: Vec<((usize, usize, usize, bool, bool), CudaFunction)>,
-    tc_state: Vec<((usize, usize, bool, bool, bool, bool), CudaFunction)>,
+    tc_state: Vec<((usize, usize, bool, bool, bool), CudaFunction)>,
     fast_variant: FastVariant,
     /// Blocks a cluster of the state pass in clusters share a chunk's tiles among: 2, or 4
     /// where d_v is 128 (TERN_GDN_CLUSTER_BLOCKS). 2 by default: with one block a
@@ -572,25 +572,19 @@ pub struct FastVariant {
     /// 0.99 ms at 32k tokens, BENCHMARKS.md, twenty-seventh session): opt-in.
     pub cluster: bool,
     /// The state pass's products on the warpgroup tensor cores (wgmma, `tern_gdn_tc_state_wg_body`
-    /// in chunked_tc.cu): each tile read once by four warps instead of by each warp, and W S
-    /// formed as Tw (K S), so that the prepare pass hands over Tw (8 KB a chunk and value head)
-    /// instead of W (16 KB). sm_90 only (H100, H200), d_k 128, 3 or 4 stages with late copies,
-    /// not in clusters. It rounds K S where the others round W, so it is compared with them
-    /// within the fast mode's bound instead of bit for bit.
+    /// in chunked_tc.cu): each tile read once by four warps instead of by each warp. sm_90 only
+    /// (H100, H200), d_k 128, 3 stages with late copies, not in clusters. Its products may
+    /// round their partial sums in another order than mma.sync's, so it is compared with the
+    /// others within a bound instead of bit for bit.
     pub warpgroup: bool,
-    /// The warpgroup state pass forms the read-out weights itself, (q_c . k_c') e^{G_c - G_c'},
-    /// from the q and k^T tiles it holds and G: the prepare pass skips its QK^T product and
-    /// writes G (256 bytes) where the weights took 8 KB a chunk and value head, and the stage
-    /// shrinks to 45.8 KB (warpgroup only).
-    pub readout_formed: bool,
 }
 
 const fn fast(rows: usize, stages: usize, compact: bool, late_issue: bool) -> FastVariant {
-    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false, warpgroup: false, readout_formed: false }
+    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false, warpgroup: false }
 }
 
 /// The fast variants compiled (those in clusters only for devices that launch clusters).
-pub const FAST_VARIANTS: [FastVariant; 14] = [
+pub const FAST_VARIANTS: [FastVariant; 11] = [
     fast(1, 2, false, false),
     fast(8, 2, false, false),
     fast(1, 3, false, false),
@@ -602,9 +596,6 @@ pub const FAST_VARIANTS: [FastVariant; 14] = [
     FAST_VARIANT_MMA,
     FastVariant { cluster: true, ..FAST_VARIANT_MMA },
     FAST_VARIANT,
-    FastVariant { stages: 4, ..FAST_VARIANT },
-    FastVariant { readout_formed: true, ..FAST_VARIANT },
-    FastVariant { stages: 4, readout_formed: true, ..FAST_VARIANT },
 ];
 /// The default fast variant on an sm_90 GPU: [`FAST_VARIANT_MMA`] with the state pass on the
 /// warpgroup tensor cores, the same bits (on an H100 at 32k tokens: state pass 0.766 against
@@ -654,14 +645,10 @@ fn tc_stage_bytes(d_k: usize) -> usize {
     2 * (3 * CHUNK * d_k + CHUNK * CHUNK + CHUNK * TC_STATE_ROWS) + 4 * 2 * CHUNK
 }
 
-/// The warpgroup state pass's shared memory (`tern_gdn_tc_state_wg_smem`, d_k 128): `stages`
-/// stages with Tw ([64][64]) in W's place, the state copy and Delta twice, unpadded (in blocks);
-/// `readout_formed` (`tern_gdn_tc_state_wg_smem_formed`): G in each stage in the read-out
-/// weights' place, and one tile of the weights as formed.
-fn tc_state_wg_smem(stages: usize, readout_formed: bool) -> usize {
-    let stage = tc_stage_bytes(128) - 2 * CHUNK * (128 - CHUNK);
-    let (stage, formed) = if readout_formed { (stage - 2 * CHUNK * CHUNK + 4 * CHUNK, 2 * CHUNK * CHUNK) } else { (stage, 0) };
-    stages * stage + 2 * (TC_STATE_ROWS * 128 + 2 * TC_STATE_ROWS * CHUNK) + formed
+/// The warpgroup state pass's shared memory (`tern_gdn_tc_state_wg_smem`, d_k 128): three
+/// stages, the state copy and Delta twice, unpadded (in blocks).
+fn tc_state_wg_smem() -> usize {
+    3 * tc_stage_bytes(128) + 2 * (TC_STATE_ROWS * 128 + 2 * TC_STATE_ROWS * CHUNK)
 }
 
 /// Bytes of the fast prefill's operands for its state pass, by region of the chunk scratch:
@@ -674,19 +661,9 @@ fn fast_operand_regions(heads: &DeltaRuleHeads, n_chunks: usize) -> [usize; 6] {
 }
 
 /// Bytes the fast prefill's prepare pass writes for its state pass to read over `tokens` tokens
-/// of one sequence (the chunk scratch it fills) for a variant: Tw ([64][64]) in W's place for
-/// the warpgroup state pass, and G (f32) in the read-out weights' where it forms them.
-pub fn fast_operand_bytes(heads: &DeltaRuleHeads, tokens: usize, variant: FastVariant) -> usize {
-    let n_chunks = tokens.div_ceil(CHUNK);
-    let mut regions = fast_operand_regions(heads, n_chunks);
-    let per = n_chunks * heads.n_v_heads;
-    if variant.warpgroup && heads.d_k == 128 {
-        regions[0] = per * CHUNK * CHUNK * 2;
-        if variant.readout_formed {
-            regions[2] = per * CHUNK * 4;
-        }
-    }
-    regions.iter().sum()
+/// of one sequence (the chunk scratch it fills).
+pub fn fast_operand_bytes(heads: &DeltaRuleHeads, tokens: usize) -> usize {
+    fast_operand_regions(heads, tokens.div_ceil(CHUNK)).iter().sum()
 }
 
 /// Mirrors `tern_gdn_tc_prep_args` in chunked_tc.cu field for field (C layout).
@@ -713,7 +690,6 @@ struct TcPrepArgs {
     nv: i32,
     grouped: i32,
     l2qk: i32,
-    factored: i32,
     eps: f32,
     q_scale: f32,
 }
@@ -889,21 +865,18 @@ impl GatedDeltaCuda {
             }
             for (stages, late) in [(2, false), (3, false), (3, true)] {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s{stages}{}", if late { "l" } else { "" });
-                tc_state.push(((dk, stages, late, false, false, false), fc(&name, tc_state_smem(dk, stages, false))?));
+                tc_state.push(((dk, stages, late, false, false), fc(&name, tc_state_smem(dk, stages, false))?));
             }
             tc_state_bf16.push(((dk, false), fc(&format!("tern_gdn_tc_state_dk{dk}_s3lb"), tc_state_smem(dk, 3, false))?));
             // Compiled for sm_90 and later only (chunked_tc.cu).
             if gpu.cluster_launch()? {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s3lm");
-                tc_state.push(((dk, 3, true, true, false, false), fc(&name, tc_state_smem(dk, 3, true))?));
+                tc_state.push(((dk, 3, true, true, false), fc(&name, tc_state_smem(dk, 3, true))?));
             }
             // The warpgroup products exist on sm_90 only (compiled there for sm_90a).
             if dk == 128 && gpu.warpgroup_products() {
-                for (stages, formed) in [(3, false), (4, false), (3, true), (4, true)] {
-                    let name = format!("tern_gdn_tc_state_dk128_s{stages}lw{}", if formed { "r" } else { "" });
-                    tc_state.push(((dk, stages, true, false, true, formed), fc(&name, tc_state_wg_smem(stages, formed))?));
-                }
-                tc_state_bf16.push(((dk, true), fc("tern_gdn_tc_state_dk128_s3lwb", tc_state_wg_smem(3, false))?));
+                tc_state.push(((dk, 3, true, false, true), fc("tern_gdn_tc_state_dk128_s3lw", tc_state_wg_smem())?));
+                tc_state_bf16.push(((dk, true), fc("tern_gdn_tc_state_dk128_s3lwb", tc_state_wg_smem())?));
             }
         }
         Ok(GatedDeltaCuda {
@@ -966,7 +939,7 @@ impl GatedDeltaCuda {
     /// device cannot launch clusters, and the warpgroup one where it has no warpgroup products.
     pub fn fast_variants(&self) -> Vec<FastVariant> {
         let has = |v: &FastVariant| {
-            self.tc_state.iter().any(|((_, stages, late, cluster, wg, formed), _)| (*stages, *late, *cluster, *wg, *formed) == (v.stages, v.late_issue, v.cluster, v.warpgroup, v.readout_formed))
+            self.tc_state.iter().any(|((_, stages, late, cluster, wg), _)| (*stages, *late, *cluster, *wg) == (v.stages, v.late_issue, v.cluster, v.warpgroup))
         };
         FAST_VARIANTS.into_iter().filter(has).collect()
     }
@@ -1494,15 +1467,14 @@ impl GatedDeltaCuda {
         let (pool, state_table, state_ranges) = states.resolve(&self.gpu, &format!("{what} states"), segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
         // The bf16 forms exist for the default variant only.
-        let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup, readout_formed } = if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
+        let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup } = if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
         // The warpgroup state pass is built for d_k 128 on sm_90; other head sizes and devices
-        // take the mma.sync form (W itself from the prepare pass; at most 3 stages).
+        // take the mma.sync form (the same operands).
         let warpgroup = warpgroup && d_k == 128 && self.gpu.warpgroup_products();
-        let (stages, readout_formed) = if warpgroup { (stages, readout_formed) } else { (stages.min(3), false) };
         let (prepare, state) = match io {
             FastIo::F32 => (
                 self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f),
-                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster, warpgroup, readout_formed)).map(|(_, f)| f),
+                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster, warpgroup)).map(|(_, f)| f),
             ),
             FastIo::Bf16 => (
                 self.tc_prepare_bf16.iter().find(|(d, _)| *d == (d_k, d_v)).map(|(_, f)| f),
@@ -1550,7 +1522,6 @@ impl GatedDeltaCuda {
             nv,
             grouped,
             l2qk: x.normalize_qk as i32,
-            factored: if readout_formed { 2 } else { warpgroup as i32 },
             eps: L2_NORM_EPS,
             q_scale: (1.0 / (d_k as f64).sqrt()) as f32,
         };
@@ -1594,7 +1565,7 @@ impl GatedDeltaCuda {
         let cfg = LaunchConfig {
             grid_dim: (n_v_heads as u32, slices, segs.n_seqs() as u32),
             block_dim: (CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: if warpgroup { tc_state_wg_smem(stages, readout_formed) } else { tc_state_smem(d_k, stages, cluster) } as u32,
+            shared_mem_bytes: if warpgroup { tc_state_wg_smem() } else { tc_state_smem(d_k, stages, cluster) } as u32,
         };
         let mut l = self.gpu.launch_builder(state);
         l.arg(&args);
