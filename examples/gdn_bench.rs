@@ -303,7 +303,7 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
                     let vprep = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
                     k.set_chunk_prepare_only(false);
                     println!(
-                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} cluster={} warpgroup={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}",
+                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} cluster={} warpgroup={} transposed={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}",
                         v.rows,
                         v.stages,
                         v.compact,
@@ -311,6 +311,7 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
                         v.tiled,
                         v.cluster,
                         v.warpgroup,
+                        v.transposed,
                         vms - vprep
                     );
                 }

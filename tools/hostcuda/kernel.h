@@ -133,7 +133,9 @@ struct WarpgroupSlot {
     unsigned gen = 0;
     bool reading = false;
     int n = 0, accumulate = 0, trans_a = 0;
+    bool a_in_registers = false;
     uint64_t desc_a = 0, desc_b = 0;
+    uint32_t a_regs[128][4];  // the register form's A fragments, by thread
     float acc[128][64];
 };
 
@@ -753,9 +755,24 @@ inline void wgmma_operand(uint64_t desc, int rows, float (*out)[16], bool mn = f
         }
 }
 
+// The 64 x 16 A tile of the register form from its threads' fragments, laid out as mma.sync's A
+// (thread t of warp w: a0 (16 w + g, 2 q .. 2 q + 1), a1 rows + 8, a2 columns + 8, a3 both; the
+// lower column in each register's low half).
+inline void wgmma_register_operand(const uint32_t (&regs)[128][4], float (*out)[16]) {
+    for (int t = 0; t < 128; ++t) {
+        const int w = t / 32, g = (t % 32) / 4, q = t % 4;
+        for (int r = 0; r < 4; ++r) {
+            const int row = 16 * w + g + 8 * (r & 1), col = 2 * q + 8 * (r >> 1);
+            out[row][col] = f32_of_bf16((uint16_t)(regs[t][r] & 0xffffu));
+            out[row][col + 1] = f32_of_bf16((uint16_t)(regs[t][r] >> 16));
+        }
+    }
+}
+
 inline void wgmma_complete(WarpgroupSlot& s) {
     float a[64][16], b[128][16];
-    wgmma_operand(s.desc_a, 64, a, s.trans_a != 0);
+    if (s.a_in_registers) wgmma_register_operand(s.a_regs, a);
+    else wgmma_operand(s.desc_a, 64, a, s.trans_a != 0);
     wgmma_operand(s.desc_b, s.n, b);
     for (int i = 0; i < 128; ++i) {
         const int w = i / 32, g = (i % 32) / 4, q = i % 4;
@@ -770,8 +787,9 @@ inline void wgmma_complete(WarpgroupSlot& s) {
 
 // d (+)= A B^T, A 64 x 16 (M-major where TRANS_A) and B N x 16: every thread of the warpgroup passes its N / 2
 // accumulators (their addresses), the two descriptors and whether to accumulate.
-template <int N, int TRANS_A, class DA, class DB, class S>
-inline void wgmma_m64k16_bf16(float* const (&d)[N / 2], DA desc_a, DB desc_b, S accumulate) {
+// a_regs: the register form's four A registers of this thread, or null (A from desc_a).
+template <int N, int TRANS_A>
+inline void wgmma_product(float* const (&d)[N / 2], uint64_t desc_a, const uint32_t* a_regs, uint64_t desc_b, int accumulate) {
     static_assert(N % 8 == 0 && N >= 8 && N <= 128, "wgmma n: a multiple of 8 up to 128");
     Launch& l = L();
     if (l.nthreads % 128) fault("wgmma in a block of %s%lld threads: not whole warpgroups", "", l.nthreads);
@@ -783,16 +801,20 @@ inline void wgmma_m64k16_bf16(float* const (&d)[N / 2], DA desc_a, DB desc_b, S 
     WarpgroupSlot& s = l.warpgroups[group];
     t->wait = Wait::GroupArrive;
     while (s.reading) yield();
-    const int acc = (int)accumulate != 0;
+    const int acc = accumulate != 0;
+    const bool in_registers = a_regs != nullptr;
     if (s.arrived == 0) {
         s.n = N;
         s.accumulate = acc;
         s.trans_a = TRANS_A;
-        s.desc_a = (uint64_t)desc_a;
-        s.desc_b = (uint64_t)desc_b;
-    } else if (s.n != N || s.accumulate != acc || s.trans_a != TRANS_A || s.desc_a != (uint64_t)desc_a || s.desc_b != (uint64_t)desc_b) {
-        fault("threads of a warpgroup meet at different wgmma products (descriptor %s0x%llx and 0x%llx)", "", (long long)s.desc_a, (long long)desc_a);
+        s.a_in_registers = in_registers;
+        s.desc_a = desc_a;
+        s.desc_b = desc_b;
+    } else if (s.n != N || s.accumulate != acc || s.trans_a != TRANS_A || s.a_in_registers != in_registers || s.desc_a != desc_a || s.desc_b != desc_b) {
+        fault("threads of a warpgroup meet at different wgmma products (descriptor %s0x%llx and 0x%llx)", "", (long long)s.desc_b, (long long)desc_b);
     }
+    if (in_registers)
+        for (int r = 0; r < 4; ++r) s.a_regs[i][r] = a_regs[r];
     for (int j = 0; j < N / 2; ++j) s.acc[i][j] = *d[j];
     ++s.arrived;
     ++l.epoch;
@@ -811,6 +833,18 @@ inline void wgmma_m64k16_bf16(float* const (&d)[N / 2], DA desc_a, DB desc_b, S 
         s.reading = false;
         ++s.gen;
     }
+}
+
+template <int N, int TRANS_A, class DA, class DB, class S>
+inline void wgmma_m64k16_bf16(float* const (&d)[N / 2], DA desc_a, DB desc_b, S accumulate) {
+    wgmma_product<N, TRANS_A>(d, (uint64_t)desc_a, nullptr, (uint64_t)desc_b, (int)accumulate);
+}
+
+// The register form: A's fragments in four registers of each thread (wgmma_register_operand).
+template <int N, class R, class DB, class S>
+inline void wgmma_m64k16_bf16_rs(float* const (&d)[N / 2], R a0, R a1, R a2, R a3, DB desc_b, S accumulate) {
+    const uint32_t regs[4] = {(uint32_t)a0, (uint32_t)a1, (uint32_t)a2, (uint32_t)a3};
+    wgmma_product<N, 0>(d, 0, regs, (uint64_t)desc_b, (int)accumulate);
 }
 }  // namespace tern_host_ptx
 

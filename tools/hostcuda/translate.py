@@ -108,12 +108,25 @@ WGMMA = re.compile(
     r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16\s*\{[^}]*\}\s*,\s*%(\d+)\s*,\s*%(\d+)\s*,"
     r"\s*p\s*,\s*1\s*,\s*1\s*,\s*([01])\s*,\s*0\s*;"
 )
+# The register form: A's four registers, then B's descriptor (trans-b 0).
+WGMMA_RS = re.compile(
+    r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16\s*\{[^}]*\}\s*,"
+    r"\s*\{\s*%(\d+)\s*,\s*%(\d+)\s*,\s*%(\d+)\s*,\s*%(\d+)\s*\}\s*,\s*%(\d+)\s*,"
+    r"\s*p\s*,\s*1\s*,\s*1\s*,\s*0\s*;"
+)
 SCALE_D = re.compile(r"setp\.ne\.b32\s+p\s*,\s*%(\d+)\s*,\s*0\s*;")
 
 
 def wgmma_call(template, instr, outs, ins):
     """The call of kernel.h for one warpgroup product, after checking its form."""
-    m, scale = WGMMA.match(instr), SCALE_D.search(template)
+    m, rs, scale = WGMMA.match(instr), WGMMA_RS.match(instr), SCALE_D.search(template)
+    if rs and scale:
+        n = int(rs.group(1))
+        first = n // 2
+        if len(outs) != n // 2 or len(ins) != 6 or [int(x) for x in rs.groups()[1:]] + [int(scale.group(1))] != list(range(first, first + 6)):
+            fail(f"{template!r}: wgmma operands not as the model takes them ({n // 2} accumulators, A's four registers, B's descriptor, scale-d)")
+        acc = ", ".join(f"&({e})" for c, e in outs)
+        return f"tern_host_ptx::wgmma_m64k16_bf16_rs<{n}>({{{acc}}}, " + ", ".join(f"({e})" for c, e in ins) + ")"
     if not m or not scale:
         fail(f"wgmma form not modelled (bf16, A and K-major B from descriptors, scale-d from setp.ne.b32 p): {template!r}")
     n, da, db = int(m.group(1)), int(m.group(2)), int(m.group(3))

@@ -704,14 +704,15 @@ struct tern_gdn_tc_state_args {
     int nk, nv, dv, grouped;
 };
 
-// One pipeline stage of the state pass: the chunk's operands, bf16 unless noted.
-template <int DK>
+// One pipeline stage of the state pass: the chunk's operands, bf16 unless noted. US: U's
+// slices of 32 state rows a block reads (2 in the transposed form).
+template <int DK, int US = 1>
 struct tern_gdn_tc_stage {
     tern_gdn_bf16 w[64 * DK];                // in blocks (tern_gdn_tc_tile_at), as stored
     tern_gdn_bf16 q[64 * DK];                // the same
     tern_gdn_bf16 k[DK * 64];                // the same, transposed: [DK][64]
     tern_gdn_bf16 qk[64 * 64];               // the same
-    tern_gdn_bf16 u[64 * tern_gdn_tc_bv];    // this block's slice, [c][j]
+    tern_gdn_bf16 u[US * 64 * tern_gdn_tc_bv];  // this block's slices, each [c][j]
     float dec[128];
 };
 
@@ -753,9 +754,10 @@ static_assert(sizeof(tern_gdn_tc_state_smem_mc<128, 3>) == 203824, "state pass i
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<64, 3>) == 126000, "state pass in clusters at d_k 64: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_wg_smem) == 202240, "warpgroup state pass: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_wg_smem_bulk) == 202264, "warpgroup state pass with bulk copies: as mod.rs sizes it");
+static_assert(3 * sizeof(tern_gdn_tc_stage<128, 2>) == 198144, "transposed state pass: as mod.rs sizes it");
 
-template <int DK>
-__device__ void tern_gdn_tc_issue(tern_gdn_tc_stage<DK>& st, const tern_gdn_tc_state_args& a, int chunk, int h, int kh, int j0) {
+template <int DK, int US = 1>
+__device__ void tern_gdn_tc_issue(tern_gdn_tc_stage<DK, US>& st, const tern_gdn_tc_state_args& a, int chunk, int h, int kh, int j0) {
     constexpr int C = tern_gdn_tc_c, R = DK / 8;  // 16-byte pieces per row
     const size_t ch = (size_t)chunk * a.nv + h, chk = (size_t)chunk * a.nk + kh;
     const tern_gdn_bf16 *w = a.w_s + ch * C * DK, *q = a.qn_s + chk * C * DK, *k = a.kn_s + chk * C * DK;
@@ -767,7 +769,7 @@ __device__ void tern_gdn_tc_issue(tern_gdn_tc_stage<DK>& st, const tern_gdn_tc_s
     }
     for (int idx = threadIdx.x; idx < C * 8; idx += blockDim.x) tern_gdn_tc_cp16(st.qk + 8 * idx, a.qk_s + ch * C * C + 8 * idx);
     const tern_gdn_bf16* u = a.u_s + ch * C * a.dv + (size_t)j0 * C;  // the slice of rows j0..
-    for (int idx = threadIdx.x; idx < C * 4; idx += blockDim.x) tern_gdn_tc_cp16(st.u + 8 * idx, u + 8 * idx);
+    for (int idx = threadIdx.x; idx < C * 4 * US; idx += blockDim.x) tern_gdn_tc_cp16(st.u + 8 * idx, u + 8 * idx);
     if (threadIdx.x < 32) tern_gdn_tc_cp16(st.dec + 4 * threadIdx.x, a.dec_s + ch * 2 * C + 4 * threadIdx.x);
 }
 
@@ -1266,6 +1268,121 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
     for (int e = 0; e < 16; e++) state[(size_t)col_of(e) * DK + 64 * group + row_of(e)] = s[e];
 }
 
+// The state pass transposed (sm_90, d_k = 128, three stages): one warpgroup a block, for 64
+// state rows j of a value head and sequence, holds S^T ([j][i], 64 x 128) in the accumulators
+// of its update, and every product takes its A operand from registers (the register form of
+// ../../wgmma.cuh) and its B operand from the stage's tiles as the prepare pass stores them:
+//   Delta^T = U^T - S^T W^T        A: S^T in bf16      B: W, [c][i]
+//   P^T = S^T Q^T                  A: S^T              B: q, [c][i]
+//   S^T = e^{G_L} S^T + Delta_t^T K   A: (e^{G_L - G_c} Delta)^T   B: k^T, [i][c]
+//   o^T = e^{G_c} P^T + Delta^T QKd^T  A: Delta^T      B: the read-out weights, [c][c']
+// An accumulator tile repacks into A fragments in place (the m64 accumulator and A layouts
+// give each thread the same rows and columns), so no tile goes through shared memory between
+// products and no barrier orders them: a chunk's chain is two rounds of products. The form of
+// tern_gdn_tc_state_wg_body stores Delta and the state copy and meets two block barriers a
+// chunk; both round the same operands (S, Delta, e^{G_L - G_c} Delta, in bf16) once.
+// Accumulator e of a 64 x N tile: row 16 w + g + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2 q + (e & 1).
+template <bool OUT16>
+__device__ void tern_gdn_tc_state_t_body(const tern_gdn_tc_state_args& a) {
+    constexpr int DK = 128, NS = 3, C = tern_gdn_tc_c, BV = tern_gdn_tc_bv;
+    constexpr unsigned ROW128 = 16 * DK, ROW64 = 16 * C, CORE = 128;
+    const int h = blockIdx.x, j0 = blockIdx.y * 2 * BV, seq = blockIdx.z;
+    const int w = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
+    const int nv = a.nv, dv = a.dv;
+    const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
+    extern __shared__ __align__(128) unsigned char tern_gdn_tc_smem[];
+    tern_gdn_tc_stage<DK, 2>* const stages = reinterpret_cast<tern_gdn_tc_stage<DK, 2>*>(tern_gdn_tc_smem);
+    const auto row_of = [&](int e) { return 16 * w + g + 8 * ((e >> 1) & 1); };
+    const auto col_of = [&](int e) { return 8 * (e >> 2) + 2 * q + (e & 1); };
+    // k-step kk's A fragment of a tile whose accumulators are x: registers 8 kk .. 8 kk + 7.
+    const auto repack = [](unsigned (&frag)[4], const float* x, float scale_lo, float scale_hi) {
+        frag[0] = tern_gdn_tc_pack(x[0] * scale_lo, x[1] * scale_hi);
+        frag[1] = tern_gdn_tc_pack(x[2] * scale_lo, x[3] * scale_hi);
+        frag[2] = tern_gdn_tc_pack(x[4] * scale_lo, x[5] * scale_hi);
+        frag[3] = tern_gdn_tc_pack(x[6] * scale_lo, x[7] * scale_hi);
+    };
+
+    float* state = (a.state_at ? (float*)a.state_at[seq] : a.states + (size_t)a.slot[seq] * nv * dv * DK) + (size_t)h * dv * DK + (size_t)j0 * DK;
+    float s[64];  // S^T: element (j, i) = S[i][j]
+#pragma unroll
+    for (int e = 0; e < 64; e++) s[e] = state[(size_t)row_of(e) * DK + col_of(e)];
+    unsigned sa[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++) repack(sa[kk], s + 8 * kk, 1.0f, 1.0f);
+
+    const int c0 = (int)a.seg_chunk0[seq], nc = (int)a.seg_nchunks[seq];
+    for (int p = 0; p < NS - 1; p++) {
+        if (p < nc) tern_gdn_tc_issue<DK, 2>(stages[p], a, c0 + p, h, kh, j0);
+        tern_gdn_tc_commit();
+    }
+    float dl[32], pt[32];
+#pragma unroll
+    for (int e = 0; e < 32; e++) dl[e] = pt[e] = 0.0f;
+    for (int n = 0; n < nc; n++) {
+        const int chunk = c0 + n;
+        tern_gdn_tc_stage<DK, 2>& st = stages[n % NS];
+        asm volatile("cp.async.wait_group %0;" ::"n"(NS - 2) : "memory");
+        __syncthreads();  // this chunk's operands are in; chunk n - 1's stage is free
+        const size_t t0 = a.chunk_t0[chunk];
+        const int len = (int)a.chunk_len[chunk];
+
+        // W S and Q S, transposed: eight k-steps over i each.
+        tern_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < DK / 16; kk++) tern_wgmma_m64n64k16_rs(dl, sa[kk], tern_wgmma_desc(st.w + 128 * kk, CORE, ROW128), kk > 0);
+#pragma unroll
+        for (int kk = 0; kk < DK / 16; kk++) tern_wgmma_m64n64k16_rs(pt, sa[kk], tern_wgmma_desc(st.q + 128 * kk, CORE, ROW128), kk > 0);
+        tern_wgmma_commit();
+        if (n + NS - 1 < nc) tern_gdn_tc_issue<DK, 2>(stages[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
+        tern_gdn_tc_commit();
+        tern_wgmma_wait<0>();
+
+        // Delta^T = U^T - (W S)^T; its fragments as they are and scaled by e^{G_L - G_c}; P^T
+        // scaled by e^{G_c} (both by column c).
+        unsigned da[4][4], dta[4][4];
+#pragma unroll
+        for (int e = 0; e < 32; e++) {
+            const int j = row_of(e), c = col_of(e);
+            dl[e] = tern_gdn_tc_f32_of_pair((unsigned)st.u[(j >> 5) * C * BV + c * BV + (j & 31)], 0) - dl[e];
+            pt[e] *= st.dec[c];
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            const int c = 16 * kk + 2 * q;
+            repack(da[kk], dl + 8 * kk, 1.0f, 1.0f);
+            // Registers 0, 1 hold columns c, c + 1; 2, 3 the same rows + 8: each pair its own decay.
+            const float l0 = st.dec[C + c], l1 = st.dec[C + c + 1], h0 = st.dec[C + c + 8], h1 = st.dec[C + c + 9];
+            dta[kk][0] = tern_gdn_tc_pack(dl[8 * kk] * l0, dl[8 * kk + 1] * l1);
+            dta[kk][1] = tern_gdn_tc_pack(dl[8 * kk + 2] * l0, dl[8 * kk + 3] * l1);
+            dta[kk][2] = tern_gdn_tc_pack(dl[8 * kk + 4] * h0, dl[8 * kk + 5] * h1);
+            dta[kk][3] = tern_gdn_tc_pack(dl[8 * kk + 6] * h0, dl[8 * kk + 7] * h1);
+        }
+        const float keep = st.dec[len - 1];
+#pragma unroll
+        for (int e = 0; e < 64; e++) s[e] *= keep;
+        // The update and the read-out, four k-steps over the chunk's positions each.
+        tern_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < C / 16; kk++) tern_wgmma_m64n128k16_rs(s, dta[kk], tern_wgmma_desc(st.k + 128 * kk, CORE, ROW64), 1);
+#pragma unroll
+        for (int kk = 0; kk < C / 16; kk++) tern_wgmma_m64n64k16_rs(pt, da[kk], tern_wgmma_desc(st.qk + 128 * kk, CORE, ROW64), 1);
+        tern_wgmma_commit();
+        tern_wgmma_wait<0>();
+#pragma unroll
+        for (int e = 0; e < 32; e++) {
+            const int j = row_of(e), c = col_of(e);
+            if (c >= len) continue;
+            const size_t at = ((t0 + c) * nv + h) * dv + j0 + j;
+            if constexpr (OUT16) static_cast<tern_gdn_bf16*>(a.out)[at] = tern_gdn_tc_bf16(pt[e]);
+            else static_cast<float*>(a.out)[at] = pt[e];
+        }
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) repack(sa[kk], s + 8 * kk, 1.0f, 1.0f);
+    }
+#pragma unroll
+    for (int e = 0; e < 64; e++) state[(size_t)row_of(e) * DK + col_of(e)] = s[e];
+}
+
 // Prepare kernels by head sizes and fetch rows: _r{NR} in the wide layout (two blocks a
 // multiprocessor), _r{NR}c in the compact one (three: <= 80 registers, 72 KB at 128 x 128),
 // _r8ct the compact one TILED.
@@ -1341,6 +1458,11 @@ extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lw(t
 extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lwb(tern_gdn_tc_state_args a) {
     tern_await_prior_kernel();
     tern_gdn_tc_state_wg_body<true>(a);
+}
+// The transposed form (tern_gdn_tc_state_t_body; sm_90, d_k 128): _s3lt, one warpgroup a block.
+extern "C" __global__ void __launch_bounds__(128, 1) tern_gdn_tc_state_dk128_s3lt(tern_gdn_tc_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_state_t_body<false>(a);
 }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 TERN_GDN_TC_STATE_CLUSTER(64, 3, true, l)

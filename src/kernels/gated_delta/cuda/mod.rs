@@ -441,7 +441,7 @@ pub struct GatedDeltaCuda {
     /// (d_k, stages, late issue, in clusters, warpgroup); those in clusters only where the device
     /// has them, the warpgroup one only on sm_90.
     tc_prepare: Vec<((usize, usize, usize, bool, bool), CudaFunction)>,
-    tc_state: Vec<((usize, usize, bool, bool, bool), CudaFunction)>,
+    tc_state: Vec<((usize, usize, bool, bool, bool, bool), CudaFunction)>,
     fast_variant: FastVariant,
     /// Blocks a cluster of the state pass in clusters share a chunk's tiles among: 2, or 4
     /// where d_v is 128 (TERN_GDN_CLUSTER_BLOCKS). 2 by default: with one block a
@@ -579,14 +579,19 @@ pub struct FastVariant {
     /// round their partial sums in another order than mma.sync's, so it is compared with the
     /// others within a bound instead of bit for bit.
     pub warpgroup: bool,
+    /// With `warpgroup`: the state pass transposed (`tern_gdn_tc_state_t_body`): one warpgroup
+    /// a block for 64 state rows, holding S^T in its update's accumulators, every product's A
+    /// operand in registers and its B operand a stage tile as stored, so that no tile goes
+    /// through shared memory between a chunk's products and no barrier orders them.
+    pub transposed: bool,
 }
 
 const fn fast(rows: usize, stages: usize, compact: bool, late_issue: bool) -> FastVariant {
-    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false, warpgroup: false }
+    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false, warpgroup: false, transposed: false }
 }
 
 /// The fast variants compiled (those in clusters only for devices that launch clusters).
-pub const FAST_VARIANTS: [FastVariant; 12] = [
+pub const FAST_VARIANTS: [FastVariant; 13] = [
     fast(1, 2, false, false),
     fast(8, 2, false, false),
     fast(1, 3, false, false),
@@ -599,6 +604,7 @@ pub const FAST_VARIANTS: [FastVariant; 12] = [
     FastVariant { cluster: true, ..FAST_VARIANT_MMA },
     FAST_VARIANT,
     FastVariant { cluster: true, ..FAST_VARIANT },
+    FastVariant { transposed: true, ..FAST_VARIANT },
 ];
 /// The default fast variant on an sm_90 GPU: [`FAST_VARIANT_MMA`] with the state pass on the
 /// warpgroup tensor cores, the same bits (on an H100 at 32k tokens: state pass 0.766 against
@@ -653,6 +659,12 @@ fn tc_stage_bytes(d_k: usize) -> usize {
 /// (`tern_gdn_tc_state_wg_smem_bulk`) a barrier a stage after them.
 fn tc_state_wg_smem(bulk: bool) -> usize {
     3 * tc_stage_bytes(128) + 2 * (TC_STATE_ROWS * 128 + 2 * TC_STATE_ROWS * CHUNK) + if bulk { 8 * 3 } else { 0 }
+}
+
+/// The transposed state pass's shared memory (d_k 128): three stages, each with U's two
+/// slices of 32 rows; nothing else (its tiles between products stay in registers).
+fn tc_state_t_smem() -> usize {
+    3 * (tc_stage_bytes(128) + 2 * CHUNK * TC_STATE_ROWS)
 }
 
 /// Bytes of the fast prefill's operands for its state pass, by region of the chunk scratch:
@@ -869,21 +881,22 @@ impl GatedDeltaCuda {
             }
             for (stages, late) in [(2, false), (3, false), (3, true)] {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s{stages}{}", if late { "l" } else { "" });
-                tc_state.push(((dk, stages, late, false, false), fc(&name, tc_state_smem(dk, stages, false))?));
+                tc_state.push(((dk, stages, late, false, false, false), fc(&name, tc_state_smem(dk, stages, false))?));
             }
             tc_state_bf16.push(((dk, false), fc(&format!("tern_gdn_tc_state_dk{dk}_s3lb"), tc_state_smem(dk, 3, false))?));
             // Compiled for sm_90 and later only (chunked_tc.cu).
             if gpu.cluster_launch()? {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s3lm");
-                tc_state.push(((dk, 3, true, true, false), fc(&name, tc_state_smem(dk, 3, true))?));
+                tc_state.push(((dk, 3, true, true, false, false), fc(&name, tc_state_smem(dk, 3, true))?));
             }
             // The warpgroup products exist on sm_90 only (compiled there for sm_90a).
             if dk == 128 && gpu.warpgroup_products() {
-                tc_state.push(((dk, 3, true, false, true), fc("tern_gdn_tc_state_dk128_s3lw", tc_state_wg_smem(false))?));
+                tc_state.push(((dk, 3, true, false, true, false), fc("tern_gdn_tc_state_dk128_s3lw", tc_state_wg_smem(false))?));
+                tc_state.push(((dk, 3, true, false, true, true), fc("tern_gdn_tc_state_dk128_s3lt", tc_state_t_smem())?));
                 tc_state_bf16.push(((dk, true), fc("tern_gdn_tc_state_dk128_s3lwb", tc_state_wg_smem(false))?));
                 // With bulk copies: compiled where clusters launch (sm_90 hardware; not hostcuda).
                 if gpu.cluster_launch()? {
-                    tc_state.push(((dk, 3, true, true, true), fc("tern_gdn_tc_state_dk128_s3lwm", tc_state_wg_smem(true))?));
+                    tc_state.push(((dk, 3, true, true, true, false), fc("tern_gdn_tc_state_dk128_s3lwm", tc_state_wg_smem(true))?));
                 }
             }
         }
@@ -947,7 +960,7 @@ impl GatedDeltaCuda {
     /// device cannot launch clusters, and the warpgroup one where it has no warpgroup products.
     pub fn fast_variants(&self) -> Vec<FastVariant> {
         let has = |v: &FastVariant| {
-            self.tc_state.iter().any(|((_, stages, late, cluster, wg), _)| (*stages, *late, *cluster, *wg) == (v.stages, v.late_issue, v.cluster, v.warpgroup))
+            self.tc_state.iter().any(|((_, stages, late, cluster, wg, t), _)| (*stages, *late, *cluster, *wg, *t) == (v.stages, v.late_issue, v.cluster, v.warpgroup, v.transposed))
         };
         FAST_VARIANTS.into_iter().filter(has).collect()
     }
@@ -1476,19 +1489,19 @@ impl GatedDeltaCuda {
         let (pool, state_table, state_ranges) = states.resolve(&self.gpu, &format!("{what} states"), segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
         // The bf16 forms exist for the default variant only.
-        let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup } = if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
+        let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup, transposed } = if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
         // The warpgroup state pass is built for d_k 128 on sm_90; other head sizes and devices
         // take the mma.sync form (the same operands), not in clusters (with the warpgroup form
         // `cluster` names its bulk copies).
-        let (warpgroup, cluster) = match (warpgroup, d_k == 128 && self.gpu.warpgroup_products()) {
-            (true, true) => (true, cluster),
-            (true, false) => (false, false),
-            (false, _) => (false, cluster),
+        let (warpgroup, cluster, transposed) = match (warpgroup, d_k == 128 && self.gpu.warpgroup_products()) {
+            (true, true) => (true, cluster, transposed),
+            (true, false) => (false, false, false),
+            (false, _) => (false, cluster, false),
         };
         let (prepare, state) = match io {
             FastIo::F32 => (
                 self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f),
-                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster, warpgroup)).map(|(_, f)| f),
+                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster, warpgroup, transposed)).map(|(_, f)| f),
             ),
             FastIo::Bf16 => (
                 self.tc_prepare_bf16.iter().find(|(d, _)| *d == (d_k, d_v)).map(|(_, f)| f),
@@ -1575,11 +1588,18 @@ impl GatedDeltaCuda {
             dv,
             grouped,
         };
-        let slices = (d_v / TC_STATE_ROWS) as u32;
+        // The transposed form's blocks take 64 state rows, the others 32.
+        let slices = (d_v / TC_STATE_ROWS / if transposed { 2 } else { 1 }) as u32;
         let cfg = LaunchConfig {
             grid_dim: (n_v_heads as u32, slices, segs.n_seqs() as u32),
-            block_dim: (CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: if warpgroup { tc_state_wg_smem(cluster) } else { tc_state_smem(d_k, stages, cluster) } as u32,
+            block_dim: (if transposed { 128 } else { CHUNK_THREADS }, 1, 1),
+            shared_mem_bytes: if transposed {
+                tc_state_t_smem()
+            } else if warpgroup {
+                tc_state_wg_smem(cluster)
+            } else {
+                tc_state_smem(d_k, stages, cluster)
+            } as u32,
         };
         let mut l = self.gpu.launch_builder(state);
         l.arg(&args);

@@ -48,6 +48,7 @@ fn fast_state_layouts_fit_a_multiprocessor() {
     assert_eq!(tc_state_smem(64, 3, true), 126_000);
     assert_eq!(tc_state_wg_smem(false), 202_240);
     assert_eq!(tc_state_wg_smem(true), 202_264);
+    assert_eq!(tc_state_t_smem(), 198_144);
     assert!(tc_state_wg_smem(true) <= 227 * 1024);
     for dk in FAST_CHUNK_HEAD_DIMS {
         for cluster in [false, true] {
@@ -646,7 +647,7 @@ fn cuda_chunked_fast_matches_cpu_scan() {
     }
     // Every fast variant computes the same bits (the default one ran above), but the warpgroup
     // ones, whose products may round their partial sums otherwise: within 1e-5 of the others,
-    // and bit for bit the same as each other (cp.async or bulk copies).
+    // and bit for bit the same as each other (cp.async or bulk copies) but the transposed one.
     for (dk, dv) in [(128usize, 128usize), (64, 128), (128, 64)] {
         let heads = DeltaRuleHeads { n_k_heads: 2, n_v_heads: 4, d_k: dk, d_v: dv, key_head: Tiled };
         let lengths = [300usize, 64, 1];
@@ -672,7 +673,10 @@ fn cuda_chunked_fast_matches_cpu_scan() {
                     let (eo, es) = (check("warpgroup variant (outputs)", &got.0, o0, 1e-5), check("warpgroup variant (states)", &got.1, p0, 1e-5));
                     let same = got.0.iter().chain(&got.1).zip(o0.iter().chain(p0)).all(|(a, b)| a.to_bits() == b.to_bits());
                     eprintln!("fast d_k {dk} d_v {dv}: warpgroup variant {v:?} against the others: outputs {eo:.2e}, states {es:.2e}, bit for bit: {same}");
+                    // The transposed form multiplies with A and B's roles swapped: within the
+                    // bound above, its bits printed, not asserted.
                     match &first_wg {
+                        _ if v.transposed => {}
                         None => first_wg = Some(got),
                         Some((o1, p1)) => {
                             assert_bits_eq(&format!("fast variant {v:?} (outputs)"), &got.0, o1);
