@@ -741,19 +741,12 @@ struct tern_gdn_tc_state_wg_smem {
     tern_gdn_bf16 dt[tern_gdn_tc_bv * 64];  // e^{G_L - G_c} Delta, the same
 };
 
-// The same with the stages' barriers of the bulk-copy form (BULK in tern_gdn_tc_state_wg_body).
-struct tern_gdn_tc_state_wg_smem_bulk {
-    tern_gdn_tc_state_wg_smem base;
-    unsigned long long full[3];  // the stage's bytes have landed
-};
-
 // The host sizes the launch by the same sums (tc_state_smem in mod.rs; its test pins these).
 static_assert(sizeof(tern_gdn_tc_stage<128>) == 61952 && sizeof(tern_gdn_tc_stage<128>) % 16 == 0, "a stage: whole 16-byte pieces");
 static_assert(sizeof(tern_gdn_tc_state_smem<128, 3>) == 203776, "state pass at d_k 128, 3 stages: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<128, 3>) == 203824, "state pass in clusters at d_k 128: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<64, 3>) == 126000, "state pass in clusters at d_k 64: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_wg_smem) == 202240, "warpgroup state pass: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_state_wg_smem_bulk) == 202264, "warpgroup state pass with bulk copies: as mod.rs sizes it");
 static_assert(3 * sizeof(tern_gdn_tc_stage<128, 2>) == 198144, "transposed state pass: as mod.rs sizes it");
 
 template <int DK, int US = 1>
@@ -1124,12 +1117,7 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
 // Each product reads its tiles once for its four warps, where the mma.sync form makes every
 // warp load its own fragments: under ncu that form is bound by its shared-memory traffic.
 // Products in flight leave the issue slots free: the next chunk's copies leave meanwhile.
-// BULK: the copies are the cluster form's six bulk copies into this block alone, issued by
-// lanes 0..5 of warp 0 and landing on the stage's barrier, where otherwise every thread issues
-// ~15 cp.async a chunk between the first products and the Delta stores that wait for them
-// (under ncu the copies' issue was ~30% of the pass's stall samples). sm_90 only (hostcuda
-// models no bulk copies: it never compiles this form). The same arithmetic either way.
-template <bool OUT16, bool BULK = false>
+template <bool OUT16>
 __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
     constexpr int DK = 128, NS = 3, C = tern_gdn_tc_c, BV = tern_gdn_tc_bv;
     // Block strides (bytes between 8-row groups) of the operands: [64][128] tiles, [32][128]
@@ -1144,25 +1132,6 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
     const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
     extern __shared__ __align__(128) unsigned char tern_gdn_tc_smem[];
     tern_gdn_tc_state_wg_smem& sm = *reinterpret_cast<tern_gdn_tc_state_wg_smem*>(tern_gdn_tc_smem);
-    unsigned long long* const full = reinterpret_cast<tern_gdn_tc_state_wg_smem_bulk*>(tern_gdn_tc_smem)->full;
-    if constexpr (BULK) {
-        if (threadIdx.x == 0)
-            for (int p = 0; p < NS; p++) tern_gdn_tc_bar_init(&full[p], 1);
-        tern_gdn_tc_cluster_sync();  // a cluster of one: the barriers initialised before any copy lands on them
-    }
-    // Chunk m's operands into its stage (its previous tenant, chunk m - NS, left behind by every
-    // thread at the barrier that opened chunk m - NS + 1).
-    const auto issue = [&](int m, int c) {
-        if constexpr (BULK) {
-            if (threadIdx.x < 6) {
-                if (threadIdx.x == 0) tern_gdn_tc_bar_expect(&full[m % NS], (unsigned)sizeof(tern_gdn_tc_stage<DK>));
-                tern_gdn_tc_issue_cluster<DK>(sm.st[m % NS], &full[m % NS], a, c, h, kh, j0, 0, 1);
-            }
-        } else {
-            tern_gdn_tc_issue<DK>(sm.st[m % NS], a, c, h, kh, j0);
-            tern_gdn_tc_commit();
-        }
-    };
     // Accumulator e of this thread: row 16 w + g + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2 q + (e & 1).
     const auto row_of = [&](int e) { return 16 * w + g + 8 * ((e >> 1) & 1); };
     const auto col_of = [&](int e) { return 8 * (e >> 2) + 2 * q + (e & 1); };
@@ -1179,8 +1148,8 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
 
     const int c0 = (int)a.seg_chunk0[seq], nc = (int)a.seg_nchunks[seq];
     for (int p = 0; p < NS - 1; p++) {
-        if (p < nc) issue(p, c0 + p);
-        else if constexpr (!BULK) tern_gdn_tc_commit();  // one commit group a chunk slot
+        if (p < nc) tern_gdn_tc_issue<DK>(sm.st[p], a, c0 + p, h, kh, j0);
+        tern_gdn_tc_commit();
     }
     float acc[16];
 #pragma unroll
@@ -1188,8 +1157,7 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
     for (int n = 0; n < nc; n++) {
         const int chunk = c0 + n;
         tern_gdn_tc_stage<DK>& st = sm.st[n % NS];
-        if constexpr (BULK) tern_gdn_tc_bar_wait(&full[n % NS], (unsigned)(n / NS) & 1u);
-        else asm volatile("cp.async.wait_group %0;" ::"n"(NS - 2) : "memory");
+        asm volatile("cp.async.wait_group %0;" ::"n"(NS - 2) : "memory");
         tern_wgmma_fence_stores();  // this thread's copies and state-copy stores, to the products
         __syncthreads();            // this chunk's operands and the state copy are in; chunk n - 1's stage is free
         const size_t t0 = a.chunk_t0[chunk];
@@ -1204,8 +1172,8 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
                 tern_wgmma_m64n32k16(acc, tern_wgmma_desc(x + 128 * kt, CORE, ROW128), tern_wgmma_desc(sm.s + 128 * kt, CORE, ROW128), kt > 0);
         }
         tern_wgmma_commit();
-        if (n + NS - 1 < nc) issue(n + NS - 1, chunk + NS - 1);
-        else if constexpr (!BULK) tern_gdn_tc_commit();
+        if (n + NS - 1 < nc) tern_gdn_tc_issue<DK>(sm.st[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
+        tern_gdn_tc_commit();
         // This thread's decays and U values, read while the products run.
         float eg[2], el[2];
         unsigned uw[4][2];  // U at (c, j), (c, j + 1) by [n8 tile][row half]
@@ -1280,7 +1248,8 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
 // give each thread the same rows and columns), so no tile goes through shared memory between
 // products and no barrier orders them: a chunk's chain is two rounds of products. The form of
 // tern_gdn_tc_state_wg_body stores Delta and the state copy and meets two block barriers a
-// chunk; both round the same operands (S, Delta, e^{G_L - G_c} Delta, in bf16) once.
+// chunk; both round the same operands (S, Delta, e^{G_L - G_c} Delta, in bf16) once (on an H100
+// the same bits). Slower there (FastVariant::transposed in mod.rs says why): opt-in.
 // Accumulator e of a 64 x N tile: row 16 w + g + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2 q + (e & 1).
 template <bool OUT16>
 __device__ void tern_gdn_tc_state_t_body(const tern_gdn_tc_state_args& a) {
@@ -1467,9 +1436,4 @@ extern "C" __global__ void __launch_bounds__(128, 1) tern_gdn_tc_state_dk128_s3l
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 TERN_GDN_TC_STATE_CLUSTER(64, 3, true, l)
 TERN_GDN_TC_STATE_CLUSTER(128, 3, true, l)
-// The warpgroup form with bulk copies (BULK above): _s3lwm.
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lwm(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_wg_body<false, true>(a);
-}
 #endif

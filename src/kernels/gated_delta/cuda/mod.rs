@@ -569,9 +569,7 @@ pub struct FastVariant {
     /// chunk's W, q, k and read-out tiles (bulk copies multicast into the cluster) instead of
     /// each reading them from L2 (`MC` in chunked_tc.cu; 3 stages; sm_90 and later,
     /// [`GatedDeltaCuda::fast_variants`]). Slower than the blocks alone on an H100 (1.27 against
-    /// 0.99 ms at 32k tokens, BENCHMARKS.md, twenty-seventh session): opt-in. With
-    /// `warpgroup`: that form's bulk copies, each block alone (launched without clusters), in
-    /// place of every thread's cp.async (`BULK` in chunked_tc.cu; sm_90 only).
+    /// 0.99 ms at 32k tokens, BENCHMARKS.md, twenty-seventh session): opt-in.
     pub cluster: bool,
     /// The state pass's products on the warpgroup tensor cores (wgmma, `tern_gdn_tc_state_wg_body`
     /// in chunked_tc.cu): each tile read once by four warps instead of by each warp. sm_90 only
@@ -582,7 +580,11 @@ pub struct FastVariant {
     /// With `warpgroup`: the state pass transposed (`tern_gdn_tc_state_t_body`): one warpgroup
     /// a block for 64 state rows, holding S^T in its update's accumulators, every product's A
     /// operand in registers and its B operand a stage tile as stored, so that no tile goes
-    /// through shared memory between a chunk's products and no barrier orders them.
+    /// through shared memory between a chunk's products and no barrier orders them. The same
+    /// bits as the warpgroup form on an H100, but slower there (state pass 1.67 against 0.73
+    /// ms at 32k tokens, BENCHMARKS.md, thirty-second session): one warpgroup a multiprocessor
+    /// (64 blocks for 32 heads) has nothing to run while its products, copies and stores wait.
+    /// Opt-in: the base of a block with a copying warp and two such warpgroups taking turns.
     pub transposed: bool,
 }
 
@@ -591,7 +593,7 @@ const fn fast(rows: usize, stages: usize, compact: bool, late_issue: bool) -> Fa
 }
 
 /// The fast variants compiled (those in clusters only for devices that launch clusters).
-pub const FAST_VARIANTS: [FastVariant; 13] = [
+pub const FAST_VARIANTS: [FastVariant; 12] = [
     fast(1, 2, false, false),
     fast(8, 2, false, false),
     fast(1, 3, false, false),
@@ -603,7 +605,6 @@ pub const FAST_VARIANTS: [FastVariant; 13] = [
     FAST_VARIANT_MMA,
     FastVariant { cluster: true, ..FAST_VARIANT_MMA },
     FAST_VARIANT,
-    FastVariant { cluster: true, ..FAST_VARIANT },
     FastVariant { transposed: true, ..FAST_VARIANT },
 ];
 /// The default fast variant on an sm_90 GPU: [`FAST_VARIANT_MMA`] with the state pass on the
@@ -655,10 +656,9 @@ fn tc_stage_bytes(d_k: usize) -> usize {
 }
 
 /// The warpgroup state pass's shared memory (`tern_gdn_tc_state_wg_smem`, d_k 128): three
-/// stages, the state copy and Delta twice, unpadded (in blocks); with bulk copies
-/// (`tern_gdn_tc_state_wg_smem_bulk`) a barrier a stage after them.
-fn tc_state_wg_smem(bulk: bool) -> usize {
-    3 * tc_stage_bytes(128) + 2 * (TC_STATE_ROWS * 128 + 2 * TC_STATE_ROWS * CHUNK) + if bulk { 8 * 3 } else { 0 }
+/// stages, the state copy and Delta twice, unpadded (in blocks).
+fn tc_state_wg_smem() -> usize {
+    3 * tc_stage_bytes(128) + 2 * (TC_STATE_ROWS * 128 + 2 * TC_STATE_ROWS * CHUNK)
 }
 
 /// The transposed state pass's shared memory (d_k 128): three stages, each with U's two
@@ -891,13 +891,9 @@ impl GatedDeltaCuda {
             }
             // The warpgroup products exist on sm_90 only (compiled there for sm_90a).
             if dk == 128 && gpu.warpgroup_products() {
-                tc_state.push(((dk, 3, true, false, true, false), fc("tern_gdn_tc_state_dk128_s3lw", tc_state_wg_smem(false))?));
+                tc_state.push(((dk, 3, true, false, true, false), fc("tern_gdn_tc_state_dk128_s3lw", tc_state_wg_smem())?));
                 tc_state.push(((dk, 3, true, false, true, true), fc("tern_gdn_tc_state_dk128_s3lt", tc_state_t_smem())?));
-                tc_state_bf16.push(((dk, true), fc("tern_gdn_tc_state_dk128_s3lwb", tc_state_wg_smem(false))?));
-                // With bulk copies: compiled where clusters launch (sm_90 hardware; not hostcuda).
-                if gpu.cluster_launch()? {
-                    tc_state.push(((dk, 3, true, true, true, false), fc("tern_gdn_tc_state_dk128_s3lwm", tc_state_wg_smem(true))?));
-                }
+                tc_state_bf16.push(((dk, true), fc("tern_gdn_tc_state_dk128_s3lwb", tc_state_wg_smem())?));
             }
         }
         Ok(GatedDeltaCuda {
@@ -980,10 +976,9 @@ impl GatedDeltaCuda {
     pub fn set_fast_variant(&mut self, variant: FastVariant) -> Result<()> {
         let offered = self.fast_variants();
         if !offered.contains(&variant) {
-            let why = match (FAST_VARIANTS.contains(&variant), variant.warpgroup, variant.cluster) {
-                (true, true, false) => " on this device (warpgroup products need an sm_90 GPU)",
-                (true, true, true) => " on this device (warpgroup products and bulk copies need an sm_90 GPU)",
-                (true, false, _) => " on this device (it launches no thread block clusters)",
+            let why = match (FAST_VARIANTS.contains(&variant), variant.warpgroup) {
+                (true, true) => " on this device (warpgroup products need an sm_90 GPU)",
+                (true, false) => " on this device (it launches no thread block clusters)",
                 _ => "",
             };
             return Err(Error::Input(format!("fast variant {variant:?}: not available{why}; expected one of {offered:?}")));
@@ -1491,13 +1486,9 @@ impl GatedDeltaCuda {
         // The bf16 forms exist for the default variant only.
         let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup, transposed } = if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
         // The warpgroup state pass is built for d_k 128 on sm_90; other head sizes and devices
-        // take the mma.sync form (the same operands), not in clusters (with the warpgroup form
-        // `cluster` names its bulk copies).
-        let (warpgroup, cluster, transposed) = match (warpgroup, d_k == 128 && self.gpu.warpgroup_products()) {
-            (true, true) => (true, cluster, transposed),
-            (true, false) => (false, false, false),
-            (false, _) => (false, cluster, false),
-        };
+        // take the mma.sync form (the same operands).
+        let warpgroup = warpgroup && d_k == 128 && self.gpu.warpgroup_products();
+        let transposed = transposed && warpgroup;
         let (prepare, state) = match io {
             FastIo::F32 => (
                 self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f),
@@ -1596,14 +1587,14 @@ impl GatedDeltaCuda {
             shared_mem_bytes: if transposed {
                 tc_state_t_smem()
             } else if warpgroup {
-                tc_state_wg_smem(cluster)
+                tc_state_wg_smem()
             } else {
                 tc_state_smem(d_k, stages, cluster)
             } as u32,
         };
         let mut l = self.gpu.launch_builder(state);
         l.arg(&args);
-        if cluster && !warpgroup && self.cluster_blocks > 1 {
+        if cluster && self.cluster_blocks > 1 {
             // Slices of one value head and sequence (2 of them where d_v is 64).
             l.cluster((1, (self.cluster_blocks as u32).min(slices), 1));
         }

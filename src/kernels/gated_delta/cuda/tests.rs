@@ -46,10 +46,9 @@ fn fast_state_layouts_fit_a_multiprocessor() {
     assert_eq!(tc_state_smem(128, 3, false), 203_776);
     assert_eq!(tc_state_smem(128, 3, true), 203_824);
     assert_eq!(tc_state_smem(64, 3, true), 126_000);
-    assert_eq!(tc_state_wg_smem(false), 202_240);
-    assert_eq!(tc_state_wg_smem(true), 202_264);
+    assert_eq!(tc_state_wg_smem(), 202_240);
     assert_eq!(tc_state_t_smem(), 198_144);
-    assert!(tc_state_wg_smem(true) <= 227 * 1024);
+    assert!(tc_state_wg_smem() <= 227 * 1024);
     for dk in FAST_CHUNK_HEAD_DIMS {
         for cluster in [false, true] {
             let bytes = tc_state_smem(dk, 3, cluster);
@@ -646,8 +645,8 @@ fn cuda_chunked_fast_matches_cpu_scan() {
         failures.push(format!("strong decay: output {eo:e}, state {es:e}"));
     }
     // Every fast variant computes the same bits (the default one ran above), but the warpgroup
-    // ones, whose products may round their partial sums otherwise: within 1e-5 of the others,
-    // and bit for bit the same as each other (cp.async or bulk copies) but the transposed one.
+    // ones (the transposed one among them), whose products may round their partial sums
+    // otherwise: within 1e-5 of the others.
     for (dk, dv) in [(128usize, 128usize), (64, 128), (128, 64)] {
         let heads = DeltaRuleHeads { n_k_heads: 2, n_v_heads: 4, d_k: dk, d_v: dv, key_head: Tiled };
         let lengths = [300usize, 64, 1];
@@ -657,7 +656,7 @@ fn cuda_chunked_fast_matches_cpu_scan() {
         let segs = GpuSegments::new(&gpu, &pack(lengths), &[2, 0, 1], tokens).unwrap();
         let (dq, dk_, dv_, dg, db) = (up(&x.q), up(&x.k), up(&x.v), up(&x.g), up(&x.beta));
         let inputs = GpuDeltaRuleInputs { q: Rows::contiguous(&dq, 2 * dk), k: Rows::contiguous(&dk_, 2 * dk), v: Rows::contiguous(&dv_, 4 * dv), g: &dg, beta: &db, normalize_qk: false, fused: None };
-        let (mut first, mut first_wg): (Option<(Vec<f32>, Vec<f32>)>, Option<(Vec<f32>, Vec<f32>)>) = (None, None);
+        let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
         let mut kv = GatedDeltaCuda::new(gpu.clone()).unwrap();
         // Those in clusters where the device launches them (hostcuda does not: named below).
         let variants = kv.fast_variants();
@@ -673,16 +672,6 @@ fn cuda_chunked_fast_matches_cpu_scan() {
                     let (eo, es) = (check("warpgroup variant (outputs)", &got.0, o0, 1e-5), check("warpgroup variant (states)", &got.1, p0, 1e-5));
                     let same = got.0.iter().chain(&got.1).zip(o0.iter().chain(p0)).all(|(a, b)| a.to_bits() == b.to_bits());
                     eprintln!("fast d_k {dk} d_v {dv}: warpgroup variant {v:?} against the others: outputs {eo:.2e}, states {es:.2e}, bit for bit: {same}");
-                    // The transposed form multiplies with A and B's roles swapped: within the
-                    // bound above, its bits printed, not asserted.
-                    match &first_wg {
-                        _ if v.transposed => {}
-                        None => first_wg = Some(got),
-                        Some((o1, p1)) => {
-                            assert_bits_eq(&format!("fast variant {v:?} (outputs)"), &got.0, o1);
-                            assert_bits_eq(&format!("fast variant {v:?} (states)"), &got.1, p1);
-                        }
-                    }
                 }
                 Some((o0, p0)) => {
                     assert_bits_eq(&format!("fast variant {v:?} (outputs)"), &got.0, o0);
