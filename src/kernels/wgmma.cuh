@@ -100,6 +100,8 @@ __device__ __forceinline__ void tern_wgmma_m64n32k16(float (&d)[16], unsigned lo
 }
 
 // The same with A stored M-major (tern_wgmma_offset_mn; the instruction's transpose-A flag).
+// Written out rather than made one template with the flag as an operand: the flag is an
+// immediate, and tools/hostcuda reads each form from its asm template as written.
 __device__ __forceinline__ void tern_wgmma_m64n32k16_mn_a(float (&d)[16], unsigned long long desc_a, unsigned long long desc_b, int accumulate) {
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile(
