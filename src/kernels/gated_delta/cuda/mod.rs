@@ -438,8 +438,8 @@ pub struct GatedDeltaCuda {
     /// incomplete), so that the two passes can be timed apart.
     chunk_prepare_only: bool,
     /// Fast mode: prepare kernels by (d_k, d_v, rows, compact, tiled) and state kernels by
-    /// (d_k, stages, late issue, in clusters, warpgroup); those in clusters only where the device
-    /// has them, the warpgroup one only on sm_90.
+    /// (d_k, stages, late issue, in clusters, warpgroup, transposed); those in clusters only
+    /// where the device has them, the warpgroup ones only on sm_90.
     tc_prepare: Vec<((usize, usize, usize, bool, bool), CudaFunction)>,
     tc_state: Vec<((usize, usize, bool, bool, bool, bool), CudaFunction)>,
     fast_variant: FastVariant,
