@@ -640,11 +640,18 @@ inline void ldmatrix_x4(bool trans, O* r0, O* r1, O* r2, O* r3, A addr) {
 // 2t + 8..); B b0 = (k 2t..2t+1, n g), b1 = (k 2t + 8.., n g); C c0..1 = (g, 2t..2t+1), c2..3 =
 // (g + 8, 2t..). Lane inputs: a0..a3, b0, b1, then the accumulators' bits. The 16
 // products of an output are exact in double; their sum and c round once.
+//
+// Element (row, k) of a warp's 16 x 16 A fragment, from its lanes' registers a0..a3 (the first
+// four of each lane's row of `lanes`); the warpgroup products' register form lays out each
+// warp's 16 rows the same way (wgmma_register_operand).
+template <size_t R>
+inline float mma_a_element(const uint32_t (*lanes)[R], int row, int k) {
+    const uint32_t reg = lanes[(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
+    return f32_of_bf16(k % 2 ? reg >> 16 : reg & 0xffff);
+}
+
 inline void mma_all(WarpSlot& w) {
-    auto A = [&](int row, int k) {
-        const uint32_t reg = w.in[(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
-        return (double)f32_of_bf16(k % 2 ? reg >> 16 : reg & 0xffff);
-    };
+    auto A = [&](int row, int k) { return (double)mma_a_element(w.in, row, k); };
     auto B = [&](int k, int n) {
         const uint32_t reg = w.in[n * 4 + (k % 8) / 2][4 + (k >= 8 ? 1 : 0)];
         return (double)f32_of_bf16(k % 2 ? reg >> 16 : reg & 0xffff);
@@ -709,10 +716,10 @@ inline void bar_sync(I id, N count) {
 inline void griddepcontrol() {}
 
 // ---- warpgroup products (wgmma; src/kernels/wgmma.cuh) ---------------------------------------
-// Modelled: bf16 operands from shared memory, unswizzled, B K-major and A K-major or M-major
-// (translate.py refuses other forms), scales of 1, f32 accumulators. A product completes when the last thread of the
-// warpgroup arrives, so fences, commits and waits have nothing to order; the tiles are read at
-// that moment. Each output sums its 16 products exactly and rounds once with the accumulator
+// Modelled: bf16 operands, unswizzled: B from shared memory K-major, A from shared memory K-major
+// or M-major or from registers (translate.py refuses other forms); scales of 1, f32
+// accumulators. A product completes when the last thread of the warpgroup arrives, so fences,
+// commits and waits have nothing to order; the tiles are read at that moment. Each output sums its 16 products exactly and rounds once with the accumulator
 // (as mma_all; the hardware's own partial sums differ in the last bits).
 inline void wgmma_fence() {}
 inline void wgmma_commit_group() {}
@@ -755,18 +762,12 @@ inline void wgmma_operand(uint64_t desc, int rows, float (*out)[16], bool mn = f
         }
 }
 
-// The 64 x 16 A tile of the register form from its threads' fragments, laid out as mma.sync's A
-// (thread t of warp w: a0 (16 w + g, 2 q .. 2 q + 1), a1 rows + 8, a2 columns + 8, a3 both; the
-// lower column in each register's low half).
+// The 64 x 16 A tile of the register form from its threads' fragments: warp w's rows 16 w ..
+// 16 w + 15 as mma.sync's A fragment (mma_a_element).
 inline void wgmma_register_operand(const uint32_t (&regs)[128][4], float (*out)[16]) {
-    for (int t = 0; t < 128; ++t) {
-        const int w = t / 32, g = (t % 32) / 4, q = t % 4;
-        for (int r = 0; r < 4; ++r) {
-            const int row = 16 * w + g + 8 * (r & 1), col = 2 * q + 8 * (r >> 1);
-            out[row][col] = f32_of_bf16((uint16_t)(regs[t][r] & 0xffffu));
-            out[row][col + 1] = f32_of_bf16((uint16_t)(regs[t][r] >> 16));
-        }
-    }
+    for (int w = 0; w < 4; ++w)
+        for (int row = 0; row < 16; ++row)
+            for (int k = 0; k < 16; ++k) out[16 * w + row][k] = mma_a_element(regs + 32 * w, row, k);
 }
 
 inline void wgmma_complete(WarpgroupSlot& s) {
