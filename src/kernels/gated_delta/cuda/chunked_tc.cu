@@ -1251,7 +1251,7 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
 // chunk; both round the same operands (S, Delta, e^{G_L - G_c} Delta, in bf16) once (on an H100
 // the same bits). Slower there (FastVariant::transposed in mod.rs says why): opt-in.
 // Accumulator e of a 64 x N tile: row 16 w + g + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2 q + (e & 1).
-template <bool OUT16>
+// The output is f32.
 __device__ void tern_gdn_tc_state_t_body(const tern_gdn_tc_state_args& a) {
     constexpr int DK = 128, NS = 3, C = tern_gdn_tc_c, BV = tern_gdn_tc_bv;
     constexpr unsigned ROW128 = 16 * DK, ROW64 = 16 * C, CORE = 128;
@@ -1263,13 +1263,16 @@ __device__ void tern_gdn_tc_state_t_body(const tern_gdn_tc_state_args& a) {
     tern_gdn_tc_stage<DK, 2>* const stages = reinterpret_cast<tern_gdn_tc_stage<DK, 2>*>(tern_gdn_tc_smem);
     const auto row_of = [&](int e) { return 16 * w + g + 8 * ((e >> 1) & 1); };
     const auto col_of = [&](int e) { return 8 * (e >> 2) + 2 * q + (e & 1); };
-    // k-step kk's A fragment of a tile whose accumulators are x: registers 8 kk .. 8 kk + 7.
-    const auto repack = [](unsigned (&frag)[4], const float* x, float scale_lo, float scale_hi) {
-        frag[0] = tern_gdn_tc_pack(x[0] * scale_lo, x[1] * scale_hi);
-        frag[1] = tern_gdn_tc_pack(x[2] * scale_lo, x[3] * scale_hi);
-        frag[2] = tern_gdn_tc_pack(x[4] * scale_lo, x[5] * scale_hi);
-        frag[3] = tern_gdn_tc_pack(x[6] * scale_lo, x[7] * scale_hi);
+    // k-step kk's A fragment of a tile whose accumulators are x (registers 8 kk .. 8 kk + 7),
+    // each column scaled: x[0], x[1] and x[2], x[3] are columns 16 kk + 2 q, + 1 (rows g, g + 8),
+    // x[4] .. x[7] the same 8 columns on, so `col` holds the scales of those four columns.
+    const auto repack = [](unsigned (&frag)[4], const float* x, const float (&col)[4]) {
+        frag[0] = tern_gdn_tc_pack(x[0] * col[0], x[1] * col[1]);
+        frag[1] = tern_gdn_tc_pack(x[2] * col[0], x[3] * col[1]);
+        frag[2] = tern_gdn_tc_pack(x[4] * col[2], x[5] * col[3]);
+        frag[3] = tern_gdn_tc_pack(x[6] * col[2], x[7] * col[3]);
     };
+    const float unit[4] = {1.0f, 1.0f, 1.0f, 1.0f};
 
     float* state = (a.state_at ? (float*)a.state_at[seq] : a.states + (size_t)a.slot[seq] * nv * dv * DK) + (size_t)h * dv * DK + (size_t)j0 * DK;
     float s[64];  // S^T: element (j, i) = S[i][j]
@@ -1277,7 +1280,7 @@ __device__ void tern_gdn_tc_state_t_body(const tern_gdn_tc_state_args& a) {
     for (int e = 0; e < 64; e++) s[e] = state[(size_t)row_of(e) * DK + col_of(e)];
     unsigned sa[8][4];
 #pragma unroll
-    for (int kk = 0; kk < 8; kk++) repack(sa[kk], s + 8 * kk, 1.0f, 1.0f);
+    for (int kk = 0; kk < 8; kk++) repack(sa[kk], s + 8 * kk, unit);
 
     const int c0 = (int)a.seg_chunk0[seq], nc = (int)a.seg_nchunks[seq];
     for (int p = 0; p < NS - 1; p++) {
@@ -1318,13 +1321,9 @@ __device__ void tern_gdn_tc_state_t_body(const tern_gdn_tc_state_args& a) {
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             const int c = 16 * kk + 2 * q;
-            repack(da[kk], dl + 8 * kk, 1.0f, 1.0f);
-            // Registers 0, 1 hold columns c, c + 1; 2, 3 the same rows + 8: each pair its own decay.
-            const float l0 = st.dec[C + c], l1 = st.dec[C + c + 1], h0 = st.dec[C + c + 8], h1 = st.dec[C + c + 9];
-            dta[kk][0] = tern_gdn_tc_pack(dl[8 * kk] * l0, dl[8 * kk + 1] * l1);
-            dta[kk][1] = tern_gdn_tc_pack(dl[8 * kk + 2] * l0, dl[8 * kk + 3] * l1);
-            dta[kk][2] = tern_gdn_tc_pack(dl[8 * kk + 4] * h0, dl[8 * kk + 5] * h1);
-            dta[kk][3] = tern_gdn_tc_pack(dl[8 * kk + 6] * h0, dl[8 * kk + 7] * h1);
+            const float decay[4] = {st.dec[C + c], st.dec[C + c + 1], st.dec[C + c + 8], st.dec[C + c + 9]};
+            repack(da[kk], dl + 8 * kk, unit);
+            repack(dta[kk], dl + 8 * kk, decay);
         }
         const float keep = st.dec[len - 1];
 #pragma unroll
@@ -1341,12 +1340,10 @@ __device__ void tern_gdn_tc_state_t_body(const tern_gdn_tc_state_args& a) {
         for (int e = 0; e < 32; e++) {
             const int j = row_of(e), c = col_of(e);
             if (c >= len) continue;
-            const size_t at = ((t0 + c) * nv + h) * dv + j0 + j;
-            if constexpr (OUT16) static_cast<tern_gdn_bf16*>(a.out)[at] = tern_gdn_tc_bf16(pt[e]);
-            else static_cast<float*>(a.out)[at] = pt[e];
+            static_cast<float*>(a.out)[((t0 + c) * nv + h) * dv + j0 + j] = pt[e];
         }
 #pragma unroll
-        for (int kk = 0; kk < 8; kk++) repack(sa[kk], s + 8 * kk, 1.0f, 1.0f);
+        for (int kk = 0; kk < 8; kk++) repack(sa[kk], s + 8 * kk, unit);
     }
 #pragma unroll
     for (int e = 0; e < 64; e++) state[(size_t)row_of(e) * DK + col_of(e)] = s[e];
@@ -1431,7 +1428,7 @@ extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lwb(
 // The transposed form (tern_gdn_tc_state_t_body; sm_90, d_k 128): _s3lt, one warpgroup a block.
 extern "C" __global__ void __launch_bounds__(128, 1) tern_gdn_tc_state_dk128_s3lt(tern_gdn_tc_state_args a) {
     tern_await_prior_kernel();
-    tern_gdn_tc_state_t_body<false>(a);
+    tern_gdn_tc_state_t_body(a);
 }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 TERN_GDN_TC_STATE_CLUSTER(64, 3, true, l)
