@@ -59,8 +59,12 @@ struct Layer {
 fn layer(gpu: &Gpu, rng: &mut Lcg, heads: &DeltaRuleHeads, tokens: usize) -> Result<Layer> {
     let row = 2 * heads.n_k_heads * heads.d_k + heads.n_v_heads * heads.d_v;
     let qkv = rng.vec(tokens * row, -1.0, 1.0);
-    // Decays like a trained layer's: exp(g) mostly in (0.37, 1).
-    let g: Vec<f32> = rng.vec(tokens * heads.n_v_heads, -1.0, -0.001);
+    // Decays like a trained layer's: exp(g) mostly in (0.37, 1); with `weak` on the command
+    // line, those of slowly forgetting heads (exp(g) in (0.98, 0.9999)), which the state pass's
+    // segments cannot start early (FastVariant::segments).
+    let weak = std::env::args().any(|a| a == "weak");
+    let (g_lo, g_hi) = if weak { (-0.02, -0.0001) } else { (-1.0, -0.001) };
+    let g: Vec<f32> = rng.vec(tokens * heads.n_v_heads, g_lo, g_hi);
     let beta = rng.vec(tokens * heads.n_v_heads, 0.0, 1.0);
     Ok(Layer { qkv: gpu.upload(&qkv)?, g: gpu.upload(&g)?, beta: gpu.upload(&beta)? })
 }
@@ -302,8 +306,12 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
                     k.set_chunk_prepare_only(true);
                     let vprep = time_ms(gpu, 2, 10, |_| run(k, &mut st, &mut out))?;
                     k.set_chunk_prepare_only(false);
+                    // Each variant's error against the scan (the segmented ones may differ).
+                    gpu.write(&init, &mut st)?;
+                    run(k, &mut st, &mut out)?;
+                    let (eo, es) = (rel_err(&gpu.download(&out)?, &want_out), rel_err(&gpu.download(&st)?, &want_st));
                     println!(
-                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} cluster={} warpgroup={} transposed={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4}",
+                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} cluster={} warpgroup={} transposed={} wide={} segments={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4} out_err={eo:.3e} state_err={es:.3e}",
                         v.rows,
                         v.stages,
                         v.compact,
@@ -312,6 +320,8 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
                         v.cluster,
                         v.warpgroup,
                         v.transposed,
+                        v.wide,
+                        v.segments,
                         vms - vprep
                     );
                 }

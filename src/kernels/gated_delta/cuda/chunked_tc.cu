@@ -127,8 +127,10 @@ struct tern_gdn_tc_prep_args {
     const tern_gdn_u32* chunk_t0; const tern_gdn_u32* chunk_len;
     tern_gdn_bf16* w_s; tern_gdn_bf16* u_s; tern_gdn_bf16* qk_s; float* dec_s;
     tern_gdn_bf16* qn_s; tern_gdn_bf16* kn_s;
+    tern_gdn_u32* ctl;  // the state pass's segment words (tern_gdn_tc_state_wg_body), zeroed here; or null
     int nk, nv, grouped, l2qk;
     float eps, q_scale;
+    int ctl_len;
 };
 
 // Rows of one operand of the chunk into bf16 shared memory, one warp per row (rows r0 + 8u,
@@ -512,6 +514,10 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     const int len = (int)a.chunk_len[chunk];
     const size_t ch = (size_t)chunk * nv + h, chk = (size_t)chunk * nk + kh;
     const IN *qs = static_cast<const IN*>(a.q), *ks = static_cast<const IN*>(a.k), *vs = static_cast<const IN*>(a.v);
+    // The state pass's tickets and flags start at zero: it is launched after this pass and
+    // awaits its end (tern_await_prior_kernel), so no memset launch is needed.
+    if (a.ctl && chunk == 0)
+        for (int i = h * blockDim.x + tid; i < a.ctl_len; i += gridDim.x * blockDim.x) a.ctl[i] = 0u;
 
     extern __shared__ __align__(16) unsigned char tern_gdn_tc_smem[];
     const tern_gdn_tc_prep_smem<DK, DV, COMPACT> sm(tern_gdn_tc_smem);
@@ -701,7 +707,11 @@ struct tern_gdn_tc_state_args {
     const tern_gdn_u32* seg_chunk0; const tern_gdn_u32* seg_nchunks;
     const tern_gdn_u32* chunk_t0; const tern_gdn_u32* chunk_len; const tern_gdn_u32* slot;
     const unsigned long long* state_at;  // each sequence's own state buffer, or null: slot of the pool
-    int nk, nv, dv, grouped;
+    // Segments (tern_gdn_tc_state_wg_body): the state at the end of each segment but the last
+    // ([sequence][segment][v head][d_v][d_k], f32), and the tickets and flags (zeroed by the
+    // prepare pass). Unused with one segment.
+    float* boundary; tern_gdn_u32* ctl;
+    int nk, nv, dv, grouped, segments;
 };
 
 // One pipeline stage of the state pass: the chunk's operands, bf16 unless noted. US: U's
@@ -732,13 +742,16 @@ struct tern_gdn_tc_state_smem_mc {
     unsigned long long empty[NS];  // every block of the cluster has left the stage's chunk
 };
 
-// The warpgroup form's (tern_gdn_tc_state_wg_body): the state copy and Delta in blocks, as the
-// products read them.
+// The warpgroup form's (tern_gdn_tc_state_wg_body, US slices of 32 state rows): the state copy
+// and Delta in blocks, as the products read them; then a segment's words.
+template <int US = 1>
 struct tern_gdn_tc_state_wg_smem {
-    tern_gdn_tc_stage<128> st[3];
-    tern_gdn_bf16 s[tern_gdn_tc_bv * 128];  // bf16 copy of the state slice, [j][i] in blocks
-    tern_gdn_bf16 d[tern_gdn_tc_bv * 64];   // Delta, [j][c] in blocks
-    tern_gdn_bf16 dt[tern_gdn_tc_bv * 64];  // e^{G_L - G_c} Delta, the same
+    tern_gdn_tc_stage<128, US> st[3];
+    tern_gdn_bf16 s[US * tern_gdn_tc_bv * 128];  // bf16 copy of the state slice, [j][i] in blocks
+    tern_gdn_bf16 d[US * tern_gdn_tc_bv * 64];   // Delta, [j][c] in blocks
+    tern_gdn_bf16 dt[US * tern_gdn_tc_bv * 64];  // e^{G_L - G_c} Delta, the same
+    unsigned word[4];  // the block's ticket, and where its walk back found the past decayed
+    float part[8];     // each warp's product of decays in that walk
 };
 
 // The host sizes the launch by the same sums (tc_state_smem in mod.rs; its test pins these).
@@ -746,7 +759,8 @@ static_assert(sizeof(tern_gdn_tc_stage<128>) == 61952 && sizeof(tern_gdn_tc_stag
 static_assert(sizeof(tern_gdn_tc_state_smem<128, 3>) == 203776, "state pass at d_k 128, 3 stages: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<128, 3>) == 203824, "state pass in clusters at d_k 128: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<64, 3>) == 126000, "state pass in clusters at d_k 64: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_state_wg_smem) == 202240, "warpgroup state pass: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_wg_smem<1>) == 202288, "warpgroup state pass: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_wg_smem<2>) == 230960, "warpgroup state pass of 64 rows: as mod.rs sizes it");
 static_assert(3 * sizeof(tern_gdn_tc_stage<128, 2>) == 198144, "transposed state pass: as mod.rs sizes it");
 
 template <int DK, int US = 1>
@@ -1104,10 +1118,46 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
     if constexpr (MC) tern_gdn_tc_cluster_sync();  // no block leaves while another may arrive on its barriers
 }
 
+// Segments of a sequence's chunks walked side by side (tern_gdn_tc_state_wg_body with
+// a.segments > 1). A block must start its segment from the state the chunks before it leave,
+// which only the serial walk computes. But under the decay that state's past fades: with
+// L2-normalised k and beta in [0, 1] (|| I - beta k k^T || <= 1) a token multiplies the state by
+// e^g and a matrix of norm <= 1, so what the state held before a run of chunks reaches the
+// end of the run scaled by at most their product of decays. A block whose chunks have such a
+// run just before them, with product <= tern_gdn_tc_seg_fade, starts at the run's first chunk
+// from zeros and walks it without writing outputs (its warm-up): the state it then has differs
+// from the serial walk's by at most 2^-30 of the state's norm there, below f32's own rounding of
+// it. Where the decays are weaker (none such run within tern_gdn_tc_seg_reach chunks back) the
+// block waits for the segment before it to publish its final state and takes that: the serial
+// walk's bits, at the serial walk's speed.
+constexpr int tern_gdn_tc_seg_reach = 256;       // chunks a block may look back (one a thread)
+constexpr float tern_gdn_tc_seg_fade = 9.3132257e-10f;  // 2^-30
+// Fewest chunks a segment has: the launcher's and this file's common rule (more segments than
+// that leave a sequence's blocks nothing to gain).
+constexpr int tern_gdn_tc_seg_min = 8;
+
+// Waits (one thread) until another block has set a flag, then orders this thread's later reads
+// after the writes the flag publishes.
+__device__ __forceinline__ void tern_gdn_tc_await_flag(const tern_gdn_u32* flag) {
+    while (*reinterpret_cast<const volatile tern_gdn_u32*>(flag) == 0u) __nanosleep(256);
+    __threadfence();
+}
+
+// Publishes this block's writes before it (every thread's, through the barrier) by setting a
+// flag to `value` (not 0).
+__device__ __forceinline__ void tern_gdn_tc_set_flag(tern_gdn_u32* flag, tern_gdn_u32 value) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicExch(flag, value);
+    }
+}
+
 // The state pass on the warpgroup tensor cores (wgmma, ../../wgmma.cuh; sm_90, d_k = 128, three
 // stages, copies issued while the first products run). The same algebra and operands as
-// tern_gdn_tc_state_body, with the block's two warpgroups splitting the work:
-//   Delta = U - W S (group 0) and P = Q S (group 1), each 64 x 32 over i = 0..127, both reading
+// tern_gdn_tc_state_body, with the block's two warpgroups splitting the work, for NJ = 32 or
+// 64 state rows j of a value head (the products' N):
+//   Delta = U - W S (group 0) and P = Q S (group 1), each 64 x NJ over i = 0..127, both reading
 //     the state copy as their B operand ([j][i] in blocks);
 //   group 0 stores Delta and e^{G_L - G_c} Delta ([j][c] in blocks), group 1 scales P by e^{G_c};
 //   after the barrier, group 1 adds QKd Delta (every k-step: the weights above the diagonal are
@@ -1117,46 +1167,112 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
 // Each product reads its tiles once for its four warps, where the mma.sync form makes every
 // warp load its own fragments: under ncu that form is bound by its shared-memory traffic.
 // Products in flight leave the issue slots free: the next chunk's copies leave meanwhile.
-template <bool OUT16>
+// With 64 rows a block the stage's shared tiles (W, q, k, read-out weights) serve twice the
+// rows, and a head takes half the blocks; with a.segments > 1 the blocks of a sequence walk
+// segments of its chunks side by side (above).
+template <bool OUT16, int NJ = tern_gdn_tc_bv>
 __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
-    constexpr int DK = 128, NS = 3, C = tern_gdn_tc_c, BV = tern_gdn_tc_bv;
-    // Block strides (bytes between 8-row groups) of the operands: [64][128] tiles, [32][128]
-    // state copy, [64][64] read-out weights, [32][64] Delta, k^T [128][64].
+    constexpr int DK = 128, NS = 3, C = tern_gdn_tc_c, BV = tern_gdn_tc_bv, US = NJ / BV, NA = NJ / 2;
+    static_assert(NJ == 32 || NJ == 64, "32 or 64 state rows a block");
+    // Block strides (bytes between 8-row groups) of the operands: [64][128] tiles, [NJ][128]
+    // state copy, [64][64] read-out weights, [NJ][64] Delta, k^T [128][64].
     constexpr unsigned ROW128 = 16 * DK, ROW64 = 16 * C, CORE = 128;
-    const int h = blockIdx.x, j0 = blockIdx.y * BV, seq = blockIdx.z;
     // The group index taken from lane 0, so that the compiler sees it uniform across each warp:
     // a product in a branch it cannot prove uniform is serialised (ptxas C7520).
     const int group = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
     const int w = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
-    const int nv = a.nv, dv = a.dv;
-    const int kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
+    const int nv = a.nv, dv = a.dv, nseg = a.segments;
     extern __shared__ __align__(128) unsigned char tern_gdn_tc_smem[];
-    tern_gdn_tc_state_wg_smem& sm = *reinterpret_cast<tern_gdn_tc_state_wg_smem*>(tern_gdn_tc_smem);
+    tern_gdn_tc_state_wg_smem<US>& sm = *reinterpret_cast<tern_gdn_tc_state_wg_smem<US>*>(tern_gdn_tc_smem);
     // Accumulator e of this thread: row 16 w + g + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2 q + (e & 1).
     const auto row_of = [&](int e) { return 16 * w + g + 8 * ((e >> 1) & 1); };
     const auto col_of = [&](int e) { return 8 * (e >> 2) + 2 * q + (e & 1); };
 
-    float* state = (a.state_at ? (float*)a.state_at[seq] : a.states + (size_t)a.slot[seq] * nv * dv * DK) + (size_t)h * dv * DK + (size_t)j0 * DK;
-    // This group's state, S[i][j] for key columns i = 64 group + row, state rows j = column.
-    float s[16];
+    // The block's place: (head, rows, sequence) by its index, or with segments by a ticket
+    // taken as it starts, segment-major, so that a block waits only for blocks that started
+    // before it (resident, so the wait ends).
+    int h = blockIdx.x, slice = blockIdx.y, seq = blockIdx.z, seg = 0;
+    if (nseg > 1) {
+        if (threadIdx.x == 0) sm.word[0] = atomicAdd(a.ctl, 1u);
+        __syncthreads();
+        unsigned t = sm.word[0];
+        h = (int)(t % gridDim.x), t /= gridDim.x;
+        slice = (int)(t % gridDim.y), t /= gridDim.y;
+        const unsigned seqs = gridDim.z / (unsigned)nseg;
+        seq = (int)(t % seqs), seg = (int)(t / seqs);
+    }
+    const int j0 = slice * NJ, kh = tern_gdn_key_head(h, a.nk, nv, a.grouped);
+    const int c0 = (int)a.seg_chunk0[seq], nc = (int)a.seg_nchunks[seq];
+    // This block's chunks [begin, end), walked from `first` (earlier for a warm-up), and its
+    // starting state: 0 the sequence's, 1 zeros, 2 the segment before's final state.
+    int begin = c0, end = c0 + nc, first = c0, from = 0;
+    const int nseg_here = nseg > 1 ? max(1, min(nseg, nc / tern_gdn_tc_seg_min)) : 1;
+    if (seg >= nseg_here) return;  // a sequence too short for this many segments
+    // Words: [0] tickets; then one a block (its segment's final state published, as 1 + the
+    // start it took: a census for tests; the last segment's only that); then one a
+    // (sequence, rows, head) (the first segment has read the sequence's state).
+    const unsigned nblocks = gridDim.x * gridDim.y * gridDim.z;
+    const auto published = [&](int s) { return a.ctl + 1 + (((size_t)seq * nseg + s) * gridDim.y + slice) * gridDim.x + h; };
+    tern_gdn_u32* const read_flag = a.ctl + 1 + nblocks + ((size_t)seq * gridDim.y + slice) * gridDim.x + h;
+    if (nseg_here > 1) {
+        begin = c0 + (int)((long long)seg * nc / nseg_here);
+        end = c0 + (int)((long long)(seg + 1) * nc / nseg_here);
+        first = begin;
+        if (seg > 0) {
+            from = 2;
+            // Thread t takes the decay of chunk begin - 1 - t; the products from chunk begin - 1
+            // back, a scan within each warp then across warps; the first that fades sets the
+            // warm-up.
+            const int reach = min(tern_gdn_tc_seg_reach, begin - c0), t = threadIdx.x, lane = t & 31;
+            float x = 1.0f;
+            if (t < reach) {
+                const int ch = begin - 1 - t;
+                x = a.dec_s[((size_t)ch * nv + h) * 2 * C + (int)a.chunk_len[ch] - 1];
+            }
 #pragma unroll
-    for (int e = 0; e < 16; e++) {
-        const int i = 64 * group + row_of(e), j = col_of(e);
-        s[e] = state[(size_t)j * DK + i];
-        sm.s[tern_gdn_tc_tile_at(j, i, DK)] = tern_gdn_tc_bf16(s[e]);
+            for (int off = 1; off < 32; off *= 2) {
+                const float y = __shfl_up_sync(0xffffffffu, x, off);
+                if (lane >= off) x *= y;
+            }
+            if (t == 0) sm.word[1] = 0x7fffffffu;
+            if (lane == 31) sm.part[t >> 5] = x;
+            __syncthreads();
+            for (int u = 0; u < (t >> 5); u++) x *= sm.part[u];
+            if (t < reach && x <= tern_gdn_tc_seg_fade) atomicMin(&sm.word[1], (unsigned)t);
+            __syncthreads();
+            if (sm.word[1] != 0x7fffffffu) first = begin - 1 - (int)sm.word[1], from = 1;
+        }
     }
 
-    const int c0 = (int)a.seg_chunk0[seq], nc = (int)a.seg_nchunks[seq];
+    float* state = (a.state_at ? (float*)a.state_at[seq] : a.states + (size_t)a.slot[seq] * nv * dv * DK) + (size_t)h * dv * DK + (size_t)j0 * DK;
+    const size_t slice_at = ((size_t)h * dv + j0) * DK;  // the slice's place in a sequence's heads
+    if (from == 2) {
+        if (threadIdx.x == 0) tern_gdn_tc_await_flag(published(seg - 1));
+        __syncthreads();
+    }
+    const float* before = from == 2 ? a.boundary + ((size_t)seq * nseg + seg - 1) * nv * dv * DK + slice_at : nullptr;
+    // This group's state, S[i][j] for key columns i = 64 group + row, state rows j = column.
+    float s[NA];
+#pragma unroll
+    for (int e = 0; e < NA; e++) {
+        const int i = 64 * group + row_of(e), j = col_of(e);
+        s[e] = from == 0 ? state[(size_t)j * DK + i] : from == 1 ? 0.0f : __ldcg(before + (size_t)j * DK + i);
+        sm.s[tern_gdn_tc_tile_at(j, i, DK)] = tern_gdn_tc_bf16(s[e]);
+    }
+    // The last segment writes the sequence's state: not before the first has read it.
+    if (nseg_here > 1 && seg == 0) tern_gdn_tc_set_flag(read_flag, 1u);
+
+    const int walk = end - first;
     for (int p = 0; p < NS - 1; p++) {
-        if (p < nc) tern_gdn_tc_issue<DK>(sm.st[p], a, c0 + p, h, kh, j0);
+        if (p < walk) tern_gdn_tc_issue<DK, US>(sm.st[p], a, first + p, h, kh, j0);
         tern_gdn_tc_commit();
     }
-    float acc[16];
+    float acc[NA];
 #pragma unroll
-    for (int e = 0; e < 16; e++) acc[e] = 0.0f;
-    for (int n = 0; n < nc; n++) {
-        const int chunk = c0 + n;
-        tern_gdn_tc_stage<DK>& st = sm.st[n % NS];
+    for (int e = 0; e < NA; e++) acc[e] = 0.0f;
+    for (int n = 0; n < walk; n++) {
+        const int chunk = first + n;
+        tern_gdn_tc_stage<DK, US>& st = sm.st[n % NS];
         asm volatile("cp.async.wait_group %0;" ::"n"(NS - 2) : "memory");
         tern_wgmma_fence_stores();  // this thread's copies and state-copy stores, to the products
         __syncthreads();            // this chunk's operands and the state copy are in; chunk n - 1's stage is free
@@ -1169,14 +1285,14 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
             const tern_gdn_bf16* x = group == 0 ? st.w : st.q;
 #pragma unroll
             for (int kt = 0; kt < DK / 16; kt++)
-                tern_wgmma_m64n32k16(acc, tern_wgmma_desc(x + 128 * kt, CORE, ROW128), tern_wgmma_desc(sm.s + 128 * kt, CORE, ROW128), kt > 0);
+                tern_wgmma_m64k16(acc, tern_wgmma_desc(x + 128 * kt, CORE, ROW128), tern_wgmma_desc(sm.s + 128 * kt, CORE, ROW128), kt > 0);
         }
         tern_wgmma_commit();
-        if (n + NS - 1 < nc) tern_gdn_tc_issue<DK>(sm.st[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
+        if (n + NS - 1 < walk) tern_gdn_tc_issue<DK, US>(sm.st[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
         tern_gdn_tc_commit();
         // This thread's decays and U values, read while the products run.
         float eg[2], el[2];
-        unsigned uw[4][2];  // U at (c, j), (c, j + 1) by [n8 tile][row half]
+        unsigned uw[NJ / 8][2];  // U at (c, j), (c, j + 1) by [n8 tile][row half]
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const int c = 16 * w + g + 8 * hf;
@@ -1184,12 +1300,13 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
             el[hf] = st.dec[C + c];
             if (group == 0)
 #pragma unroll
-                for (int t = 0; t < 4; t++) uw[t][hf] = *reinterpret_cast<const unsigned*>(st.u + c * BV + 8 * t + 2 * q);
+                for (int t = 0; t < NJ / 8; t++)
+                    uw[t][hf] = *reinterpret_cast<const unsigned*>(st.u + (t >> 2) * C * BV + c * BV + 8 * (t & 3) + 2 * q);
         }
         tern_wgmma_wait<0>();
         if (group == 0) {
 #pragma unroll
-            for (int e = 0; e < 16; e++) {
+            for (int e = 0; e < NA; e++) {
                 const int c = row_of(e), j = col_of(e), hf = (e >> 1) & 1;
                 const float dl = tern_gdn_tc_f32_of_pair(uw[e >> 2][hf], e & 1) - acc[e];
                 sm.d[tern_gdn_tc_tile_at(j, c, C)] = tern_gdn_tc_bf16(dl);
@@ -1198,7 +1315,7 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
             tern_wgmma_fence_stores();
         } else {
 #pragma unroll
-            for (int e = 0; e < 16; e++) acc[e] *= eg[(e >> 1) & 1];
+            for (int e = 0; e < NA; e++) acc[e] *= eg[(e >> 1) & 1];
         }
         __syncthreads();  // Delta complete; every read of the state copy is done
 
@@ -1206,21 +1323,21 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
         // S = e^{G_L} S + K^T Delta_t for their 64 key columns, four k-steps.
         const float keep = st.dec[len - 1];
 #pragma unroll
-        for (int e = 0; e < 16; e++) s[e] *= keep;
+        for (int e = 0; e < NA; e++) s[e] *= keep;
         tern_wgmma_fence();
         if (group == 1) {
 #pragma unroll
             for (int kt = 0; kt < C / 16; kt++)
-                tern_wgmma_m64n32k16(acc, tern_wgmma_desc(st.qk + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.d + 128 * kt, CORE, ROW64), 1);
+                tern_wgmma_m64k16(acc, tern_wgmma_desc(st.qk + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.d + 128 * kt, CORE, ROW64), 1);
         }
 #pragma unroll
         for (int kt = 0; kt < C / 16; kt++)
-            tern_wgmma_m64n32k16(s, tern_wgmma_desc(st.k + 64 * C * group + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.dt + 128 * kt, CORE, ROW64), 1);
+            tern_wgmma_m64k16(s, tern_wgmma_desc(st.k + 64 * C * group + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.dt + 128 * kt, CORE, ROW64), 1);
         tern_wgmma_commit();
         tern_wgmma_wait<0>();
-        if (group == 1) {
+        if (group == 1 && chunk >= begin) {  // a warm-up chunk's outputs are another block's
 #pragma unroll
-            for (int e = 0; e < 16; e += 2) {
+            for (int e = 0; e < NA; e += 2) {
                 const int c = row_of(e), j = col_of(e);
                 if (c >= len) continue;
                 const size_t at = ((t0 + c) * nv + h) * dv + j0 + j;
@@ -1230,10 +1347,25 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
         }
         // The state copy for the next chunk's products (read after its first barrier).
 #pragma unroll
-        for (int e = 0; e < 16; e++) sm.s[tern_gdn_tc_tile_at(col_of(e), 64 * group + row_of(e), DK)] = tern_gdn_tc_bf16(s[e]);
+        for (int e = 0; e < NA; e++) sm.s[tern_gdn_tc_tile_at(col_of(e), 64 * group + row_of(e), DK)] = tern_gdn_tc_bf16(s[e]);
+    }
+    if (seg < nseg_here - 1) {
+        // A segment's final state, for the next segment should it wait for it.
+        float* mine = a.boundary + ((size_t)seq * nseg + seg) * nv * dv * DK + slice_at;
+#pragma unroll
+        for (int e = 0; e < NA; e++) mine[(size_t)col_of(e) * DK + 64 * group + row_of(e)] = s[e];
+        tern_gdn_tc_set_flag(published(seg), 1u + (unsigned)from);
+        return;
+    }
+    if (seg > 0) {
+        if (threadIdx.x == 0) {
+            tern_gdn_tc_await_flag(read_flag);
+            *published(seg) = 1u + (unsigned)from;
+        }
+        __syncthreads();
     }
 #pragma unroll
-    for (int e = 0; e < 16; e++) state[(size_t)col_of(e) * DK + 64 * group + row_of(e)] = s[e];
+    for (int e = 0; e < NA; e++) state[(size_t)col_of(e) * DK + 64 * group + row_of(e)] = s[e];
 }
 
 // The state pass transposed (sm_90, d_k = 128, three stages): one warpgroup a block, for 64
@@ -1424,6 +1556,15 @@ extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lw(t
 extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lwb(tern_gdn_tc_state_args a) {
     tern_await_prior_kernel();
     tern_gdn_tc_state_wg_body<true>(a);
+}
+// The same with 64 state rows a block: _s3lw2, _s3lw2b.
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lw2(tern_gdn_tc_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_state_wg_body<false, 64>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lw2b(tern_gdn_tc_state_args a) {
+    tern_await_prior_kernel();
+    tern_gdn_tc_state_wg_body<true, 64>(a);
 }
 // The transposed form (tern_gdn_tc_state_t_body; sm_90, d_k 128): _s3lt, one warpgroup a block.
 extern "C" __global__ void __launch_bounds__(128, 1) tern_gdn_tc_state_dk128_s3lt(tern_gdn_tc_state_args a) {

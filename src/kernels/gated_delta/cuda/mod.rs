@@ -438,10 +438,13 @@ pub struct GatedDeltaCuda {
     /// incomplete), so that the two passes can be timed apart.
     chunk_prepare_only: bool,
     /// Fast mode: prepare kernels by (d_k, d_v, rows, compact, tiled) and state kernels by
-    /// (d_k, stages, late issue, in clusters, warpgroup, transposed); those in clusters only
-    /// where the device has them, the warpgroup ones only on sm_90.
+    /// (d_k, stages, late issue, in clusters, warpgroup, transposed, wide); those in clusters
+    /// only where the device has them, the warpgroup ones only on sm_90.
     tc_prepare: Vec<((usize, usize, usize, bool, bool), CudaFunction)>,
-    tc_state: Vec<((usize, usize, bool, bool, bool, bool), CudaFunction)>,
+    tc_state: Vec<((usize, usize, bool, bool, bool, bool, bool), CudaFunction)>,
+    /// Segments a sequence's chunks are cut into for the state pass (None: as many as fill the
+    /// device, [`FastVariant::segments`]); tests and benchmarks fix it.
+    state_segments: Option<usize>,
     fast_variant: FastVariant,
     /// Blocks a cluster of the state pass in clusters share a chunk's tiles among: 2, or 4
     /// where d_v is 128 (TERN_GDN_CLUSTER_BLOCKS). 2 by default: with one block a
@@ -452,9 +455,9 @@ pub struct GatedDeltaCuda {
     /// default's 0.88 ms at 32k tokens on an H100, BENCHMARKS.md, twenty-eighth session).
     cluster_blocks: usize,
     /// The default variant's kernels with bf16 q, k, v in (prepare, by (d_k, d_v)) and a bf16
-    /// output (state, by d_k and warpgroup form): [`GatedDeltaCuda::delta_rule_chunked_fast_bf16`].
+    /// output (state, by d_k, warpgroup form and wide): [`GatedDeltaCuda::delta_rule_chunked_fast_bf16`].
     tc_prepare_bf16: Vec<((usize, usize), CudaFunction)>,
-    tc_state_bf16: Vec<((usize, bool), CudaFunction)>,
+    tc_state_bf16: Vec<((usize, bool, bool), CudaFunction)>,
     /// Per-(chunk, head) intermediates of the chunked prefill (either mode), grown on demand.
     /// Shared with the graphs of the steps that used it: a recorded prefill holds its address,
     /// so growing it (for a longer prompt) must not free it under such a graph.
@@ -547,6 +550,10 @@ fn state_smem(d_k: usize, bv: usize) -> usize {
 pub const FAST_CHUNK_HEAD_DIMS: [usize; 2] = [64, 128];
 /// State rows (value columns) per block of the fast mode's state pass.
 const TC_STATE_ROWS: usize = 32;
+/// Most segments a sequence's chunks are cut into for the state pass ([`FastVariant::segments`]).
+const MAX_STATE_SEGMENTS: usize = 16;
+/// Fewest chunks a segment of the state pass has (`tern_gdn_tc_seg_min` in chunked_tc.cu).
+const STATE_SEGMENT_MIN_CHUNKS: usize = 8;
 /// How the fast mode's kernels are built. Every variant computes the same bits (a device test
 /// checks it); only the speed differs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -586,14 +593,25 @@ pub struct FastVariant {
     /// (64 blocks for 32 heads) has nothing to run while its products, copies and stores wait.
     /// Opt-in: the base of a block with a copying warp and two such warpgroups taking turns.
     pub transposed: bool,
+    /// With `warpgroup` (not transposed): 64 state rows a block instead of 32, so that each
+    /// chunk's shared tiles (W, q, k, the read-out weights), fetched from L2 by every block of a
+    /// head, serve twice the rows, and a head takes half the blocks. The same bits.
+    pub wide: bool,
+    /// With `warpgroup` (not transposed), where q and k are L2-normalised: the state pass cuts
+    /// each sequence's chunks into segments walked side by side when its blocks would leave
+    /// multiprocessors idle (`tern_gdn_tc_state_wg_body` in chunked_tc.cu). A segment starts
+    /// from zeros a few chunks early where the decays over those chunks have shrunk what came
+    /// before to at most 2^-30 of the state (below f32's rounding of it); elsewhere it waits for
+    /// the segment before it (the serial walk's bits).
+    pub segments: bool,
 }
 
 const fn fast(rows: usize, stages: usize, compact: bool, late_issue: bool) -> FastVariant {
-    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false, warpgroup: false, transposed: false }
+    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false, warpgroup: false, transposed: false, wide: false, segments: false }
 }
 
 /// The fast variants compiled (those in clusters only for devices that launch clusters).
-pub const FAST_VARIANTS: [FastVariant; 12] = [
+pub const FAST_VARIANTS: [FastVariant; 15] = [
     fast(1, 2, false, false),
     fast(8, 2, false, false),
     fast(1, 3, false, false),
@@ -606,6 +624,9 @@ pub const FAST_VARIANTS: [FastVariant; 12] = [
     FastVariant { cluster: true, ..FAST_VARIANT_MMA },
     FAST_VARIANT,
     FastVariant { transposed: true, ..FAST_VARIANT },
+    FastVariant { wide: true, ..FAST_VARIANT },
+    FastVariant { segments: true, ..FAST_VARIANT },
+    FastVariant { wide: true, segments: true, ..FAST_VARIANT },
 ];
 /// The default fast variant on an sm_90 GPU: [`FAST_VARIANT_MMA`] with the state pass on the
 /// warpgroup tensor cores, the same bits (on an H100 at 32k tokens: state pass 0.766 against
@@ -655,10 +676,12 @@ fn tc_stage_bytes(d_k: usize) -> usize {
     2 * (3 * CHUNK * d_k + CHUNK * CHUNK + CHUNK * TC_STATE_ROWS) + 4 * 2 * CHUNK
 }
 
-/// The warpgroup state pass's shared memory (`tern_gdn_tc_state_wg_smem`, d_k 128): three
-/// stages, the state copy and Delta twice, unpadded (in blocks).
-fn tc_state_wg_smem() -> usize {
-    3 * tc_stage_bytes(128) + 2 * (TC_STATE_ROWS * 128 + 2 * TC_STATE_ROWS * CHUNK)
+/// The warpgroup state pass's shared memory (`tern_gdn_tc_state_wg_smem`, d_k 128, `rows` state
+/// rows a block): three stages (U's slices of 32 rows each), the state copy and Delta twice,
+/// unpadded (in blocks), then 48 bytes of a segment's scalars (its ticket and walk back).
+fn tc_state_wg_smem(rows: usize) -> usize {
+    let extra_u = 2 * CHUNK * (rows - TC_STATE_ROWS);
+    3 * (tc_stage_bytes(128) + extra_u) + 2 * (rows * 128 + 2 * rows * CHUNK) + 48
 }
 
 /// The transposed state pass's shared memory (d_k 128): three stages, each with U's two
@@ -702,12 +725,14 @@ struct TcPrepArgs {
     dec_s: u64,
     qn_s: u64,
     kn_s: u64,
+    ctl: u64,
     nk: i32,
     nv: i32,
     grouped: i32,
     l2qk: i32,
     eps: f32,
     q_scale: f32,
+    ctl_len: i32,
 }
 // SAFETY: plain old data of device pointers and scalars, laid out as the C struct.
 unsafe impl DeviceRepr for TcPrepArgs {}
@@ -730,10 +755,13 @@ struct TcStateArgs {
     chunk_len: u64,
     slot: u64,
     state_at: u64,
+    boundary: u64,
+    ctl: u64,
     nk: i32,
     nv: i32,
     dv: i32,
     grouped: i32,
+    segments: i32,
 }
 // SAFETY: as TcPrepArgs.
 unsafe impl DeviceRepr for TcStateArgs {}
@@ -881,19 +909,21 @@ impl GatedDeltaCuda {
             }
             for (stages, late) in [(2, false), (3, false), (3, true)] {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s{stages}{}", if late { "l" } else { "" });
-                tc_state.push(((dk, stages, late, false, false, false), fc(&name, tc_state_smem(dk, stages, false))?));
+                tc_state.push(((dk, stages, late, false, false, false, false), fc(&name, tc_state_smem(dk, stages, false))?));
             }
-            tc_state_bf16.push(((dk, false), fc(&format!("tern_gdn_tc_state_dk{dk}_s3lb"), tc_state_smem(dk, 3, false))?));
+            tc_state_bf16.push(((dk, false, false), fc(&format!("tern_gdn_tc_state_dk{dk}_s3lb"), tc_state_smem(dk, 3, false))?));
             // Compiled for sm_90 and later only (chunked_tc.cu).
             if gpu.cluster_launch()? {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s3lm");
-                tc_state.push(((dk, 3, true, true, false, false), fc(&name, tc_state_smem(dk, 3, true))?));
+                tc_state.push(((dk, 3, true, true, false, false, false), fc(&name, tc_state_smem(dk, 3, true))?));
             }
             // The warpgroup products exist on sm_90 only (compiled there for sm_90a).
             if dk == 128 && gpu.warpgroup_products() {
-                tc_state.push(((dk, 3, true, false, true, false), fc("tern_gdn_tc_state_dk128_s3lw", tc_state_wg_smem())?));
-                tc_state.push(((dk, 3, true, false, true, true), fc("tern_gdn_tc_state_dk128_s3lt", tc_state_t_smem())?));
-                tc_state_bf16.push(((dk, true), fc("tern_gdn_tc_state_dk128_s3lwb", tc_state_wg_smem())?));
+                tc_state.push(((dk, 3, true, false, true, false, false), fc("tern_gdn_tc_state_dk128_s3lw", tc_state_wg_smem(32))?));
+                tc_state.push(((dk, 3, true, false, true, false, true), fc("tern_gdn_tc_state_dk128_s3lw2", tc_state_wg_smem(64))?));
+                tc_state.push(((dk, 3, true, false, true, true, false), fc("tern_gdn_tc_state_dk128_s3lt", tc_state_t_smem())?));
+                tc_state_bf16.push(((dk, true, false), fc("tern_gdn_tc_state_dk128_s3lwb", tc_state_wg_smem(32))?));
+                tc_state_bf16.push(((dk, true, true), fc("tern_gdn_tc_state_dk128_s3lw2b", tc_state_wg_smem(64))?));
             }
         }
         Ok(GatedDeltaCuda {
@@ -902,6 +932,7 @@ impl GatedDeltaCuda {
             tc_prepare_bf16,
             tc_state_bf16,
             fast_variant: if gpu.warpgroup_products() { FAST_VARIANT } else { FAST_VARIANT_MMA },
+            state_segments: None,
             cluster_blocks: match std::env::var("TERN_GDN_CLUSTER_BLOCKS").as_deref() {
                 Ok("4") => 4,
                 Ok("1") => 1,
@@ -935,6 +966,17 @@ impl GatedDeltaCuda {
         &self.gpu
     }
 
+    /// Segments of a sequence's chunks the fast state pass walks side by side where its variant
+    /// has [`FastVariant::segments`]: `Some(n)` asks for n (fewer where a sequence has fewer than
+    /// 8 chunks a segment; at most 16), None for as many as fill the device's multiprocessors.
+    pub fn set_state_segments(&mut self, n: Option<usize>) -> Result<()> {
+        if n == Some(0) {
+            return Err(Error::Input("state segments: at least 1".into()));
+        }
+        self.state_segments = n;
+        Ok(())
+    }
+
     /// Benchmark aid: with `true`, [`Self::delta_rule_chunked`] runs only its parallel
     /// per-chunk pass and leaves outputs and states unfinished.
     #[doc(hidden)]
@@ -956,7 +998,9 @@ impl GatedDeltaCuda {
     /// device cannot launch clusters, and the warpgroup one where it has no warpgroup products.
     pub fn fast_variants(&self) -> Vec<FastVariant> {
         let has = |v: &FastVariant| {
-            self.tc_state.iter().any(|((_, stages, late, cluster, wg, t), _)| (*stages, *late, *cluster, *wg, *t) == (v.stages, v.late_issue, v.cluster, v.warpgroup, v.transposed))
+            self.tc_state.iter().any(|((_, stages, late, cluster, wg, t, wide), _)| {
+                (*stages, *late, *cluster, *wg, *t, *wide) == (v.stages, v.late_issue, v.cluster, v.warpgroup, v.transposed, v.wide)
+            })
         };
         FAST_VARIANTS.into_iter().filter(has).collect()
     }
@@ -1484,19 +1528,21 @@ impl GatedDeltaCuda {
         let (pool, state_table, state_ranges) = states.resolve(&self.gpu, &format!("{what} states"), segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
         // The bf16 forms exist for the default variant only.
-        let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup, transposed } = if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
+        let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup, transposed, wide, segments } =
+            if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
         // The warpgroup state pass is built for d_k 128 on sm_90; other head sizes and devices
         // take the mma.sync form (the same operands).
         let warpgroup = warpgroup && d_k == 128 && self.gpu.warpgroup_products();
         let transposed = transposed && warpgroup;
+        let wide = wide && warpgroup && !transposed && d_v % 64 == 0;
         let (prepare, state) = match io {
             FastIo::F32 => (
                 self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f),
-                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster, warpgroup, transposed)).map(|(_, f)| f),
+                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster, warpgroup, transposed, wide)).map(|(_, f)| f),
             ),
             FastIo::Bf16 => (
                 self.tc_prepare_bf16.iter().find(|(d, _)| *d == (d_k, d_v)).map(|(_, f)| f),
-                self.tc_state_bf16.iter().find(|(d, _)| *d == (d_k, warpgroup)).map(|(_, f)| f),
+                self.tc_state_bf16.iter().find(|(d, _)| *d == (d_k, warpgroup, wide)).map(|(_, f)| f),
             ),
         };
         let (Some(prepare), Some(state)) = (prepare, state) else {
@@ -1507,7 +1553,28 @@ impl GatedDeltaCuda {
             return Err(Error::Shape(format!("{what}: {} chunks, at most 65535 per launch", table.n_chunks)));
         }
         let bytes = fast_operand_regions(heads, table.n_chunks);
-        let scratch = self.scratch(bytes.iter().sum::<usize>() / 4)?;
+        // The state pass's blocks: (value head, state rows, sequence), times its segments.
+        let rows_per_block = if transposed || wide { 2 * TC_STATE_ROWS } else { TC_STATE_ROWS };
+        let slices = d_v / rows_per_block;
+        let blocks = n_v_heads * slices * segs.n_seqs();
+        let n_segments = if segments && warpgroup && !transposed && x.normalize_qk {
+            let longest = segs.segments().iter().map(|s| s.len.div_ceil(CHUNK)).max().unwrap_or(0);
+            let fill = match self.state_segments {
+                Some(n) => n,
+                None => self.gpu.multiprocessors()? / blocks.max(1),
+            };
+            fill.min(MAX_STATE_SEGMENTS).min(longest / STATE_SEGMENT_MIN_CHUNKS).max(1)
+        } else {
+            1
+        };
+        // Segments' words (tickets, flags) and final states (chunked_tc.cu), after the operands.
+        let (ctl_len, boundary_len) = if n_segments > 1 {
+            (1 + blocks * n_segments + blocks, segs.n_seqs() * n_segments * heads.state_len())
+        } else {
+            (0, 0)
+        };
+        let operand_bytes: usize = bytes.iter().sum();
+        let scratch = self.scratch(operand_bytes / 4 + boundary_len + ctl_len)?;
         let stream = self.gpu.stream();
         let base = self.gpu.ptr(&*scratch);
         let mut at = [0u64; 6];
@@ -1515,6 +1582,8 @@ impl GatedDeltaCuda {
             at[i] = at[i - 1] + bytes[i - 1] as u64;
         }
         let [w_s, u_s, qk_s, qn_s, kn_s, dec_s] = at.map(|o| base + o);
+        let boundary = base + operand_bytes as u64;
+        let ctl = if n_segments > 1 { boundary + 4 * boundary_len as u64 } else { 0 };
         let (nk, nv, dv) = (i32_of("key heads", n_k_heads)?, i32_of("value heads", n_v_heads)?, i32_of("d_v", d_v)?);
         let grouped = (key_head == KeyHeadMap::Grouped) as i32;
         let (chunk_t0, chunk_len) = (table.chunk_t0.device_ptr(stream).0, table.chunk_len.device_ptr(stream).0);
@@ -1536,12 +1605,14 @@ impl GatedDeltaCuda {
             dec_s,
             qn_s,
             kn_s,
+            ctl,
             nk,
             nv,
             grouped,
             l2qk: x.normalize_qk as i32,
             eps: L2_NORM_EPS,
             q_scale: (1.0 / (d_k as f64).sqrt()) as f32,
+            ctl_len: i32_of("segment words", ctl_len)?,
         };
         // The heads of one chunk are neighbours in the grid, so q and k rows read by a key
         // head's second value head come from L2.
@@ -1574,20 +1645,22 @@ impl GatedDeltaCuda {
             chunk_len,
             slot: segs.slot.device_ptr(stream).0,
             state_at: self.gpu.ptr_opt(state_table.as_deref()),
+            boundary,
+            ctl,
             nk,
             nv,
             dv,
             grouped,
+            segments: n_segments as i32,
         };
-        // The transposed form's blocks take 64 state rows, the others 32.
-        let slices = (d_v / TC_STATE_ROWS / if transposed { 2 } else { 1 }) as u32;
+        let slices = slices as u32;
         let cfg = LaunchConfig {
-            grid_dim: (n_v_heads as u32, slices, segs.n_seqs() as u32),
+            grid_dim: (n_v_heads as u32, slices, (segs.n_seqs() * n_segments) as u32),
             block_dim: (if transposed { 128 } else { CHUNK_THREADS }, 1, 1),
             shared_mem_bytes: if transposed {
                 tc_state_t_smem()
             } else if warpgroup {
-                tc_state_wg_smem()
+                tc_state_wg_smem(rows_per_block)
             } else {
                 tc_state_smem(d_k, stages, cluster)
             } as u32,
