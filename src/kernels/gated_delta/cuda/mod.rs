@@ -443,7 +443,7 @@ pub struct GatedDeltaCuda {
     tc_prepare: Vec<((usize, usize, usize, bool, bool), CudaFunction)>,
     tc_state: Vec<((usize, usize, bool, bool, bool, bool, bool), CudaFunction)>,
     /// Segments a sequence's chunks are cut into for the state pass (None: as many as fill the
-    /// device, [`FastVariant::segments`]); tests and benchmarks fix it.
+    /// device, [`FastVariant::segments`]); tests and benchmarks fix it (TERN_GDN_STATE_SEGMENTS).
     state_segments: Option<usize>,
     fast_variant: FastVariant,
     /// Blocks a cluster of the state pass in clusters share a chunk's tiles among: 2, or 4
@@ -932,7 +932,7 @@ impl GatedDeltaCuda {
             tc_prepare_bf16,
             tc_state_bf16,
             fast_variant: if gpu.warpgroup_products() { FAST_VARIANT } else { FAST_VARIANT_MMA },
-            state_segments: None,
+            state_segments: std::env::var("TERN_GDN_STATE_SEGMENTS").ok().and_then(|v| v.parse().ok()).filter(|n| *n > 0),
             cluster_blocks: match std::env::var("TERN_GDN_CLUSTER_BLOCKS").as_deref() {
                 Ok("4") => 4,
                 Ok("1") => 1,
