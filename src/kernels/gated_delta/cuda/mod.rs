@@ -438,10 +438,10 @@ pub struct GatedDeltaCuda {
     /// incomplete), so that the two passes can be timed apart.
     chunk_prepare_only: bool,
     /// Fast mode: prepare kernels by (d_k, d_v, rows, compact, tiled) and state kernels by
-    /// (d_k, stages, late issue, in clusters, warpgroup, transposed, wide); those in clusters
+    /// (d_k, stages, late issue, in clusters, warpgroup, transposed, state rows); those in clusters
     /// only where the device has them, the warpgroup ones only on sm_90.
     tc_prepare: Vec<((usize, usize, usize, bool, bool), CudaFunction)>,
-    tc_state: Vec<((usize, usize, bool, bool, bool, bool, bool), CudaFunction)>,
+    tc_state: Vec<((usize, usize, bool, bool, bool, bool, usize), CudaFunction)>,
     /// Segments a sequence's chunks are cut into for the state pass (None: as many as fill the
     /// device, [`FastVariant::segments`]); tests and benchmarks fix it (TERN_GDN_STATE_SEGMENTS).
     state_segments: Option<usize>,
@@ -455,9 +455,9 @@ pub struct GatedDeltaCuda {
     /// default's 0.88 ms at 32k tokens on an H100, BENCHMARKS.md, twenty-eighth session).
     cluster_blocks: usize,
     /// The default variant's kernels with bf16 q, k, v in (prepare, by (d_k, d_v)) and a bf16
-    /// output (state, by d_k, warpgroup form and wide): [`GatedDeltaCuda::delta_rule_chunked_fast_bf16`].
+    /// output (state, by d_k, warpgroup form and state rows): [`GatedDeltaCuda::delta_rule_chunked_fast_bf16`].
     tc_prepare_bf16: Vec<((usize, usize), CudaFunction)>,
-    tc_state_bf16: Vec<((usize, bool, bool), CudaFunction)>,
+    tc_state_bf16: Vec<((usize, bool, usize), CudaFunction)>,
     /// Per-(chunk, head) intermediates of the chunked prefill (either mode), grown on demand.
     /// Shared with the graphs of the steps that used it: a recorded prefill holds its address,
     /// so growing it (for a longer prompt) must not free it under such a graph.
@@ -593,10 +593,11 @@ pub struct FastVariant {
     /// (64 blocks for 32 heads) has nothing to run while its products, copies and stores wait.
     /// Opt-in: the base of a block with a copying warp and two such warpgroups taking turns.
     pub transposed: bool,
-    /// With `warpgroup` (not transposed): 64 state rows a block instead of 32, so that each
-    /// chunk's shared tiles (W, q, k, the read-out weights), fetched from L2 by every block of a
-    /// head, serve twice the rows, and a head takes half the blocks. The same bits.
-    pub wide: bool,
+    /// State rows a block of the state pass: 32; with `warpgroup` (not transposed) also 64, or
+    /// 128 (two pairs of warpgroups, two stages), so that each chunk's shared tiles (W, q, k,
+    /// the read-out weights), fetched from L2 by every block of a head, serve more rows, and a
+    /// head takes fewer blocks. The same bits.
+    pub state_rows: usize,
     /// With `warpgroup` (not transposed), where q and k are L2-normalised: the state pass cuts
     /// each sequence's chunks into segments walked side by side when its blocks would leave
     /// multiprocessors idle (`tern_gdn_tc_state_wg_body` in chunked_tc.cu). A segment starts
@@ -607,11 +608,11 @@ pub struct FastVariant {
 }
 
 const fn fast(rows: usize, stages: usize, compact: bool, late_issue: bool) -> FastVariant {
-    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false, warpgroup: false, transposed: false, wide: false, segments: false }
+    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false, warpgroup: false, transposed: false, state_rows: 32, segments: false }
 }
 
 /// The fast variants compiled (those in clusters only for devices that launch clusters).
-pub const FAST_VARIANTS: [FastVariant; 15] = [
+pub const FAST_VARIANTS: [FastVariant; 17] = [
     fast(1, 2, false, false),
     fast(8, 2, false, false),
     fast(1, 3, false, false),
@@ -624,9 +625,11 @@ pub const FAST_VARIANTS: [FastVariant; 15] = [
     FastVariant { cluster: true, ..FAST_VARIANT_MMA },
     FAST_VARIANT,
     FastVariant { transposed: true, ..FAST_VARIANT },
-    FastVariant { wide: true, ..FAST_VARIANT },
+    FastVariant { state_rows: 64, ..FAST_VARIANT },
+    FastVariant { state_rows: 128, ..FAST_VARIANT },
     FastVariant { segments: true, ..FAST_VARIANT },
-    FastVariant { wide: true, segments: true, ..FAST_VARIANT },
+    FastVariant { state_rows: 64, segments: true, ..FAST_VARIANT },
+    FastVariant { state_rows: 128, segments: true, ..FAST_VARIANT },
 ];
 /// The default fast variant on an sm_90 GPU: [`FAST_VARIANT_MMA`] with the state pass on the
 /// warpgroup tensor cores, the same bits (on an H100 at 32k tokens: state pass 0.766 against
@@ -677,11 +680,21 @@ fn tc_stage_bytes(d_k: usize) -> usize {
 }
 
 /// The warpgroup state pass's shared memory (`tern_gdn_tc_state_wg_smem`, d_k 128, `rows` state
-/// rows a block): three stages (U's slices of 32 rows each), the state copy and Delta twice,
-/// unpadded (in blocks), then 48 bytes of a segment's scalars (its ticket and walk back).
+/// rows a block): three stages (two for 128 rows; U's slices of 32 rows each), the state copy
+/// and Delta twice, unpadded (in blocks), then 48 bytes of a segment's scalars (its ticket and
+/// walk back).
 fn tc_state_wg_smem(rows: usize) -> usize {
     let extra_u = 2 * CHUNK * (rows - TC_STATE_ROWS);
-    3 * (tc_stage_bytes(128) + extra_u) + 2 * (rows * 128 + 2 * rows * CHUNK) + 48
+    tc_state_wg_stages(rows) * (tc_stage_bytes(128) + extra_u) + 2 * (rows * 128 + 2 * rows * CHUNK) + 48
+}
+
+/// Stages of the warpgroup state pass by state rows a block (as chunked_tc.cu's NS).
+fn tc_state_wg_stages(rows: usize) -> usize {
+    if rows == 128 {
+        2
+    } else {
+        3
+    }
 }
 
 /// The transposed state pass's shared memory (d_k 128): three stages, each with U's two
@@ -909,21 +922,23 @@ impl GatedDeltaCuda {
             }
             for (stages, late) in [(2, false), (3, false), (3, true)] {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s{stages}{}", if late { "l" } else { "" });
-                tc_state.push(((dk, stages, late, false, false, false, false), fc(&name, tc_state_smem(dk, stages, false))?));
+                tc_state.push(((dk, stages, late, false, false, false, 32), fc(&name, tc_state_smem(dk, stages, false))?));
             }
-            tc_state_bf16.push(((dk, false, false), fc(&format!("tern_gdn_tc_state_dk{dk}_s3lb"), tc_state_smem(dk, 3, false))?));
+            tc_state_bf16.push(((dk, false, 32), fc(&format!("tern_gdn_tc_state_dk{dk}_s3lb"), tc_state_smem(dk, 3, false))?));
             // Compiled for sm_90 and later only (chunked_tc.cu).
             if gpu.cluster_launch()? {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s3lm");
-                tc_state.push(((dk, 3, true, true, false, false, false), fc(&name, tc_state_smem(dk, 3, true))?));
+                tc_state.push(((dk, 3, true, true, false, false, 32), fc(&name, tc_state_smem(dk, 3, true))?));
             }
             // The warpgroup products exist on sm_90 only (compiled there for sm_90a).
             if dk == 128 && gpu.warpgroup_products() {
-                tc_state.push(((dk, 3, true, false, true, false, false), fc("tern_gdn_tc_state_dk128_s3lw", tc_state_wg_smem(32))?));
-                tc_state.push(((dk, 3, true, false, true, false, true), fc("tern_gdn_tc_state_dk128_s3lw2", tc_state_wg_smem(64))?));
-                tc_state.push(((dk, 3, true, false, true, true, false), fc("tern_gdn_tc_state_dk128_s3lt", tc_state_t_smem())?));
-                tc_state_bf16.push(((dk, true, false), fc("tern_gdn_tc_state_dk128_s3lwb", tc_state_wg_smem(32))?));
-                tc_state_bf16.push(((dk, true, true), fc("tern_gdn_tc_state_dk128_s3lw2b", tc_state_wg_smem(64))?));
+                // By state rows a block: _s3lw (32), _s3lw2 (64), _s2lw4 (128); b: bf16 output.
+                for (rows, name) in [(32, "s3lw"), (64, "s3lw2"), (128, "s2lw4")] {
+                    let smem = tc_state_wg_smem(rows);
+                    tc_state.push(((dk, 3, true, false, true, false, rows), fc(&format!("tern_gdn_tc_state_dk128_{name}"), smem)?));
+                    tc_state_bf16.push(((dk, true, rows), fc(&format!("tern_gdn_tc_state_dk128_{name}b"), smem)?));
+                }
+                tc_state.push(((dk, 3, true, false, true, true, 32), fc("tern_gdn_tc_state_dk128_s3lt", tc_state_t_smem())?));
             }
         }
         Ok(GatedDeltaCuda {
@@ -998,8 +1013,8 @@ impl GatedDeltaCuda {
     /// device cannot launch clusters, and the warpgroup one where it has no warpgroup products.
     pub fn fast_variants(&self) -> Vec<FastVariant> {
         let has = |v: &FastVariant| {
-            self.tc_state.iter().any(|((_, stages, late, cluster, wg, t, wide), _)| {
-                (*stages, *late, *cluster, *wg, *t, *wide) == (v.stages, v.late_issue, v.cluster, v.warpgroup, v.transposed, v.wide)
+            self.tc_state.iter().any(|((_, stages, late, cluster, wg, t, rows), _)| {
+                (*stages, *late, *cluster, *wg, *t, *rows) == (v.stages, v.late_issue, v.cluster, v.warpgroup, v.transposed, v.state_rows)
             })
         };
         FAST_VARIANTS.into_iter().filter(has).collect()
@@ -1528,21 +1543,22 @@ impl GatedDeltaCuda {
         let (pool, state_table, state_ranges) = states.resolve(&self.gpu, &format!("{what} states"), segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
         // The bf16 forms exist for the default variant only.
-        let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup, transposed, wide, segments } =
+        let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup, transposed, state_rows, segments } =
             if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
         // The warpgroup state pass is built for d_k 128 on sm_90; other head sizes and devices
         // take the mma.sync form (the same operands).
         let warpgroup = warpgroup && d_k == 128 && self.gpu.warpgroup_products();
         let transposed = transposed && warpgroup;
-        let wide = wide && warpgroup && !transposed && d_v % 64 == 0;
+        // Blocks of more state rows where the warpgroup form runs and d_v holds them whole.
+        let state_rows = if warpgroup && !transposed && d_v % state_rows == 0 { state_rows } else { TC_STATE_ROWS };
         let (prepare, state) = match io {
             FastIo::F32 => (
                 self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f),
-                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster, warpgroup, transposed, wide)).map(|(_, f)| f),
+                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster, warpgroup, transposed, state_rows)).map(|(_, f)| f),
             ),
             FastIo::Bf16 => (
                 self.tc_prepare_bf16.iter().find(|(d, _)| *d == (d_k, d_v)).map(|(_, f)| f),
-                self.tc_state_bf16.iter().find(|(d, _)| *d == (d_k, warpgroup, wide)).map(|(_, f)| f),
+                self.tc_state_bf16.iter().find(|(d, _)| *d == (d_k, warpgroup, state_rows)).map(|(_, f)| f),
             ),
         };
         let (Some(prepare), Some(state)) = (prepare, state) else {
@@ -1554,7 +1570,7 @@ impl GatedDeltaCuda {
         }
         let bytes = fast_operand_regions(heads, table.n_chunks);
         // The state pass's blocks: (value head, state rows, sequence), times its segments.
-        let rows_per_block = if transposed || wide { 2 * TC_STATE_ROWS } else { TC_STATE_ROWS };
+        let rows_per_block = if transposed { 2 * TC_STATE_ROWS } else { state_rows };
         let slices = d_v / rows_per_block;
         let blocks = n_v_heads * slices * segs.n_seqs();
         let n_segments = if segments && warpgroup && !transposed && x.normalize_qk {
@@ -1656,7 +1672,8 @@ impl GatedDeltaCuda {
         let slices = slices as u32;
         let cfg = LaunchConfig {
             grid_dim: (n_v_heads as u32, slices, (segs.n_seqs() * n_segments) as u32),
-            block_dim: (if transposed { 128 } else { CHUNK_THREADS }, 1, 1),
+            // Two pairs of warpgroups for 128 rows; one warpgroup transposed.
+            block_dim: (if transposed { 128 } else if rows_per_block == 128 { 2 * CHUNK_THREADS } else { CHUNK_THREADS }, 1, 1),
             shared_mem_bytes: if transposed {
                 tc_state_t_smem()
             } else if warpgroup {

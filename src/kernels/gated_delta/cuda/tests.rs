@@ -48,6 +48,8 @@ fn fast_state_layouts_fit_a_multiprocessor() {
     assert_eq!(tc_state_smem(64, 3, true), 126_000);
     assert_eq!(tc_state_wg_smem(32), 202_288);
     assert_eq!(tc_state_wg_smem(64), 230_960);
+    assert_eq!(tc_state_wg_smem(128), 214_064);
+    assert!(tc_state_wg_smem(128) <= 227 * 1024);
     assert_eq!(tc_state_t_smem(), 198_144);
     assert!(tc_state_wg_smem(64) <= 227 * 1024);
     for dk in FAST_CHUNK_HEAD_DIMS {
@@ -708,8 +710,8 @@ fn cuda_chunked_fast_matches_cpu_scan() {
 /// shrink its past below 2^-30 starts there from zeros; any other waits for the segment before
 /// it. Value heads 0 and 2 decay strongly (g in [-1, -0.001]: a chunk's decay about e^-32),
 /// heads 1 and 3 weakly (g in [-0.002, -0.0001]: no run of chunks fades). Four sequences on
-/// scattered slots, two of them long enough for segments (24 and 18 chunks), 32 and 64 state
-/// rows a block, 2, 3 and 16 segments asked, q and k normalised in the kernel (segments need
+/// scattered slots, two of them long enough for segments (24 and 18 chunks), 32, 64 and 128
+/// state rows a block, 2, 3 and 16 segments asked, q and k normalised in the kernel (segments need
 /// it), outputs poisoned. The weak heads' outputs and states equal the unsegmented pass's bit for
 /// bit. The strong heads' lie within 1e-3 of it: a state 2^-30 away may round to another bf16
 /// copy in a product. Every head stays within FAST_BOUND of the CPU scan. The segments' census
@@ -779,13 +781,13 @@ fn cuda_chunked_fast_segments_start_early_or_wait() {
         (o, p)
     };
     let chunks: Vec<usize> = lengths.iter().map(|l| l.div_ceil(64)).collect();
-    for wide in [false, true] {
-        let base = FastVariant { wide, ..FAST_VARIANT };
+    for state_rows in [32usize, 64, 128] {
+        let base = FastVariant { state_rows, ..FAST_VARIANT };
         kv.set_fast_variant(base).unwrap();
         let (o0, p0) = run(&kv);
         let (eo, es) = (check("unsegmented (outputs)", &o0, &want_out, FAST_BOUND), check("unsegmented (states)", &p0, &want_pool, FAST_BOUND));
-        eprintln!("segments, wide {wide}: unsegmented against the CPU scan: outputs {eo:.2e}, states {es:.2e}");
-        kv.set_fast_variant(FastVariant { wide, ..segmented }).unwrap();
+        eprintln!("segments, {state_rows} rows: unsegmented against the CPU scan: outputs {eo:.2e}, states {es:.2e}");
+        kv.set_fast_variant(FastVariant { state_rows, ..segmented }).unwrap();
         for ask in [2usize, 3, 16] {
             kv.set_state_segments(Some(ask)).unwrap();
             let (o, p) = run(&kv);
@@ -795,16 +797,16 @@ fn cuda_chunked_fast_segments_start_early_or_wait() {
                 let ((ho, hp), (ho0, hp0)) = (of_head(&o, &p, h), of_head(&o0, &p0, h));
                 if strong(h) {
                     let (eo, es) = (check("strong head (outputs)", &ho, &ho0, 1e-3), check("strong head (states)", &hp, &hp0, 1e-3));
-                    eprintln!("segments, wide {wide}, {ask} asked, strong head {h}: against unsegmented: outputs {eo:.2e}, states {es:.2e}");
+                    eprintln!("segments, {state_rows} rows, {ask} asked, strong head {h}: against unsegmented: outputs {eo:.2e}, states {es:.2e}");
                 } else {
-                    assert_bits_eq(&format!("weak head {h}, wide {wide}, {ask} segments (outputs)"), &ho, &ho0);
-                    assert_bits_eq(&format!("weak head {h}, wide {wide}, {ask} segments (states)"), &hp, &hp0);
+                    assert_bits_eq(&format!("weak head {h}, {state_rows} rows, {ask} segments (outputs)"), &ho, &ho0);
+                    assert_bits_eq(&format!("weak head {h}, {state_rows} rows, {ask} segments (states)"), &hp, &hp0);
                 }
             }
             // The census: segments used (the longest sequence has 24 chunks, 8 at least a
             // segment), each block's start (1: the sequence's state, 2: zeros, 3: waited).
             let n = ask.min(24 / 8);
-            let slices = dv / if wide { 64 } else { 32 };
+            let slices = dv / state_rows;
             let blocks = nv * slices * lengths.len();
             let operand_words = fast_operand_regions(&heads, chunks.iter().sum()).iter().sum::<usize>() / 4;
             let ctl_at = operand_words + lengths.len() * n * sl;
@@ -828,7 +830,7 @@ fn cuda_chunked_fast_segments_start_early_or_wait() {
                             } else {
                                 3
                             };
-                            assert_eq!(got, want, "census: wide {wide}, {ask} asked, sequence {seq}, segment {s}, rows {slice}, head {h}");
+                            assert_eq!(got, want, "census: {state_rows} rows, {ask} asked, sequence {seq}, segment {s}, rows {slice}, head {h}");
                         }
                     }
                 }
