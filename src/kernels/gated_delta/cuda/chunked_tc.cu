@@ -14,8 +14,10 @@
 //     U = T diag(beta) V on tensor cores, and writes W, U, the decayed read-out weights and
 //     the decays (per value head) and the normalised bf16 q and k (per key head, by the first
 //     value head that reads it).
-//  2. tern_gdn_tc_state_*: one block per (value head, 32 state rows, sequence), walking the
-//     chunks in order with the next chunks' operands in flight (cp.async, 2 or 3 stages). The
+//  2. tern_gdn_tc_state_*: one block per (value head, 32 state rows, sequence) (64 rows in the
+//     warpgroup form's default, and a sequence in segments where the decay allows:
+//     tern_gdn_tc_state_wg_body), walking the chunks in order with the next chunks' operands
+//     in flight (cp.async, 2 or 3 stages). The
 //     prepare pass stores those operands as the state pass keeps them in shared memory (in
 //     8 x 8 blocks: tern_gdn_tc_tile_at; k transposed; U in slices of 32 columns), so they are
 //     copied verbatim, in whole runs. Per
@@ -742,11 +744,11 @@ struct tern_gdn_tc_state_smem_mc {
     unsigned long long empty[NS];  // every block of the cluster has left the stage's chunk
 };
 
-// The warpgroup form's (tern_gdn_tc_state_wg_body, US slices of 32 state rows, NS stages): the
-// state copy and Delta in blocks, as the products read them; then a segment's words.
-template <int US = 1, int NS = 3>
+// The warpgroup form's (tern_gdn_tc_state_wg_body, US slices of 32 state rows): the state copy
+// and Delta in blocks, as the products read them; then a segment's words.
+template <int US = 1>
 struct tern_gdn_tc_state_wg_smem {
-    tern_gdn_tc_stage<128, US> st[NS];
+    tern_gdn_tc_stage<128, US> st[3];
     tern_gdn_bf16 s[US * tern_gdn_tc_bv * 128];  // bf16 copy of the state slice, [j][i] in blocks
     tern_gdn_bf16 d[US * tern_gdn_tc_bv * 64];   // Delta, [j][c] in blocks
     tern_gdn_bf16 dt[US * tern_gdn_tc_bv * 64];  // e^{G_L - G_c} Delta, the same
@@ -761,7 +763,6 @@ static_assert(sizeof(tern_gdn_tc_state_smem_mc<128, 3>) == 203824, "state pass i
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<64, 3>) == 126000, "state pass in clusters at d_k 64: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_wg_smem<1>) == 202288, "warpgroup state pass: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_wg_smem<2>) == 230960, "warpgroup state pass of 64 rows: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_state_wg_smem<4, 2>) == 214064, "warpgroup state pass of 128 rows: as mod.rs sizes it");
 static_assert(3 * sizeof(tern_gdn_tc_stage<128, 2>) == 198144, "transposed state pass: as mod.rs sizes it");
 
 template <int DK, int US = 1>
@@ -1156,8 +1157,8 @@ __device__ __forceinline__ void tern_gdn_tc_set_flag(tern_gdn_u32* flag, tern_gd
 
 // The state pass on the warpgroup tensor cores (wgmma, ../../wgmma.cuh; sm_90, d_k = 128, three
 // stages, copies issued while the first products run). The same algebra and operands as
-// tern_gdn_tc_state_body, with each pair of warpgroups splitting the work for NP = 32 or 64
-// state rows j of a value head (the products' N):
+// tern_gdn_tc_state_body, with the block's two warpgroups splitting the work, for NJ = 32 or
+// 64 state rows j of a value head (the products' N):
 //   Delta = U - W S (group 0) and P = Q S (group 1), each 64 x NJ over i = 0..127, both reading
 //     the state copy as their B operand ([j][i] in blocks);
 //   group 0 stores Delta and e^{G_L - G_c} Delta ([j][c] in blocks), group 1 scales P by e^{G_c};
@@ -1168,37 +1169,26 @@ __device__ __forceinline__ void tern_gdn_tc_set_flag(tern_gdn_u32* flag, tern_gd
 // Each product reads its tiles once for its four warps, where the mma.sync form makes every
 // warp load its own fragments: under ncu that form is bound by its shared-memory traffic.
 // Products in flight leave the issue slots free: the next chunk's copies leave meanwhile.
-// With NJ = 64 rows a block the stage's shared tiles (W, q, k, read-out weights) serve twice the
-// rows, and a head takes half the blocks. With NJ = 128 (two stages, 512 threads) two such
-// pairs share them, each on its 64 rows: a pair's barrier inside a chunk is its own (named
-// barrier 1 + pair), so one pair's products run while the other waits. With a.segments > 1 the
-// blocks of a sequence walk segments of its chunks side by side (above).
+// With 64 rows a block the stage's shared tiles (W, q, k, read-out weights) serve twice the
+// rows, and a head takes half the blocks; with a.segments > 1 the blocks of a sequence walk
+// segments of its chunks side by side (above).
 template <bool OUT16, int NJ = tern_gdn_tc_bv>
 __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
-    static_assert(NJ == 32 || NJ == 64 || NJ == 128, "32, 64 or 128 state rows a block");
-    constexpr int DK = 128, C = tern_gdn_tc_c, BV = tern_gdn_tc_bv, US = NJ / BV;
-    constexpr int NS = NJ == 128 ? 2 : 3, PAIRS = NJ == 128 ? 2 : 1, NP = NJ / PAIRS, NA = NP / 2;
+    constexpr int DK = 128, NS = 3, C = tern_gdn_tc_c, BV = tern_gdn_tc_bv, US = NJ / BV, NA = NJ / 2;
+    static_assert(NJ == 32 || NJ == 64, "32 or 64 state rows a block");
     // Block strides (bytes between 8-row groups) of the operands: [64][128] tiles, [NJ][128]
     // state copy, [64][64] read-out weights, [NJ][64] Delta, k^T [128][64].
     constexpr unsigned ROW128 = 16 * DK, ROW64 = 16 * C, CORE = 128;
     // The group index taken from lane 0, so that the compiler sees it uniform across each warp:
     // a product in a branch it cannot prove uniform is serialised (ptxas C7520).
-    const int group = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7) & 1, 0);
-    const int pair = PAIRS == 1 ? 0 : __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 8), 0), jp = pair * NP;  // the pair's first row
+    const int group = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
     const int w = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
     const int nv = a.nv, dv = a.dv, nseg = a.segments;
     extern __shared__ __align__(128) unsigned char tern_gdn_tc_smem[];
-    tern_gdn_tc_state_wg_smem<US, NS>& sm = *reinterpret_cast<tern_gdn_tc_state_wg_smem<US, NS>*>(tern_gdn_tc_smem);
-    // Accumulator e of this thread: row 16 w + g + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2 q + (e & 1)
-    // (a state row of the block: jp + that column).
+    tern_gdn_tc_state_wg_smem<US>& sm = *reinterpret_cast<tern_gdn_tc_state_wg_smem<US>*>(tern_gdn_tc_smem);
+    // Accumulator e of this thread: row 16 w + g + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2 q + (e & 1).
     const auto row_of = [&](int e) { return 16 * w + g + 8 * ((e >> 1) & 1); };
-    const auto col_of = [&](int e) { return jp + 8 * (e >> 2) + 2 * q + (e & 1); };
-    // Within a chunk the pair meets only itself.
-    const auto pair_sync = [&] {
-        if constexpr (PAIRS == 1) __syncthreads();
-        else if (pair == 0) asm volatile("bar.sync %0, %1;" ::"n"(1), "n"(256) : "memory");
-        else asm volatile("bar.sync %0, %1;" ::"n"(2), "n"(256) : "memory");
-    };
+    const auto col_of = [&](int e) { return 8 * (e >> 2) + 2 * q + (e & 1); };
 
     // The block's place: (head, rows, sequence) by its index, or with segments by a ticket
     // taken as it starts, segment-major, so that a block waits only for blocks that started
@@ -1235,23 +1225,21 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
             // Thread t takes the decay of chunk begin - 1 - t; the products from chunk begin - 1
             // back, a scan within each warp then across warps; the first that fades sets the
             // warm-up.
-            // (Threads past the first 256, in the 128-row form, take no part: reach <= 256.)
             const int reach = min(tern_gdn_tc_seg_reach, begin - c0), t = threadIdx.x, lane = t & 31;
             float x = 1.0f;
             if (t < reach) {
                 const int ch = begin - 1 - t;
                 x = a.dec_s[((size_t)ch * nv + h) * 2 * C + (int)a.chunk_len[ch] - 1];
             }
-            static_assert(tern_gdn_tc_seg_reach <= 256, "one chunk a thread of the first 256");
 #pragma unroll
             for (int off = 1; off < 32; off *= 2) {
                 const float y = __shfl_up_sync(0xffffffffu, x, off);
                 if (lane >= off) x *= y;
             }
             if (t == 0) sm.word[1] = 0x7fffffffu;
-            if (lane == 31 && t < 256) sm.part[t >> 5] = x;
+            if (lane == 31) sm.part[t >> 5] = x;
             __syncthreads();
-            for (int u = 0; u < (t >> 5) && t < 256; u++) x *= sm.part[u];
+            for (int u = 0; u < (t >> 5); u++) x *= sm.part[u];
             if (t < reach && x <= tern_gdn_tc_seg_fade) atomicMin(&sm.word[1], (unsigned)t);
             __syncthreads();
             if (sm.word[1] != 0x7fffffffu) first = begin - 1 - (int)sm.word[1], from = 1;
@@ -1299,14 +1287,14 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
             const tern_gdn_bf16* x = group == 0 ? st.w : st.q;
 #pragma unroll
             for (int kt = 0; kt < DK / 16; kt++)
-                tern_wgmma_m64k16(acc, tern_wgmma_desc(x + 128 * kt, CORE, ROW128), tern_wgmma_desc(sm.s + jp * DK + 128 * kt, CORE, ROW128), kt > 0);
+                tern_wgmma_m64k16(acc, tern_wgmma_desc(x + 128 * kt, CORE, ROW128), tern_wgmma_desc(sm.s + 128 * kt, CORE, ROW128), kt > 0);
         }
         tern_wgmma_commit();
         if (n + NS - 1 < walk) tern_gdn_tc_issue<DK, US>(sm.st[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
         tern_gdn_tc_commit();
         // This thread's decays and U values, read while the products run.
         float eg[2], el[2];
-        unsigned uw[NP / 8][2];  // U at (c, j), (c, j + 1) by [n8 tile][row half]
+        unsigned uw[NJ / 8][2];  // U at (c, j), (c, j + 1) by [n8 tile][row half]
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const int c = 16 * w + g + 8 * hf;
@@ -1314,10 +1302,8 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
             el[hf] = st.dec[C + c];
             if (group == 0)
 #pragma unroll
-                for (int t = 0; t < NP / 8; t++) {
-                    const int j = jp + 8 * t;  // U in slices of 32 rows, each [c][j]
-                    uw[t][hf] = *reinterpret_cast<const unsigned*>(st.u + (j >> 5) * C * BV + c * BV + (j & 31) + 2 * q);
-                }
+                for (int t = 0; t < NJ / 8; t++)
+                    uw[t][hf] = *reinterpret_cast<const unsigned*>(st.u + (t >> 2) * C * BV + c * BV + 8 * (t & 3) + 2 * q);
         }
         tern_wgmma_wait<0>();
         if (group == 0) {
@@ -1333,7 +1319,7 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
 #pragma unroll
             for (int e = 0; e < NA; e++) acc[e] *= eg[(e >> 1) & 1];
         }
-        pair_sync();  // the pair's Delta complete; every read of its state copy is done
+        __syncthreads();  // Delta complete; every read of the state copy is done
 
         // Group 1: o = e^G P + QKd Delta, four k-steps over the chunk's positions. Both groups:
         // S = e^{G_L} S + K^T Delta_t for their 64 key columns, four k-steps.
@@ -1344,11 +1330,11 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
         if (group == 1) {
 #pragma unroll
             for (int kt = 0; kt < C / 16; kt++)
-                tern_wgmma_m64k16(acc, tern_wgmma_desc(st.qk + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.d + jp * C + 128 * kt, CORE, ROW64), 1);
+                tern_wgmma_m64k16(acc, tern_wgmma_desc(st.qk + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.d + 128 * kt, CORE, ROW64), 1);
         }
 #pragma unroll
         for (int kt = 0; kt < C / 16; kt++)
-            tern_wgmma_m64k16(s, tern_wgmma_desc(st.k + 64 * C * group + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.dt + jp * C + 128 * kt, CORE, ROW64), 1);
+            tern_wgmma_m64k16(s, tern_wgmma_desc(st.k + 64 * C * group + 128 * kt, CORE, ROW64), tern_wgmma_desc(sm.dt + 128 * kt, CORE, ROW64), 1);
         tern_wgmma_commit();
         tern_wgmma_wait<0>();
         if (group == 1 && chunk >= begin) {  // a warm-up chunk's outputs are another block's
@@ -1581,15 +1567,6 @@ extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lw2(
 extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lw2b(tern_gdn_tc_state_args a) {
     tern_await_prior_kernel();
     tern_gdn_tc_state_wg_body<true, 64>(a);
-}
-// 128 state rows a block (two pairs of warpgroups, two stages): _s2lw4, _s2lw4b.
-extern "C" __global__ void __launch_bounds__(512, 1) tern_gdn_tc_state_dk128_s2lw4(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_wg_body<false, 128>(a);
-}
-extern "C" __global__ void __launch_bounds__(512, 1) tern_gdn_tc_state_dk128_s2lw4b(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_wg_body<true, 128>(a);
 }
 // The transposed form (tern_gdn_tc_state_t_body; sm_90, d_k 128): _s3lt, one warpgroup a block.
 extern "C" __global__ void __launch_bounds__(128, 1) tern_gdn_tc_state_dk128_s3lt(tern_gdn_tc_state_args a) {

@@ -593,10 +593,11 @@ pub struct FastVariant {
     /// (64 blocks for 32 heads) has nothing to run while its products, copies and stores wait.
     /// Opt-in: the base of a block with a copying warp and two such warpgroups taking turns.
     pub transposed: bool,
-    /// State rows a block of the state pass: 32; with `warpgroup` (not transposed) also 64, or
-    /// 128 (two pairs of warpgroups, two stages), so that each chunk's shared tiles (W, q, k,
-    /// the read-out weights), fetched from L2 by every block of a head, serve more rows, and a
-    /// head takes fewer blocks. The same bits.
+    /// State rows a block of the state pass: 32; with `warpgroup` (not transposed) also 64, so
+    /// that each chunk's shared tiles (W, q, k, the read-out weights), fetched from L2 by every
+    /// block of a head, serve twice the rows, and a head takes half the blocks. The same bits.
+    /// (128, two pairs of warpgroups sharing two stages at 128 registers, was slower still
+    /// alone and in segments: BENCHMARKS.md, thirty-third session.)
     pub state_rows: usize,
     /// With `warpgroup` (not transposed), where q and k are L2-normalised: the state pass cuts
     /// each sequence's chunks into segments walked side by side when its blocks would leave
@@ -612,7 +613,7 @@ const fn fast(rows: usize, stages: usize, compact: bool, late_issue: bool) -> Fa
 }
 
 /// The fast variants compiled (those in clusters only for devices that launch clusters).
-pub const FAST_VARIANTS: [FastVariant; 17] = [
+pub const FAST_VARIANTS: [FastVariant; 15] = [
     fast(1, 2, false, false),
     fast(8, 2, false, false),
     fast(1, 3, false, false),
@@ -623,20 +624,25 @@ pub const FAST_VARIANTS: [FastVariant; 17] = [
     fast(8, 3, true, true),
     FAST_VARIANT_MMA,
     FastVariant { cluster: true, ..FAST_VARIANT_MMA },
+    FAST_VARIANT_WG,
+    FastVariant { transposed: true, ..FAST_VARIANT_WG },
+    FastVariant { state_rows: 64, ..FAST_VARIANT_WG },
+    FastVariant { segments: true, ..FAST_VARIANT_WG },
     FAST_VARIANT,
-    FastVariant { transposed: true, ..FAST_VARIANT },
-    FastVariant { state_rows: 64, ..FAST_VARIANT },
-    FastVariant { state_rows: 128, ..FAST_VARIANT },
-    FastVariant { segments: true, ..FAST_VARIANT },
-    FastVariant { state_rows: 64, segments: true, ..FAST_VARIANT },
-    FastVariant { state_rows: 128, segments: true, ..FAST_VARIANT },
 ];
-/// The default fast variant on an sm_90 GPU: [`FAST_VARIANT_MMA`] with the state pass on the
-/// warpgroup tensor cores, the same bits (on an H100 at 32k tokens: state pass 0.766 against
-/// 0.872 ms, 1.820 against 1.933 ms in all; 8k 0.497 against 0.526; BENCHMARKS.md,
-/// thirtieth session). Elsewhere, and for head sizes other than d_k 128, the state pass is
+/// The default fast variant on an sm_90 GPU: [`FAST_VARIANT_WG`]'s state pass in blocks of 64
+/// state rows, each sequence's chunks in segments walked side by side where the decay allows
+/// (within 2^-30 of the state; the same bits elsewhere). On an H100 at 32k tokens (Qwen3.5-35B-A3B's
+/// layer: 64 blocks, so two segments): state pass 0.58 against 0.78 ms, 1.61 against 1.81 ms
+/// in all (0.70 of fla's graph time); 8k 0.448 against 0.488; 2k level (BENCHMARKS.md,
+/// thirty-third session). Elsewhere, and for head sizes other than d_k 128, the state pass is
 /// FAST_VARIANT_MMA's.
-pub const FAST_VARIANT: FastVariant = FastVariant { warpgroup: true, ..FAST_VARIANT_MMA };
+pub const FAST_VARIANT: FastVariant = FastVariant { state_rows: 64, segments: true, ..FAST_VARIANT_WG };
+
+/// The state pass on the warpgroup tensor cores, 32 state rows a block, one segment a sequence:
+/// [`FAST_VARIANT_MMA`]'s bits (on an H100 at 32k tokens: state pass 0.766 against 0.872 ms,
+/// 1.820 against 1.933 ms in all; 8k 0.497 against 0.526; BENCHMARKS.md, thirtieth session).
+pub const FAST_VARIANT_WG: FastVariant = FastVariant { warpgroup: true, ..FAST_VARIANT_MMA };
 
 /// The default fast variant where there are no warpgroup products: the compact prepare layout (three blocks a multiprocessor), TILED,
 /// with the state pass's late copies: the fastest at 2k, 8k and 32k tokens. Untiled it was the
@@ -680,21 +686,11 @@ fn tc_stage_bytes(d_k: usize) -> usize {
 }
 
 /// The warpgroup state pass's shared memory (`tern_gdn_tc_state_wg_smem`, d_k 128, `rows` state
-/// rows a block): three stages (two for 128 rows; U's slices of 32 rows each), the state copy
-/// and Delta twice, unpadded (in blocks), then 48 bytes of a segment's scalars (its ticket and
-/// walk back).
+/// rows a block): three stages (U's slices of 32 rows each), the state copy and Delta twice,
+/// unpadded (in blocks), then 48 bytes of a segment's scalars (its ticket and walk back).
 fn tc_state_wg_smem(rows: usize) -> usize {
     let extra_u = 2 * CHUNK * (rows - TC_STATE_ROWS);
-    tc_state_wg_stages(rows) * (tc_stage_bytes(128) + extra_u) + 2 * (rows * 128 + 2 * rows * CHUNK) + 48
-}
-
-/// Stages of the warpgroup state pass by state rows a block (as chunked_tc.cu's NS).
-fn tc_state_wg_stages(rows: usize) -> usize {
-    if rows == 128 {
-        2
-    } else {
-        3
-    }
+    3 * (tc_stage_bytes(128) + extra_u) + 2 * (rows * 128 + 2 * rows * CHUNK) + 48
 }
 
 /// The transposed state pass's shared memory (d_k 128): three stages, each with U's two
@@ -932,8 +928,8 @@ impl GatedDeltaCuda {
             }
             // The warpgroup products exist on sm_90 only (compiled there for sm_90a).
             if dk == 128 && gpu.warpgroup_products() {
-                // By state rows a block: _s3lw (32), _s3lw2 (64), _s2lw4 (128); b: bf16 output.
-                for (rows, name) in [(32, "s3lw"), (64, "s3lw2"), (128, "s2lw4")] {
+                // By state rows a block: _s3lw (32), _s3lw2 (64); b: bf16 output.
+                for (rows, name) in [(32, "s3lw"), (64, "s3lw2")] {
                     let smem = tc_state_wg_smem(rows);
                     tc_state.push(((dk, 3, true, false, true, false, rows), fc(&format!("tern_gdn_tc_state_dk128_{name}"), smem)?));
                     tc_state_bf16.push(((dk, true, rows), fc(&format!("tern_gdn_tc_state_dk128_{name}b"), smem)?));
@@ -1672,8 +1668,7 @@ impl GatedDeltaCuda {
         let slices = slices as u32;
         let cfg = LaunchConfig {
             grid_dim: (n_v_heads as u32, slices, (segs.n_seqs() * n_segments) as u32),
-            // Two pairs of warpgroups for 128 rows; one warpgroup transposed.
-            block_dim: (if transposed { 128 } else if rows_per_block == 128 { 2 * CHUNK_THREADS } else { CHUNK_THREADS }, 1, 1),
+            block_dim: (if transposed { 128 } else { CHUNK_THREADS }, 1, 1),
             shared_mem_bytes: if transposed {
                 tc_state_t_smem()
             } else if warpgroup {
