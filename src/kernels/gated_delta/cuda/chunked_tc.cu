@@ -210,8 +210,16 @@ __device__ void tern_gdn_tc_put(tern_gdn_bf16* dst, const tern_gdn_tc_rows<D, NR
             for (int e = 0; e < E; e++) inv[u] += rows.at(u, e) * rows.at(u, e);
         }
         tern_gdn_warp_sums(inv);
+        // Every lane holds the same sums: lane u takes row u's 1/sqrt (IEEE sqrt and divide,
+        // each a branching sequence) and passes it on, where each lane took all NR of them. The
+        // same operations on the same values: the same bits.
+        float mine = inv[0];
 #pragma unroll
-        for (int u = 0; u < NR; u++) inv[u] = 1.0f / sqrtf(inv[u] + eps);
+        for (int u = 1; u < NR; u++)
+            if (lane == u) mine = inv[u];
+        mine = 1.0f / sqrtf(mine + eps);
+#pragma unroll
+        for (int u = 0; u < NR; u++) inv[u] = __shfl_sync(0xffffffffu, mine, u);
     }
 #pragma unroll
     for (int u = 0; u < NR; u++) {
