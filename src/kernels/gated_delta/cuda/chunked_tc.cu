@@ -1557,25 +1557,17 @@ TERN_GDN_TC_STATE(128, 3, true, l)
     }
 TERN_GDN_TC_STATE_BF16_OUT(64)
 TERN_GDN_TC_STATE_BF16_OUT(128)
-// The warpgroup form (d_k 128 only; an sm_90 device: Gpu compiles for sm_90a there): _s3lw,
-// with a bf16 output _s3lwb.
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lw(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_wg_body<false>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lwb(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_wg_body<true>(a);
-}
-// The same with 64 state rows a block: _s3lw2, _s3lw2b.
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lw2(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_wg_body<false, 64>(a);
-}
-extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_s3lw2b(tern_gdn_tc_state_args a) {
-    tern_await_prior_kernel();
-    tern_gdn_tc_state_wg_body<true, 64>(a);
-}
+// The warpgroup form (d_k 128 only; an sm_90 device: Gpu compiles for sm_90a there): _s3lw
+// (32 state rows a block) and _s3lw2 (64), each with a bf16 output (b).
+#define TERN_GDN_TC_STATE_WG(SUFFIX, OUT16, NJ)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_##SUFFIX(tern_gdn_tc_state_args a) {  \
+        tern_await_prior_kernel();                                                                                     \
+        tern_gdn_tc_state_wg_body<OUT16, NJ>(a);                                                                       \
+    }
+TERN_GDN_TC_STATE_WG(s3lw, false, 32)
+TERN_GDN_TC_STATE_WG(s3lwb, true, 32)
+TERN_GDN_TC_STATE_WG(s3lw2, false, 64)
+TERN_GDN_TC_STATE_WG(s3lw2b, true, 64)
 // The transposed form (tern_gdn_tc_state_t_body; sm_90, d_k 128): _s3lt, one warpgroup a block.
 extern "C" __global__ void __launch_bounds__(128, 1) tern_gdn_tc_state_dk128_s3lt(tern_gdn_tc_state_args a) {
     tern_await_prior_kernel();
