@@ -555,7 +555,9 @@ const MAX_STATE_SEGMENTS: usize = 16;
 /// Fewest chunks a segment of the state pass has (`tern_gdn_tc_seg_min` in chunked_tc.cu).
 const STATE_SEGMENT_MIN_CHUNKS: usize = 8;
 /// How the fast mode's kernels are built. Every variant computes the same bits (a device test
-/// checks it); only the speed differs.
+/// checks it) but those on the warpgroup products, which may order their partial sums
+/// otherwise, and those in segments, whose early-started segments may differ by up to 2^-30
+/// of the state (device tests bound both); only the speed differs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FastVariant {
     /// Rows of q, k and v a warp of the prepare pass fetches at once: 1, or 8 with v
@@ -634,7 +636,7 @@ pub const FAST_VARIANTS: [FastVariant; 15] = [
 /// state rows, each sequence's chunks in segments walked side by side where the decay allows
 /// (within 2^-30 of the state; the same bits elsewhere). On an H100 at 32k tokens (Qwen3.5-35B-A3B's
 /// layer: 64 blocks, so two segments): state pass 0.58 against 0.78 ms, 1.61 against 1.81 ms
-/// in all (0.70 of fla's graph time); 8k 0.448 against 0.488; 2k level (BENCHMARKS.md,
+/// in all (0.69 of fla's graph time); 8k 0.448 against 0.488; 2k level (BENCHMARKS.md,
 /// thirty-third session). Elsewhere, and for head sizes other than d_k 128, the state pass is
 /// FAST_VARIANT_MMA's.
 pub const FAST_VARIANT: FastVariant = FastVariant { state_rows: 64, segments: true, ..FAST_VARIANT_WG };
@@ -1027,7 +1029,8 @@ impl GatedDeltaCuda {
     }
 
     /// Selects how the fast mode's kernels are built (one of [`Self::fast_variants`]); results
-    /// are bit-identical for every choice but [`FastVariant::warpgroup`] (within a bound).
+    /// are bit-identical for every choice but [`FastVariant::warpgroup`] and
+    /// [`FastVariant::segments`] (within a bound).
     pub fn set_fast_variant(&mut self, variant: FastVariant) -> Result<()> {
         let offered = self.fast_variants();
         if !offered.contains(&variant) {
