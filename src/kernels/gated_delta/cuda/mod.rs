@@ -554,6 +554,16 @@ const TC_STATE_ROWS: usize = 32;
 const MAX_STATE_SEGMENTS: usize = 16;
 /// Fewest chunks a segment of the state pass has (`tern_gdn_tc_seg_min` in chunked_tc.cu).
 const STATE_SEGMENT_MIN_CHUNKS: usize = 8;
+
+/// Segments each sequence's chunks are cut into for the state pass: those asked, or as many as
+/// the `blocks` of one segment fit on the multiprocessors (a block each), at most
+/// [`MAX_STATE_SEGMENTS`], and no more than give the longest sequence's `longest_chunks`
+/// [`STATE_SEGMENT_MIN_CHUNKS`] each; at least 1. (The kernel cuts each sequence by the same
+/// rule for its own length.)
+fn state_segment_count(asked: Option<usize>, multiprocessors: usize, blocks: usize, longest_chunks: usize) -> usize {
+    let fill = asked.unwrap_or(multiprocessors / blocks.max(1));
+    fill.min(MAX_STATE_SEGMENTS).min(longest_chunks / STATE_SEGMENT_MIN_CHUNKS).max(1)
+}
 /// How the fast mode's kernels are built. Every variant computes the same bits (a device test
 /// checks it) but those on the warpgroup products, which may order their partial sums
 /// otherwise, and those in segments, whose early-started segments may differ by up to 2^-30
@@ -1574,11 +1584,8 @@ impl GatedDeltaCuda {
         let blocks = n_v_heads * slices * segs.n_seqs();
         let n_segments = if segments && warpgroup && !transposed && x.normalize_qk {
             let longest = segs.segments().iter().map(|s| s.len.div_ceil(CHUNK)).max().unwrap_or(0);
-            let fill = match self.state_segments {
-                Some(n) => n,
-                None => self.gpu.multiprocessors()? / blocks.max(1),
-            };
-            fill.min(MAX_STATE_SEGMENTS).min(longest / STATE_SEGMENT_MIN_CHUNKS).max(1)
+            let multiprocessors = if self.state_segments.is_some() { 0 } else { self.gpu.multiprocessors()? };
+            state_segment_count(self.state_segments, multiprocessors, blocks, longest)
         } else {
             1
         };

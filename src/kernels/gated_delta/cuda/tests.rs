@@ -41,6 +41,25 @@ fn fast_prepare_layouts_fit_their_blocks() {
 /// The fast state pass's shared memory: the sizes chunked_tc.cu asserts, and one block a
 /// multiprocessor (227 KB at most a block) with three stages, in clusters (two barriers a stage
 /// more) or not, and in the warpgroup form.
+/// How many segments the state pass cuts a sequence into: enough to fill the multiprocessors
+/// (132 on an H100: Qwen3.5-35B-A3B's 64 blocks of 64 rows give 2, its 128 of 32 rows 1),
+/// never more than 16 nor than leave a segment under 8 chunks, and what a test asks within
+/// those bounds.
+#[test]
+fn state_segments_fill_the_device_within_bounds() {
+    assert_eq!(state_segment_count(None, 132, 64, 512), 2);
+    assert_eq!(state_segment_count(None, 132, 128, 512), 1);
+    assert_eq!(state_segment_count(None, 132, 32, 512), 4);
+    assert_eq!(state_segment_count(None, 132, 200, 512), 1);
+    assert_eq!(state_segment_count(None, 132, 1, 100_000), 16);
+    assert_eq!(state_segment_count(None, 132, 32, 20), 2);
+    assert_eq!(state_segment_count(None, 132, 32, 7), 1);
+    assert_eq!(state_segment_count(None, 132, 0, 512), 16);
+    assert_eq!(state_segment_count(Some(16), 0, 64, 24), 3);
+    assert_eq!(state_segment_count(Some(2), 0, 64, 24), 2);
+    assert_eq!(state_segment_count(Some(3), 0, 64, 7), 1);
+}
+
 #[test]
 fn fast_state_layouts_fit_a_multiprocessor() {
     assert_eq!(tc_state_smem(128, 3, false), 203_776);
