@@ -1142,8 +1142,8 @@ __device__ void tern_gdn_tc_state_body(const tern_gdn_tc_state_args& a) {
 // walk's bits, at the serial walk's speed.
 constexpr int tern_gdn_tc_seg_reach = 256;       // chunks a block may look back (one a thread)
 constexpr float tern_gdn_tc_seg_fade = 9.3132257e-10f;  // 2^-30
-// Fewest chunks a segment has: the launcher's and this file's common rule (more segments than
-// that leave a sequence's blocks nothing to gain).
+// Fewest chunks a segment has (more segments than that leave a sequence's blocks nothing to
+// gain); the launcher's STATE_SEGMENT_MIN_CHUNKS (mod.rs), held equal by a test.
 constexpr int tern_gdn_tc_seg_min = 8;
 
 // Waits (one thread) until another block has set a flag, then orders this thread's later reads
@@ -1224,6 +1224,9 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
     const unsigned nblocks = gridDim.x * gridDim.y * gridDim.z;
     const auto published = [&](int s) { return a.ctl + 1 + (((size_t)seq * nseg + s) * gridDim.y + slice) * gridDim.x + h; };
     tern_gdn_u32* const read_flag = a.ctl + 1 + nblocks + ((size_t)seq * gridDim.y + slice) * gridDim.x + h;
+    // Segment s's final state for this block's slice: [sequence][segment][v head][d_v][d_k].
+    const size_t slice_at = ((size_t)h * dv + j0) * DK;  // the slice's place in a sequence's heads
+    const auto boundary_of = [&](int s) { return a.boundary + ((size_t)seq * nseg + s) * nv * dv * DK + slice_at; };
     if (nseg_here > 1) {
         begin = c0 + (int)((long long)seg * nc / nseg_here);
         end = c0 + (int)((long long)(seg + 1) * nc / nseg_here);
@@ -1255,12 +1258,11 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
     }
 
     float* state = (a.state_at ? (float*)a.state_at[seq] : a.states + (size_t)a.slot[seq] * nv * dv * DK) + (size_t)h * dv * DK + (size_t)j0 * DK;
-    const size_t slice_at = ((size_t)h * dv + j0) * DK;  // the slice's place in a sequence's heads
     if (from == 2) {
         if (threadIdx.x == 0) tern_gdn_tc_await_flag(published(seg - 1));
         __syncthreads();
     }
-    const float* before = from == 2 ? a.boundary + ((size_t)seq * nseg + seg - 1) * nv * dv * DK + slice_at : nullptr;
+    const float* before = from == 2 ? boundary_of(seg - 1) : nullptr;
     // This group's state, S[i][j] for key columns i = 64 group + row, state rows j = column.
     float s[NA];
 #pragma unroll
@@ -1359,23 +1361,20 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
 #pragma unroll
         for (int e = 0; e < NA; e++) sm.s[tern_gdn_tc_tile_at(col_of(e), 64 * group + row_of(e), DK)] = tern_gdn_tc_bf16(s[e]);
     }
-    if (seg < nseg_here - 1) {
-        // A segment's final state, for the next segment should it wait for it.
-        float* mine = a.boundary + ((size_t)seq * nseg + seg) * nv * dv * DK + slice_at;
-#pragma unroll
-        for (int e = 0; e < NA; e++) mine[(size_t)col_of(e) * DK + 64 * group + row_of(e)] = s[e];
-        tern_gdn_tc_set_flag(published(seg), 1u + (unsigned)from);
-        return;
-    }
-    if (seg > 0) {
+    // The final state: the last segment's to the sequence's state (once the first segment has
+    // read it), any other's to the boundary scratch, published for the next segment.
+    const bool last = seg == nseg_here - 1;
+    if (last && seg > 0) {
         if (threadIdx.x == 0) {
             tern_gdn_tc_await_flag(read_flag);
             *published(seg) = 1u + (unsigned)from;
         }
         __syncthreads();
     }
+    float* const dst = last ? state : boundary_of(seg);
 #pragma unroll
-    for (int e = 0; e < NA; e++) state[(size_t)col_of(e) * DK + 64 * group + row_of(e)] = s[e];
+    for (int e = 0; e < NA; e++) dst[(size_t)col_of(e) * DK + 64 * group + row_of(e)] = s[e];
+    if (!last) tern_gdn_tc_set_flag(published(seg), 1u + (unsigned)from);
 }
 
 // The state pass transposed (sm_90, d_k = 128, three stages): one warpgroup a block, for 64

@@ -38,9 +38,6 @@ fn fast_prepare_layouts_fit_their_blocks() {
     }
 }
 
-/// The fast state pass's shared memory: the sizes chunked_tc.cu asserts, and one block a
-/// multiprocessor (227 KB at most a block) with three stages, in clusters (two barriers a stage
-/// more) or not, and in the warpgroup form.
 /// How many segments the state pass cuts a sequence into: enough to fill the multiprocessors
 /// (132 on an H100: Qwen3.5-35B-A3B's 64 blocks of 64 rows give 2, its 128 of 32 rows 1),
 /// never more than 16 nor than leave a segment under 8 chunks, and what a test asks within
@@ -60,6 +57,16 @@ fn state_segments_fill_the_device_within_bounds() {
     assert_eq!(state_segment_count(Some(3), 0, 64, 7), 1);
 }
 
+/// The host's fewest chunks a segment is the kernel's, which cuts each sequence by it.
+#[test]
+fn state_segment_minimum_is_the_kernels() {
+    let decl = format!("constexpr int tern_gdn_tc_seg_min = {STATE_SEGMENT_MIN_CHUNKS};");
+    assert!(CHUNKED_TC.code.contains(&decl), "chunked_tc.cu must declare `{decl}`");
+}
+
+/// The fast state pass's shared memory: the sizes chunked_tc.cu asserts, and one block a
+/// multiprocessor (227 KB at most a block) with three stages, in clusters (two barriers a stage
+/// more) or not, and in the warpgroup form.
 #[test]
 fn fast_state_layouts_fit_a_multiprocessor() {
     assert_eq!(tc_state_smem(128, 3, false), 203_776);
@@ -235,6 +242,22 @@ enum Path {
     Fast(Option<(f32, f32)>),
 }
 
+/// The CPU sequential scan of every sequence from its state in `pool` (sequence i's at slot
+/// `slots[i]`): every token's output, and the pool as the scan leaves it.
+fn scan_on_cpu(heads: &DeltaRuleHeads, x: &Operands, segments: &[Segment], slots: &[usize], pool: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let sl = heads.state_len();
+    let tokens: usize = segments.iter().map(|s| s.len).sum();
+    let mut want_pool = pool.to_vec();
+    let mut want_out = vec![f32::NAN; tokens * heads.n_v_heads * heads.d_v];
+    let mut states: Vec<Vec<f32>> = slots.iter().map(|&s| pool[s * sl..(s + 1) * sl].to_vec()).collect();
+    let mut refs: Vec<&mut [f32]> = states.iter_mut().map(|v| &mut v[..]).collect();
+    cpu::delta_rule_scan(heads, x.inputs(), segments, &mut refs, &mut want_out).unwrap();
+    for (i, &s) in slots.iter().enumerate() {
+        want_pool[s * sl..(s + 1) * sl].copy_from_slice(&states[i]);
+    }
+    (want_out, want_pool)
+}
+
 /// CPU sequential scan vs the device recurrence, the device chunked prefill with the given
 /// accumulator, or its fast mode; asserts `bound` on every sequence's output and state.
 fn device_vs_cpu_scan(
@@ -263,17 +286,7 @@ fn device_vs_cpu_scan(
         cpu::normalize_qk(&mut x.q, &mut x.k, heads.d_k).unwrap();
     }
     let pool = rng.vec((2 * n + 1) * sl, -0.5, 0.5);
-
-    let mut want_pool = pool.clone();
-    let mut want_out = vec![f32::NAN; tokens * v_row];
-    {
-        let mut states: Vec<Vec<f32>> = slots.iter().map(|&s| pool[s * sl..(s + 1) * sl].to_vec()).collect();
-        let mut refs: Vec<&mut [f32]> = states.iter_mut().map(|v| &mut v[..]).collect();
-        cpu::delta_rule_scan(heads, x.inputs(), &segments, &mut refs, &mut want_out).unwrap();
-        for (i, &s) in slots.iter().enumerate() {
-            want_pool[s * sl..(s + 1) * sl].copy_from_slice(&states[i]);
-        }
-    }
+    let (want_out, want_pool) = scan_on_cpu(heads, &x, &segments, &slots, &pool);
 
     let segs = GpuSegments::new(&gpu, &segments, &slots, tokens).unwrap();
     let (dg, db) = (gpu.upload(&x.g).unwrap(), gpu.upload(&x.beta).unwrap());
@@ -763,16 +776,7 @@ fn cuda_chunked_fast_segments_start_early_or_wait() {
     x.k = raw_k.clone();
     cpu::normalize_qk(&mut x.q, &mut x.k, dk).unwrap();
     let pool = rng.vec((2 * lengths.len() + 1) * sl, -0.5, 0.5);
-    let mut want_pool = pool.clone();
-    let mut want_out = vec![f32::NAN; tokens * v_row];
-    {
-        let mut states: Vec<Vec<f32>> = slots.iter().map(|&s| pool[s * sl..(s + 1) * sl].to_vec()).collect();
-        let mut refs: Vec<&mut [f32]> = states.iter_mut().map(|v| &mut v[..]).collect();
-        cpu::delta_rule_scan(&heads, x.inputs(), &segments, &mut refs, &mut want_out).unwrap();
-        for (i, &s) in slots.iter().enumerate() {
-            want_pool[s * sl..(s + 1) * sl].copy_from_slice(&states[i]);
-        }
-    }
+    let (want_out, want_pool) = scan_on_cpu(&heads, &x, &segments, &slots, &pool);
     let up = |v: &[f32]| gpu.upload(v).unwrap();
     let (dq, dk_, dv_, dg, db) = (up(&raw_q), up(&raw_k), up(&x.v), up(&x.g), up(&x.beta));
     let inputs = GpuDeltaRuleInputs {
