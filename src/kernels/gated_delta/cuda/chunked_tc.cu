@@ -409,8 +409,10 @@ static_assert(tern_gdn_tc_prep_smem<64, 64, true>::BYTES == 58752, "compact layo
 // The blocks of T = (I + A)^-1 below its diagonal 16 x 16 blocks (already in Ts), in two levels
 // of the block-triangular inverse [[L0, 0], [B, L1]]^-1 = [[L0^-1, 0], [-L1^-1 B L0^-1, L1^-1]]:
 //  1. the 32 x 32 diagonal blocks' lower-left blocks side by side, T10 = -T11 (A10 T00) and
-//     T32 = -T33 (A32 T22), thread (b, p, c) of the first 64 owning rows p and p + 8, columns
-//     4c .. 4c + 3 of block b (T10 or T32; partials [2][16][17]);
+//     T32 = -T33 (A32 T22), thread (b, p, c) of the 256 owning row p, columns 2c, 2c + 1 of
+//     block b (T10 or T32; partials [2][16][17]). Every thread takes a share: with the first 64
+//     alone (8 elements each) this level held the block's other warps at its barriers, and the
+//     pass took 2.6% longer on an H100;
 //  2. the lower-left 32 x 32 block, -T[32:][32:] (A[32:][:32] T[:32][:32]), thread (r, c) owning
 //     row r, columns 4c .. 4c + 3 (partials [32][33]).
 // Serial depth 16 + 16 + 32 + 32 terms across four barriers, where T's block rows one after
@@ -423,42 +425,30 @@ template <int LDA>
 __device__ __forceinline__ void tern_gdn_tc_inverse_blocks(const float* As, float* Ts, float* Ps) {
     const int tid = threadIdx.x;
     {
-        const int b = tid >> 5, p = (tid >> 2) & 7, c0 = 4 * (tid & 3), o = 32 * b;  // T[o + 16..][o..]
-        const bool mine = tid < 64;
-        if (mine) {
-            float part[2][4] = {};
+        const int b = tid >> 7, p = (tid >> 3) & 15, c0 = 2 * (tid & 7), o = 32 * b;  // T[o + 16..][o..]
+        {
+            float part[2] = {};
 #pragma unroll
             for (int m = 0; m < 16; m++) {
-                const float a0 = As[(o + 16 + p) * LDA + o + m], a1 = As[(o + 24 + p) * LDA + o + m];
+                const float a0 = As[(o + 16 + p) * LDA + o + m];
 #pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    const float t = Ts[(o + m) * LDA + o + c0 + u];
-                    part[0][u] += a0 * t;
-                    part[1][u] += a1 * t;
-                }
+                for (int u = 0; u < 2; u++) part[u] += a0 * Ts[(o + m) * LDA + o + c0 + u];
             }
 #pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int u = 0; u < 4; u++) Ps[(16 * b + p + 8 * h) * 17 + c0 + u] = part[h][u];
+            for (int u = 0; u < 2; u++) Ps[(16 * b + p) * 17 + c0 + u] = part[u];
         }
         __syncthreads();
-        if (mine) {
-            float t[2][4] = {};
+        {
+            float t[2] = {};
 #pragma unroll
             for (int m = 0; m < 16; m++) {
-                const float lo = m <= p ? Ts[(o + 16 + p) * LDA + o + 16 + m] : 0.0f, hi = m <= p + 8 ? Ts[(o + 24 + p) * LDA + o + 16 + m] : 0.0f;
+                if (m > p) continue;
+                const float l = Ts[(o + 16 + p) * LDA + o + 16 + m];
 #pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    const float pv = Ps[(16 * b + m) * 17 + c0 + u];
-                    if (m <= p) t[0][u] += lo * pv;
-                    if (m <= p + 8) t[1][u] += hi * pv;
-                }
+                for (int u = 0; u < 2; u++) t[u] += l * Ps[(16 * b + m) * 17 + c0 + u];
             }
 #pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int u = 0; u < 4; u++) Ts[(o + 16 + p + 8 * h) * LDA + o + c0 + u] = -t[h][u];
+            for (int u = 0; u < 2; u++) Ts[(o + 16 + p) * LDA + o + c0 + u] = -t[u];
         }
         __syncthreads();
     }
