@@ -288,8 +288,10 @@ __device__ __forceinline__ int tern_gdn_tc_out_at(int r, int c) {
     else return tern_gdn_tc_tile_at(r, c, N);
 }
 
-// out[r][n] = sum_c X[r][c] Y[c][n] for the chunk's 64 rows and N columns (X [64][64] with the
-// padded row, Y [64][N] row-major with row N + 8), to global bf16 (tern_gdn_tc_out_at). Eight warps: warp
+// out[r][n] = sum_c X[r][c] Y[c][n] for the chunk's 64 rows and N columns (X [64][64] lower
+// triangular with the padded row, Y [64][N] row-major with row N + 8), to global bf16
+// (tern_gdn_tc_out_at). A warp's k-steps end at its rows' diagonal block: those past it would
+// add products of X's zeros (nothing to a sum). Eight warps: warp
 // w owns rows 16 (w % 4).. and half of the columns, taken GROUP n8 tiles at a time (X's
 // fragments loaded again for each group): all of them (NT) in one pass, or 4 (32 columns) with
 // WIDE_STORES, which then fit the compact layout's 80 registers at N = 128 (in one pass the
@@ -313,6 +315,7 @@ __device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y
             for (int e = 0; e < 4; e++) acc[n][e] = 0.0f;
 #pragma unroll
         for (int kt = 0; kt < 4; kt++) {
+            if (16 * kt > m0) break;
             unsigned a[4];
             tern_gdn_tc_frag_a(a, X, tern_gdn_tc_ldc, m0, 16 * kt);
 #pragma unroll
