@@ -311,7 +311,7 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
                     run(k, &mut st, &mut out)?;
                     let (eo, es) = (rel_err(&gpu.download(&out)?, &want_out), rel_err(&gpu.download(&st)?, &want_st));
                     println!(
-                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} cluster={} warpgroup={} transposed={} state_rows={} segments={} readout_in_state={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4} out_err={eo:.3e} state_err={es:.3e}",
+                        "RESULT prefill_fast_variant tokens={t} rows={} stages={} compact={} late_issue={} tiled={} cluster={} warpgroup={} transposed={} state_rows={} segments={} total_ms={vms:.4} parallel_pass_ms={vprep:.4} state_pass_ms={:.4} out_err={eo:.3e} state_err={es:.3e}",
                         v.rows,
                         v.stages,
                         v.compact,
@@ -322,7 +322,6 @@ fn prefill(gpu: &Gpu, k: &mut GatedDeltaCuda, heads: &DeltaRuleHeads, rng: &mut 
                         v.transposed,
                         v.state_rows,
                         v.segments,
-                        v.readout_in_state,
                         vms - vprep
                     );
                 }

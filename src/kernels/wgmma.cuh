@@ -145,26 +145,6 @@ __device__ __forceinline__ void tern_wgmma_m64n32k16_mn_a(float (&d)[16], unsign
 #endif
 }
 
-// The same for N = 64 (32 accumulators a thread).
-__device__ __forceinline__ void tern_wgmma_m64n64k16_mn_a(float (&d)[32], unsigned long long desc_a, unsigned long long desc_b, int accumulate) {
-#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %34, 0;"
-        " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 1, 0; }"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate)
-        : "memory");
-#else
-    __trap();
-#endif
-}
-
 // d (+)= A B^T for one k-step of 16, N = 64, A's fragments in registers (the register form:
 // a[0..3] as mma.sync's A fragment of this warp's 16 rows, the lower column in each low half;
 // an accumulator tile of an earlier product repacks into it without exchanges), B (stored

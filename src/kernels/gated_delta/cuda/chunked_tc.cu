@@ -130,10 +130,6 @@ struct tern_gdn_tc_prep_args {
     tern_gdn_bf16* w_s; tern_gdn_bf16* u_s; tern_gdn_bf16* qk_s; float* dec_s;
     tern_gdn_bf16* qn_s; tern_gdn_bf16* kn_s;
     tern_gdn_u32* ctl;  // the state pass's segment words (tern_gdn_tc_state_wg_body), zeroed here; or null
-    // With the read-out weights formed in the state pass (the _r8ctr kernels, for
-    // tern_gdn_tc_state_wg_body's READOUT): qk_s unused (no QK^T here), and lg_s each chunk's
-    // cumulative log-decays G_c in f32, [chunk][v head][64]; otherwise lg_s unused.
-    float* lg_s;
     int nk, nv, grouped, l2qk;
     float eps, q_scale;
     int ctl_len;
@@ -507,7 +503,7 @@ __device__ __forceinline__ void tern_gdn_tc_inverse_blocks(const float* As, floa
 // read, the same arithmetic from the widened values). With 8 rows a fetch, bf16 rows of k, q
 // and v are all requested at once (ALL_TOGETHER: 48 registers of packed rows, one wait for
 // memory where f32 rows take three), and f32 rows of k and q together in the wide layout.
-template <int DK, int DV, int NR, bool COMPACT, bool TILED, typename IN = float, bool FORMS_READOUT = true>
+template <int DK, int DV, int NR, bool COMPACT, bool TILED, typename IN = float>
 __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     constexpr int C = tern_gdn_tc_c, LDA = C + 1, LDT = tern_gdn_tc_ldc;
     constexpr bool ALL_TOGETHER = NR == 8 && sizeof(IN) == 2;
@@ -588,8 +584,7 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     if constexpr (ALL_TOGETHER) tern_gdn_tc_put<DV, NR>(Vb, xv, len, warp, 0, 0.0f, 1.0f, nullptr);
     else tern_gdn_tc_load_rows<DV, NR>(Vb, vs, a.v_stride, t0, len, (size_t)h * DV, 0, 0.0f, 1.0f, nullptr);
     __syncthreads();
-    // KK^T and QK^T (QK^T only where FORMS_READOUT: otherwise the state pass forms the read-out
-    // weights): warp w owns rows 16 (w % 4).. and columns 32 (w / 4)..; tiles wholly
+    // KK^T and QK^T: warp w owns rows 16 (w % 4).. and columns 32 (w / 4)..; tiles wholly
     // above the diagonal are not multiplied: the substitution never reads them, and their
     // read-out weights are zeros (the warpgroup state pass multiplies every k-step).
     {
@@ -604,17 +599,15 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
             for (int kt = 0; kt < DK / 16; kt++) {
                 unsigned ak[4], aq[4];
                 tern_gdn_tc_frag_a(ak, Kb, DK + 8, m0, 16 * kt);
-                if constexpr (FORMS_READOUT) tern_gdn_tc_frag_a(aq, Qb, DK + 8, m0, 16 * kt);
+                tern_gdn_tc_frag_a(aq, Qb, DK + 8, m0, 16 * kt);
 #pragma unroll
                 for (int np = 0; np < 2; np++) {
                     unsigned b[4];
                     tern_gdn_tc_frag_b_nk(b, Kb, DK + 8, n0 + 16 * np, 16 * kt);
                     tern_gdn_tc_mma(kk[2 * np], ak, b[0], b[1]);
                     tern_gdn_tc_mma(kk[2 * np + 1], ak, b[2], b[3]);
-                    if constexpr (FORMS_READOUT) {
-                        tern_gdn_tc_mma(qk[2 * np], aq, b[0], b[1]);
-                        tern_gdn_tc_mma(qk[2 * np + 1], aq, b[2], b[3]);
-                    }
+                    tern_gdn_tc_mma(qk[2 * np], aq, b[0], b[1]);
+                    tern_gdn_tc_mma(qk[2 * np + 1], aq, b[2], b[3]);
                 }
             }
 #pragma unroll
@@ -633,13 +626,12 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
                         dq[e] = qk[n][2 * hf + e] * decay;
                     }
                     words[n] = tern_gdn_tc_pack(dq[0], dq[1]);
-                    if constexpr (!TILED)
-                        if constexpr (FORMS_READOUT) *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, c, C)) = words[n];
+                    if constexpr (!TILED) *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, c, C)) = words[n];
                 }
                 if constexpr (TILED)
-                    if constexpr (FORMS_READOUT) *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, n0 + 8 * q, C)) = tern_gdn_tc_quad_transpose(words);
+                    *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, n0 + 8 * q, C)) = tern_gdn_tc_quad_transpose(words);
             }
-        } else if constexpr (FORMS_READOUT) {
+        } else {
 #pragma unroll
             for (int hf = 0; hf < 2; hf++)
                 *reinterpret_cast<uint4*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(m0 + g + 8 * hf, n0 + 8 * q, C)) = make_uint4(0u, 0u, 0u, 0u);
@@ -677,7 +669,6 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
             Ex[id] = e;
             a.dec_s[ch * 2 * C + id] = e;
             a.dec_s[ch * 2 * C + C + id] = id < len ? (float)exp(G[len - 1] - G[id]) : 0.0f;
-            if constexpr (!FORMS_READOUT) a.lg_s[ch * C + id] = (float)G[id];
         }
         if (kn)
             for (int p = id; p < DK * C / 8; p += blockDim.x - C) {
@@ -723,9 +714,6 @@ struct tern_gdn_tc_state_args {
     // ([sequence][segment][v head][d_v][d_k], f32), and the tickets and flags (zeroed by the
     // prepare pass). Unused with one segment.
     float* boundary; tern_gdn_u32* ctl;
-    // READOUT (tern_gdn_tc_state_wg_body): each chunk's cumulative log-decays G_c, f32,
-    // [chunk][v head][64], from which the pass forms the read-out weights; qk_s then null.
-    const float* lg_s;
     int nk, nv, dv, grouped, segments;
 };
 
@@ -765,7 +753,6 @@ struct tern_gdn_tc_state_wg_smem {
     tern_gdn_bf16 s[US * tern_gdn_tc_bv * 128];  // bf16 copy of the state slice, [j][i] in blocks
     tern_gdn_bf16 d[US * tern_gdn_tc_bv * 64];   // Delta, [j][c] in blocks
     tern_gdn_bf16 dt[US * tern_gdn_tc_bv * 64];  // e^{G_L - G_c} Delta, the same
-    float lg[3][64];   // READOUT: each stage's chunk's G_c
     unsigned word[4];  // the block's ticket, and where its walk back found the past decayed
     float part[8];     // each warp's product of decays in that walk
 };
@@ -775,8 +762,8 @@ static_assert(sizeof(tern_gdn_tc_stage<128>) == 61952 && sizeof(tern_gdn_tc_stag
 static_assert(sizeof(tern_gdn_tc_state_smem<128, 3>) == 203776, "state pass at d_k 128, 3 stages: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<128, 3>) == 203824, "state pass in clusters at d_k 128: as mod.rs sizes it");
 static_assert(sizeof(tern_gdn_tc_state_smem_mc<64, 3>) == 126000, "state pass in clusters at d_k 64: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_state_wg_smem<1>) == 203056, "warpgroup state pass: as mod.rs sizes it");
-static_assert(sizeof(tern_gdn_tc_state_wg_smem<2>) == 231728, "warpgroup state pass of 64 rows: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_wg_smem<1>) == 202288, "warpgroup state pass: as mod.rs sizes it");
+static_assert(sizeof(tern_gdn_tc_state_wg_smem<2>) == 230960, "warpgroup state pass of 64 rows: as mod.rs sizes it");
 static_assert(3 * sizeof(tern_gdn_tc_stage<128, 2>) == 198144, "transposed state pass: as mod.rs sizes it");
 
 template <int DK, int US = 1>
@@ -790,8 +777,7 @@ __device__ void tern_gdn_tc_issue(tern_gdn_tc_stage<DK, US>& st, const tern_gdn_
         tern_gdn_tc_cp16(st.q + 8 * idx, q + 8 * idx);
         tern_gdn_tc_cp16(st.k + 8 * idx, k + 8 * idx);
     }
-    if (a.qk_s)  // null where the state pass forms the read-out weights (READOUT)
-        for (int idx = threadIdx.x; idx < C * 8; idx += blockDim.x) tern_gdn_tc_cp16(st.qk + 8 * idx, a.qk_s + ch * C * C + 8 * idx);
+    for (int idx = threadIdx.x; idx < C * 8; idx += blockDim.x) tern_gdn_tc_cp16(st.qk + 8 * idx, a.qk_s + ch * C * C + 8 * idx);
     const tern_gdn_bf16* u = a.u_s + ch * C * a.dv + (size_t)j0 * C;  // the slice of rows j0..
     for (int idx = threadIdx.x; idx < C * 4 * US; idx += blockDim.x) tern_gdn_tc_cp16(st.u + 8 * idx, u + 8 * idx);
     if (threadIdx.x < 32) tern_gdn_tc_cp16(st.dec + 4 * threadIdx.x, a.dec_s + ch * 2 * C + 4 * threadIdx.x);
@@ -1187,15 +1173,10 @@ __device__ __forceinline__ void tern_gdn_tc_set_flag(tern_gdn_u32* flag, tern_gd
 // With 64 rows a block the stage's shared tiles (W, q, k, read-out weights) serve twice the
 // rows, and a head takes half the blocks; with a.segments > 1 the blocks of a sequence walk
 // segments of its chunks side by side (above).
-// READOUT (64 rows): group 1 forms the chunk's read-out weights itself, X = K Q^T (eight more
-// k-steps beside P's, from the stage's k and q tiles), masked by e^{G_c - G_c'} from the
-// chunk's f32 log-decays, into the stage's read-out tile, where the prepare pass would have
-// multiplied QK^T and both passes moved that tile (8 KB a chunk and value head) through memory.
-template <bool OUT16, int NJ = tern_gdn_tc_bv, bool READOUT = false>
+template <bool OUT16, int NJ = tern_gdn_tc_bv>
 __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
     constexpr int DK = 128, NS = 3, C = tern_gdn_tc_c, BV = tern_gdn_tc_bv, US = NJ / BV, NA = NJ / 2;
     static_assert(NJ == 32 || NJ == 64, "32 or 64 state rows a block");
-    static_assert(!READOUT || NJ == 64, "the read-out weights formed here: 64 rows a block");
     // Block strides (bytes between 8-row groups) of the operands: [64][128] tiles, [NJ][128]
     // state copy, [64][64] read-out weights, [NJ][64] Delta, k^T [128][64].
     constexpr unsigned ROW128 = 16 * DK, ROW64 = 16 * C, CORE = 128;
@@ -1286,15 +1267,9 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
     // The last segment writes the sequence's state: not before the first has read it.
     if (nseg_here > 1 && seg == 0) tern_gdn_tc_set_flag(read_flag, 1u);
 
-    // A chunk's copies into stage p (with READOUT its G_c too).
-    const auto issue = [&](int p, int chunk) {
-        tern_gdn_tc_issue<DK, US>(sm.st[p], a, chunk, h, kh, j0);
-        if constexpr (READOUT)
-            if (threadIdx.x < C / 4) tern_gdn_tc_cp16(sm.lg[p] + 4 * threadIdx.x, a.lg_s + ((size_t)chunk * nv + h) * C + 4 * threadIdx.x);
-    };
     const int walk = end - first;
     for (int p = 0; p < NS - 1; p++) {
-        if (p < walk) issue(p, first + p);
+        if (p < walk) tern_gdn_tc_issue<DK, US>(sm.st[p], a, first + p, h, kh, j0);
         tern_gdn_tc_commit();
     }
     float acc[NA];
@@ -1317,17 +1292,8 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
             for (int kt = 0; kt < DK / 16; kt++)
                 tern_wgmma_m64k16(acc, tern_wgmma_desc(x + 128 * kt, CORE, ROW128), tern_wgmma_desc(sm.s + 128 * kt, CORE, ROW128), kt > 0);
         }
-        // READOUT, group 1: X = K Q^T (64 x 64 over i), the read-out weights transposed before
-        // their decays: A is k^T's tile read M-major ([i][c'] in blocks: 128 bytes between
-        // blocks along c', 1024 along i), B q's tile as the product above reads it.
-        [[maybe_unused]] float xq[READOUT ? 32 : 1];
-        if constexpr (READOUT)
-            if (group == 1)
-#pragma unroll
-                for (int kt = 0; kt < DK / 16; kt++)
-                    tern_wgmma_m64n64k16_mn_a(xq, tern_wgmma_desc(st.k + 1024 * kt, 1024, CORE), tern_wgmma_desc(st.q + 128 * kt, CORE, ROW128), kt > 0);
         tern_wgmma_commit();
-        if (n + NS - 1 < walk) issue((n + NS - 1) % NS, chunk + NS - 1);
+        if (n + NS - 1 < walk) tern_gdn_tc_issue<DK, US>(sm.st[(n + NS - 1) % NS], a, chunk + NS - 1, h, kh, j0);
         tern_gdn_tc_commit();
         // This thread's decays and U values, read while the products run.
         float eg[2], el[2];
@@ -1355,21 +1321,8 @@ __device__ void tern_gdn_tc_state_wg_body(const tern_gdn_tc_state_args& a) {
         } else {
 #pragma unroll
             for (int e = 0; e < NA; e++) acc[e] *= eg[(e >> 1) & 1];
-            if constexpr (READOUT) {
-                // The read-out weights QKd[c][c'] = (q_c . k_c') e^{G_c - G_c'} for c' <= c < len,
-                // else 0 (the prepare pass's, with the decays' exponents from f32 G), into the
-                // stage's tile as its copy would have put them ([c][c'] in blocks).
-                const float* lg = sm.lg[n % NS];
-#pragma unroll
-                for (int e = 0; e < 32; e++) {
-                    const int kc = row_of(e), qc = col_of(e);
-                    const float x = kc <= qc && qc < len ? xq[e] * expf(lg[qc] - lg[kc]) : 0.0f;
-                    st.qk[tern_gdn_tc_tile_at(qc, kc, C)] = tern_gdn_tc_bf16(x);
-                }
-                tern_wgmma_fence_stores();
-            }
         }
-        __syncthreads();  // Delta (and with READOUT the read-out weights) complete; every read of the state copy is done
+        __syncthreads();  // Delta complete; every read of the state copy is done
 
         // Group 1: o = e^G P + QKd Delta, four k-steps over the chunk's positions. Both groups:
         // S = e^{G_L} S + K^T Delta_t for their 64 key columns, four k-steps.
@@ -1559,15 +1512,6 @@ TERN_GDN_TC_PREPARE_TILED(64, 64)
 TERN_GDN_TC_PREPARE_TILED(64, 128)
 TERN_GDN_TC_PREPARE_TILED(128, 64)
 TERN_GDN_TC_PREPARE_TILED(128, 128)
-// _r8ctr: the same for the state pass that forms the read-out weights itself (READOUT in
-// tern_gdn_tc_state_wg_body, d_k 128): no QK^T here; each chunk's f32 G_c to lg_s instead.
-#define TERN_GDN_TC_PREPARE_READOUT_IN_STATE(DK, DV)                                                                 \
-    extern "C" __global__ void __launch_bounds__(256, 3) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r8ctr(tern_gdn_tc_prep_args a) { \
-        tern_await_prior_kernel();                                                                                     \
-        tern_gdn_tc_prepare_body<DK, DV, 8, true, true, float, false>(a);                                              \
-    }
-TERN_GDN_TC_PREPARE_READOUT_IN_STATE(128, 64)
-TERN_GDN_TC_PREPARE_READOUT_IN_STATE(128, 128)
 // The default form (compact, TILED) reading bf16 q, k, v rows: _r8ctb.
 #define TERN_GDN_TC_PREPARE_BF16_IN(DK, DV)                                                                          \
     extern "C" __global__ void __launch_bounds__(256, 3) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r8ctb(tern_gdn_tc_prep_args a) { \
@@ -1607,16 +1551,15 @@ TERN_GDN_TC_STATE_BF16_OUT(64)
 TERN_GDN_TC_STATE_BF16_OUT(128)
 // The warpgroup form (d_k 128 only; an sm_90 device: Gpu compiles for sm_90a there): _s3lw
 // (32 state rows a block) and _s3lw2 (64), each with a bf16 output (b).
-#define TERN_GDN_TC_STATE_WG(SUFFIX, OUT16, NJ, READOUT)                                                             \
+#define TERN_GDN_TC_STATE_WG(SUFFIX, OUT16, NJ)                                                                      \
     extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_state_dk128_##SUFFIX(tern_gdn_tc_state_args a) {  \
         tern_await_prior_kernel();                                                                                     \
-        tern_gdn_tc_state_wg_body<OUT16, NJ, READOUT>(a);                                                              \
+        tern_gdn_tc_state_wg_body<OUT16, NJ>(a);                                                                       \
     }
-TERN_GDN_TC_STATE_WG(s3lw, false, 32, false)
-TERN_GDN_TC_STATE_WG(s3lwb, true, 32, false)
-TERN_GDN_TC_STATE_WG(s3lw2, false, 64, false)
-TERN_GDN_TC_STATE_WG(s3lw2b, true, 64, false)
-TERN_GDN_TC_STATE_WG(s3lw2r, false, 64, true)
+TERN_GDN_TC_STATE_WG(s3lw, false, 32)
+TERN_GDN_TC_STATE_WG(s3lwb, true, 32)
+TERN_GDN_TC_STATE_WG(s3lw2, false, 64)
+TERN_GDN_TC_STATE_WG(s3lw2b, true, 64)
 // The transposed form (tern_gdn_tc_state_t_body; sm_90, d_k 128): _s3lt, one warpgroup a block.
 extern "C" __global__ void __launch_bounds__(128, 1) tern_gdn_tc_state_dk128_s3lt(tern_gdn_tc_state_args a) {
     tern_await_prior_kernel();

@@ -440,8 +440,8 @@ pub struct GatedDeltaCuda {
     /// Fast mode: prepare kernels by (d_k, d_v, rows, compact, tiled) and state kernels by
     /// (d_k, stages, late issue, in clusters, warpgroup, transposed, state rows); those in clusters
     /// only where the device has them, the warpgroup ones only on sm_90.
-    tc_prepare: Vec<((usize, usize, usize, bool, bool, bool), CudaFunction)>,
-    tc_state: Vec<((usize, usize, bool, bool, bool, bool, usize, bool), CudaFunction)>,
+    tc_prepare: Vec<((usize, usize, usize, bool, bool), CudaFunction)>,
+    tc_state: Vec<((usize, usize, bool, bool, bool, bool, usize), CudaFunction)>,
     /// Segments a sequence's chunks are cut into for the state pass (None: as many as fill the
     /// device, [`FastVariant::segments`]); tests and benchmarks fix it (TERN_GDN_STATE_SEGMENTS).
     state_segments: Option<usize>,
@@ -618,34 +618,14 @@ pub struct FastVariant {
     /// before to at most 2^-30 of the state (below f32's rounding of it); elsewhere it waits for
     /// the segment before it (the serial walk's bits).
     pub segments: bool,
-    /// With `warpgroup` and 64 state rows (not transposed): the state pass forms each chunk's
-    /// read-out weights itself (`READOUT` in chunked_tc.cu): K Q^T on the warpgroup tensor cores
-    /// from the q and k tiles it already holds, masked by the decays from each chunk's f32
-    /// log-decays, where the prepare pass multiplied QK^T and both passes moved the 8 KB tile
-    /// of each chunk and value head through memory. Within rounding of the others (the decays'
-    /// exponents from f32 G where the prepare pass takes f64 differences; another product
-    /// order), so compared with them within a bound. Not yet timed: opt-in.
-    pub readout_in_state: bool,
 }
 
 const fn fast(rows: usize, stages: usize, compact: bool, late_issue: bool) -> FastVariant {
-    FastVariant {
-        rows,
-        stages,
-        compact,
-        late_issue,
-        tiled: false,
-        cluster: false,
-        warpgroup: false,
-        transposed: false,
-        state_rows: 32,
-        segments: false,
-        readout_in_state: false,
-    }
+    FastVariant { rows, stages, compact, late_issue, tiled: false, cluster: false, warpgroup: false, transposed: false, state_rows: 32, segments: false }
 }
 
 /// The fast variants compiled (those in clusters only for devices that launch clusters).
-pub const FAST_VARIANTS: [FastVariant; 17] = [
+pub const FAST_VARIANTS: [FastVariant; 15] = [
     fast(1, 2, false, false),
     fast(8, 2, false, false),
     fast(1, 3, false, false),
@@ -661,8 +641,6 @@ pub const FAST_VARIANTS: [FastVariant; 17] = [
     FastVariant { state_rows: 64, ..FAST_VARIANT_WG },
     FastVariant { segments: true, ..FAST_VARIANT_WG },
     FAST_VARIANT,
-    FastVariant { state_rows: 64, readout_in_state: true, ..FAST_VARIANT_WG },
-    FastVariant { readout_in_state: true, ..FAST_VARIANT },
 ];
 /// The default fast variant on an sm_90 GPU: [`FAST_VARIANT_WG`]'s state pass in blocks of 64
 /// state rows, each sequence's chunks in segments walked side by side where the decay allows
@@ -721,12 +699,10 @@ fn tc_stage_bytes(d_k: usize) -> usize {
 
 /// The warpgroup state pass's shared memory (`tern_gdn_tc_state_wg_smem`, d_k 128, `rows` state
 /// rows a block): three stages (U's slices of 32 rows each), the state copy and Delta twice,
-/// unpadded (in blocks), each stage's chunk's f32 log-decays (the read-out weights formed in
-/// the pass, [`FastVariant::readout_in_state`]), then 48 bytes of a segment's scalars (its
-/// ticket and walk back).
+/// unpadded (in blocks), then 48 bytes of a segment's scalars (its ticket and walk back).
 fn tc_state_wg_smem(rows: usize) -> usize {
     let extra_u = 2 * CHUNK * (rows - TC_STATE_ROWS);
-    3 * (tc_stage_bytes(128) + extra_u) + 2 * (rows * 128 + 2 * rows * CHUNK) + 3 * CHUNK * 4 + 48
+    3 * (tc_stage_bytes(128) + extra_u) + 2 * (rows * 128 + 2 * rows * CHUNK) + 48
 }
 
 /// The transposed state pass's shared memory (d_k 128): three stages, each with U's two
@@ -771,7 +747,6 @@ struct TcPrepArgs {
     qn_s: u64,
     kn_s: u64,
     ctl: u64,
-    lg_s: u64,
     nk: i32,
     nv: i32,
     grouped: i32,
@@ -803,7 +778,6 @@ struct TcStateArgs {
     state_at: u64,
     boundary: u64,
     ctl: u64,
-    lg_s: u64,
     nk: i32,
     nv: i32,
     dv: i32,
@@ -944,16 +918,11 @@ impl GatedDeltaCuda {
                 for dv in FAST_CHUNK_HEAD_DIMS {
                     for compact in [false, true] {
                         let name = format!("tern_gdn_tc_prepare_dk{dk}_dv{dv}_r{rows}{}", if compact { "c" } else { "" });
-                        tc_prepare.push(((dk, dv, rows, compact, false, false), fc(&name, tc_prepare_smem(dk, dv, compact))?));
+                        tc_prepare.push(((dk, dv, rows, compact, false), fc(&name, tc_prepare_smem(dk, dv, compact))?));
                     }
                     if rows == 8 {
                         let name = format!("tern_gdn_tc_prepare_dk{dk}_dv{dv}_r8ct");
-                        tc_prepare.push(((dk, dv, rows, true, true, false), fc(&name, tc_prepare_smem(dk, dv, true))?));
-                        if dk == 128 {
-                            // For the state pass that forms the read-out weights (r).
-                            let name = format!("tern_gdn_tc_prepare_dk{dk}_dv{dv}_r8ctr");
-                            tc_prepare.push(((dk, dv, rows, true, true, true), fc(&name, tc_prepare_smem(dk, dv, true))?));
-                        }
+                        tc_prepare.push(((dk, dv, rows, true, true), fc(&name, tc_prepare_smem(dk, dv, true))?));
                         let name = format!("tern_gdn_tc_prepare_dk{dk}_dv{dv}_r8ctb");
                         tc_prepare_bf16.push(((dk, dv), fc(&name, tc_prepare_smem(dk, dv, true))?));
                     }
@@ -961,25 +930,23 @@ impl GatedDeltaCuda {
             }
             for (stages, late) in [(2, false), (3, false), (3, true)] {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s{stages}{}", if late { "l" } else { "" });
-                tc_state.push(((dk, stages, late, false, false, false, 32, false), fc(&name, tc_state_smem(dk, stages, false))?));
+                tc_state.push(((dk, stages, late, false, false, false, 32), fc(&name, tc_state_smem(dk, stages, false))?));
             }
             tc_state_bf16.push(((dk, false, 32), fc(&format!("tern_gdn_tc_state_dk{dk}_s3lb"), tc_state_smem(dk, 3, false))?));
             // Compiled for sm_90 and later only (chunked_tc.cu).
             if gpu.cluster_launch()? {
                 let name = format!("tern_gdn_tc_state_dk{dk}_s3lm");
-                tc_state.push(((dk, 3, true, true, false, false, 32, false), fc(&name, tc_state_smem(dk, 3, true))?));
+                tc_state.push(((dk, 3, true, true, false, false, 32), fc(&name, tc_state_smem(dk, 3, true))?));
             }
             // The warpgroup products exist on sm_90 only (compiled there for sm_90a).
             if dk == 128 && gpu.warpgroup_products() {
-                // By state rows a block: _s3lw (32), _s3lw2 (64); b: bf16 output; r: the
-                // read-out weights formed in the pass.
+                // By state rows a block: _s3lw (32), _s3lw2 (64); b: bf16 output.
                 for (rows, name) in [(32, "s3lw"), (64, "s3lw2")] {
                     let smem = tc_state_wg_smem(rows);
-                    tc_state.push(((dk, 3, true, false, true, false, rows, false), fc(&format!("tern_gdn_tc_state_dk128_{name}"), smem)?));
+                    tc_state.push(((dk, 3, true, false, true, false, rows), fc(&format!("tern_gdn_tc_state_dk128_{name}"), smem)?));
                     tc_state_bf16.push(((dk, true, rows), fc(&format!("tern_gdn_tc_state_dk128_{name}b"), smem)?));
                 }
-                tc_state.push(((dk, 3, true, false, true, false, 64, true), fc("tern_gdn_tc_state_dk128_s3lw2r", tc_state_wg_smem(64))?));
-                tc_state.push(((dk, 3, true, false, true, true, 32, false), fc("tern_gdn_tc_state_dk128_s3lt", tc_state_t_smem())?));
+                tc_state.push(((dk, 3, true, false, true, true, 32), fc("tern_gdn_tc_state_dk128_s3lt", tc_state_t_smem())?));
             }
         }
         Ok(GatedDeltaCuda {
@@ -1054,9 +1021,8 @@ impl GatedDeltaCuda {
     /// device cannot launch clusters, and the warpgroup one where it has no warpgroup products.
     pub fn fast_variants(&self) -> Vec<FastVariant> {
         let has = |v: &FastVariant| {
-            self.tc_state.iter().any(|((_, stages, late, cluster, wg, t, rows, readout), _)| {
-                (*stages, *late, *cluster, *wg, *t, *rows, *readout)
-                    == (v.stages, v.late_issue, v.cluster, v.warpgroup, v.transposed, v.state_rows, v.readout_in_state)
+            self.tc_state.iter().any(|((_, stages, late, cluster, wg, t, rows), _)| {
+                (*stages, *late, *cluster, *wg, *t, *rows) == (v.stages, v.late_issue, v.cluster, v.warpgroup, v.transposed, v.state_rows)
             })
         };
         FAST_VARIANTS.into_iter().filter(has).collect()
@@ -1586,7 +1552,7 @@ impl GatedDeltaCuda {
         let (pool, state_table, state_ranges) = states.resolve(&self.gpu, &format!("{what} states"), segs, heads.state_len())?;
         let DeltaRuleHeads { n_k_heads, n_v_heads, d_k, d_v, key_head } = *heads;
         // The bf16 forms exist for the default variant only.
-        let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup, transposed, state_rows, segments, readout_in_state } =
+        let FastVariant { rows, stages, compact, late_issue, tiled, cluster, warpgroup, transposed, state_rows, segments } =
             if io == FastIo::Bf16 { FAST_VARIANT } else { self.fast_variant };
         // The warpgroup state pass is built for d_k 128 on sm_90; other head sizes and devices
         // take the mma.sync form (the same operands).
@@ -1594,12 +1560,10 @@ impl GatedDeltaCuda {
         let transposed = transposed && warpgroup;
         // Blocks of more state rows where the warpgroup form runs and d_v holds them whole.
         let state_rows = if warpgroup && !transposed && d_v % state_rows == 0 { state_rows } else { TC_STATE_ROWS };
-        // The read-out weights formed in the state pass: its form of 64 rows only.
-        let readout = readout_in_state && warpgroup && !transposed && state_rows == 64;
         let (prepare, state) = match io {
             FastIo::F32 => (
-                self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled, readout)).map(|(_, f)| f),
-                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster, warpgroup, transposed, state_rows, readout)).map(|(_, f)| f),
+                self.tc_prepare.iter().find(|(d, _)| *d == (d_k, d_v, rows, compact, tiled)).map(|(_, f)| f),
+                self.tc_state.iter().find(|(d, _)| *d == (d_k, stages, late_issue, cluster, warpgroup, transposed, state_rows)).map(|(_, f)| f),
             ),
             FastIo::Bf16 => (
                 self.tc_prepare_bf16.iter().find(|(d, _)| *d == (d_k, d_v)).map(|(_, f)| f),
@@ -1640,9 +1604,6 @@ impl GatedDeltaCuda {
             at[i] = at[i - 1] + bytes[i - 1] as u64;
         }
         let [w_s, u_s, qk_s, qn_s, kn_s, dec_s] = at.map(|o| base + o);
-        // With the read-out weights formed in the state pass their region holds the chunks'
-        // f32 log-decays instead (256 bytes of its 8 KB a chunk and value head).
-        let (qk_s, lg_s) = if readout { (0, qk_s) } else { (qk_s, 0) };
         let boundary = base + operand_bytes as u64;
         let ctl = if n_segments > 1 { boundary + 4 * boundary_len as u64 } else { 0 };
         let (nk, nv, dv) = (i32_of("key heads", n_k_heads)?, i32_of("value heads", n_v_heads)?, i32_of("d_v", d_v)?);
@@ -1667,7 +1628,6 @@ impl GatedDeltaCuda {
             qn_s,
             kn_s,
             ctl,
-            lg_s,
             nk,
             nv,
             grouped,
@@ -1709,7 +1669,6 @@ impl GatedDeltaCuda {
             state_at: self.gpu.ptr_opt(state_table.as_deref()),
             boundary,
             ctl,
-            lg_s,
             nk,
             nv,
             dv,
