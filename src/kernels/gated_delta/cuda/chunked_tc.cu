@@ -346,33 +346,39 @@ __device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y
     }
 }
 
+// Row stride of the f32 64 x 64 arrays A and T (and of the inverse's partials, which lie in
+// A): a multiple of 4 floats, so that rows are read in 16-byte vectors (a warp's vector of one
+// row is one wavefront where four scalar loads were four), and 8 banks from one row to the
+// next, so that the eight rows of an mma accumulator's 8-byte stores fall on distinct banks in
+// each half warp and the substitution's two 16 x 16 blocks a warp read on different banks.
+constexpr int tern_gdn_tc_lda = tern_gdn_tc_c + 8;
+
 // Where tern_gdn_tc_prepare_body keeps its arrays in shared memory. Wide: every array apart
-// (107 KB at d_k = d_v = 128, two blocks a multiprocessor). Compact: arrays whose lives do not
-// meet share room (73 KB, three blocks a multiprocessor), in the body's phases
+// (106 KB at d_k = d_v = 128, two blocks a multiprocessor). Compact: arrays whose lives do not
+// meet share room (71 KB, three blocks a multiprocessor), in the body's phases
 //   1. k, q, v rows in; KK^T and QK^T, A written     live: G, beta, e^G, K, V, Q, A
-//   2. T's diagonal blocks, then the blocks below     live: G, beta, e^G, K, V, A, T, P
+//   2. T's diagonal blocks, then the blocks below     live: G, beta, e^G, K, V, A, T
 //   3. the two scaled bf16 copies of T                live: beta, e^G, K, V, T, Tw, Tu
 //   4. W and U                                        live: K, V, Tw, Tu
-// so Q (dead after phase 1) lies under T and its blocks' partials P, and Tw, Tu (born in
-// phase 3) under A (dead after phase 2). A barrier separates each phase from the next, so no
-// read of an array's last phase meets a write of the array that takes its place. Same
-// arithmetic in both layouts, so the same bits.
+// so Q (dead after phase 1) lies under T, and Tw, Tu (born in phase 3) under A (dead after
+// phase 2). A barrier separates each phase from the next, so no read of an array's last phase
+// meets a write of the array that takes its place. Same arithmetic in both layouts, so the
+// same bits.
 template <int DK, int DV, bool COMPACT>
 struct tern_gdn_tc_prep_smem {
-    static constexpr int C = tern_gdn_tc_c, LDA = C + 1, LDT = tern_gdn_tc_ldc;
+    static constexpr int C = tern_gdn_tc_c, LDA = tern_gdn_tc_lda, LDT = tern_gdn_tc_ldc;
     static constexpr int SCALARS = 8 * C + 4 * 2 * C;  // G (f64), beta, e^G
     static constexpr int MAT = 4 * C * LDA;            // A or T, f32
-    static constexpr int PARTS = 4 * 32 * 33;          // partials of T's off-diagonal blocks, f32
     static constexpr int KROWS = 2 * C * (DK + 8), VROWS = 2 * C * (DV + 8), TCOPY = 2 * C * LDT;
-    static constexpr int QROOM = KROWS > MAT + PARTS ? KROWS : MAT + PARTS;   // compact: Q | T, P
-    static constexpr int AROOM = MAT > 2 * TCOPY ? MAT : 2 * TCOPY;          // compact: A | Tw, Tu
+    static constexpr int QROOM = KROWS > MAT ? KROWS : MAT;          // compact: Q | T
+    static constexpr int AROOM = MAT > 2 * TCOPY ? MAT : 2 * TCOPY;  // compact: A | Tw, Tu
     static constexpr int BYTES = COMPACT ? SCALARS + KROWS + VROWS + QROOM + AROOM
-                                         : SCALARS + 2 * MAT + PARTS + 2 * KROWS + VROWS + 2 * TCOPY;
+                                         : SCALARS + 2 * MAT + 2 * KROWS + VROWS + 2 * TCOPY;
     static_assert(SCALARS % 16 == 0 && KROWS % 16 == 0 && VROWS % 16 == 0 && QROOM % 16 == 0 && MAT % 16 == 0 &&
-                      PARTS % 16 == 0 && TCOPY % 16 == 0,
-                  "every bf16 tile starts on 16 bytes (ldmatrix rows)");
+                      TCOPY % 16 == 0,
+                  "every tile starts on 16 bytes (ldmatrix rows, A's and T's vector reads)");
     double* G;
-    float *Bt, *Ex, *As, *Ts, *Ps;
+    float *Bt, *Ex, *As, *Ts;
     tern_gdn_bf16 *Kb, *Qb, *Vb, *Tw, *Tu;
     __device__ explicit tern_gdn_tc_prep_smem(unsigned char* base) {
         G = reinterpret_cast<double*>(base);
@@ -387,14 +393,12 @@ struct tern_gdn_tc_prep_smem {
             unsigned char* a_room = take(AROOM);
             Qb = reinterpret_cast<tern_gdn_bf16*>(q_room);
             Ts = reinterpret_cast<float*>(q_room);
-            Ps = reinterpret_cast<float*>(q_room + MAT);
             As = reinterpret_cast<float*>(a_room);
             Tw = reinterpret_cast<tern_gdn_bf16*>(a_room);
             Tu = reinterpret_cast<tern_gdn_bf16*>(a_room + TCOPY);
         } else {
             As = reinterpret_cast<float*>(take(MAT));
             Ts = reinterpret_cast<float*>(take(MAT));
-            Ps = reinterpret_cast<float*>(take(PARTS));
             Kb = reinterpret_cast<tern_gdn_bf16*>(take(KROWS));
             Qb = reinterpret_cast<tern_gdn_bf16*>(take(KROWS));
             Vb = reinterpret_cast<tern_gdn_bf16*>(take(VROWS));
@@ -405,84 +409,120 @@ struct tern_gdn_tc_prep_smem {
 };
 
 // The host sizes the launch by the same sum (tc_prepare_smem in mod.rs; its test pins these).
-static_assert(tern_gdn_tc_prep_smem<128, 128, false>::BYTES == 109184, "wide layout at 128 x 128: as mod.rs sizes it");
-static_assert(tern_gdn_tc_prep_smem<128, 128, true>::BYTES == 75136, "compact layout at 128 x 128: as mod.rs sizes it");
-static_assert(tern_gdn_tc_prep_smem<64, 64, true>::BYTES == 58752, "compact layout at 64 x 64: as mod.rs sizes it");
+static_assert(tern_gdn_tc_prep_smem<128, 128, false>::BYTES == 108544, "wide layout at 128 x 128: as mod.rs sizes it");
+static_assert(tern_gdn_tc_prep_smem<128, 128, true>::BYTES == 72704, "compact layout at 128 x 128: as mod.rs sizes it");
+static_assert(tern_gdn_tc_prep_smem<64, 64, true>::BYTES == 56320, "compact layout at 64 x 64: as mod.rs sizes it");
+
+// Four consecutive floats of a row of A or T (16-byte aligned: tern_gdn_tc_lda).
+__device__ __forceinline__ float4 tern_gdn_tc_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float tern_gdn_tc_f4_at(const float4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 
 // The blocks of T = (I + A)^-1 below its diagonal 16 x 16 blocks (already in Ts), in two levels
 // of the block-triangular inverse [[L0, 0], [B, L1]]^-1 = [[L0^-1, 0], [-L1^-1 B L0^-1, L1^-1]]:
 //  1. the 32 x 32 diagonal blocks' lower-left blocks side by side, T10 = -T11 (A10 T00) and
 //     T32 = -T33 (A32 T22), thread (b, p, c) of the 256 owning row p, columns 2c, 2c + 1 of
-//     block b (T10 or T32; partials [2][16][17]). Every thread takes a share: with the first 64
-//     alone (8 elements each) this level held the block's other warps at its barriers, and the
-//     pass took 2.6% longer on an H100;
+//     block b (T10 or T32). Every thread takes a share: with the first 64 alone (8 elements
+//     each) this level held the block's other warps at its barriers, and the pass took 2.6%
+//     longer on an H100;
 //  2. the lower-left 32 x 32 block, -T[32:][32:] (A[32:][:32] T[:32][:32]), thread (r, c) owning
-//     row r, columns 4c .. 4c + 3 (partials [32][33]).
+//     row r, columns 4c .. 4c + 3.
+// The partials (the products in brackets) lie in A's first rows, which no later read needs:
+// level 1's [2][16][16] in A[:16][:32] (the substitution, done, read A's diagonal blocks; level
+// 1 reads A10 and A32, in other rows), level 2's [32][32] in A[:32][:32] (level 1 is done with
+// its partials and A10 at the barrier before; level 2 reads A[32:][:32]).
 // Serial depth 16 + 16 + 32 + 32 terms across four barriers, where T's block rows one after
-// another take 144 across six. Every element sums its terms in increasing order from zero. T's
-// stored zeros above a diagonal 16 x 16 block's diagonal may be among them (a product with zero
-// adds nothing to a partial); the blocks above the 16 x 16 block diagonal, never written (other
-// arrays live there in the compact layout), are never read. The final products skip the terms
-// past a row's diagonal rather than add zeros (which could turn a -0 sum into +0).
+// another take 144 across six. Every element sums its terms in increasing order from zero, one
+// fused multiply-add a term, whether its factors come from scalar or vector reads (rows of A
+// and T four at a time, the partials' rows two or four at a time). T's stored zeros above a
+// diagonal 16 x 16 block's diagonal may be among them (a product with zero adds nothing to a
+// partial); the blocks above the 16 x 16 block diagonal, never written (other arrays live there
+// in the compact layout), may be read with a vector but are never used. The final products skip
+// the terms past a row's diagonal rather than add zeros (which could turn a -0 sum into +0).
 template <int LDA>
-__device__ __forceinline__ void tern_gdn_tc_inverse_blocks(const float* As, float* Ts, float* Ps) {
+__device__ __forceinline__ void tern_gdn_tc_inverse_blocks(float* As, float* Ts) {
+    static_assert(LDA % 4 == 0, "rows of A and T read as 16-byte vectors");
     const int tid = threadIdx.x;
     {
         const int b = tid >> 7, p = (tid >> 3) & 15, c0 = 2 * (tid & 7), o = 32 * b;  // T[o + 16..][o..]
+        float* const part_at = As + 16 * b;                                           // [16][16], stride LDA
         {
             float part[2] = {};
 #pragma unroll
-            for (int m = 0; m < 16; m++) {
-                const float a0 = As[(o + 16 + p) * LDA + o + m];
+            for (int m4 = 0; m4 < 16; m4 += 4) {
+                const float4 a4 = tern_gdn_tc_f4(As + (o + 16 + p) * LDA + o + m4);
 #pragma unroll
-                for (int u = 0; u < 2; u++) part[u] += a0 * Ts[(o + m) * LDA + o + c0 + u];
+                for (int j = 0; j < 4; j++) {
+                    const float a0 = tern_gdn_tc_f4_at(a4, j);
+                    const float2 t2 = *reinterpret_cast<const float2*>(Ts + (o + m4 + j) * LDA + o + c0);
+                    part[0] += a0 * t2.x;
+                    part[1] += a0 * t2.y;
+                }
             }
-#pragma unroll
-            for (int u = 0; u < 2; u++) Ps[(16 * b + p) * 17 + c0 + u] = part[u];
+            *reinterpret_cast<float2*>(part_at + p * LDA + c0) = make_float2(part[0], part[1]);
         }
         __syncthreads();
         {
             float t[2] = {};
 #pragma unroll
-            for (int m = 0; m < 16; m++) {
-                if (m > p) continue;
-                const float l = Ts[(o + 16 + p) * LDA + o + 16 + m];
+            for (int m4 = 0; m4 < 16; m4 += 4) {
+                if (m4 > p) continue;
+                const float4 l4 = tern_gdn_tc_f4(Ts + (o + 16 + p) * LDA + o + 16 + m4);
 #pragma unroll
-                for (int u = 0; u < 2; u++) t[u] += l * Ps[(16 * b + m) * 17 + c0 + u];
+                for (int j = 0; j < 4; j++) {
+                    if (m4 + j > p) continue;
+                    const float l = tern_gdn_tc_f4_at(l4, j);
+                    const float2 p2 = *reinterpret_cast<const float2*>(part_at + (m4 + j) * LDA + c0);
+                    t[0] += l * p2.x;
+                    t[1] += l * p2.y;
+                }
             }
-#pragma unroll
-            for (int u = 0; u < 2; u++) Ts[(o + 16 + p) * LDA + o + c0 + u] = -t[u];
+            *reinterpret_cast<float2*>(Ts + (o + 16 + p) * LDA + o + c0) = make_float2(-t[0], -t[1]);
         }
         __syncthreads();
     }
     const int r = tid >> 3, c0 = 4 * (tid & 7);
     {
-        // Column c's terms start at row c of T[:32][:32]; a thread's four columns start at c0,
-        // in the 16 x 16 diagonal block that holds them (its stored zeros above the diagonal).
+        // Column c's terms start at row c of T[:32][:32]; a thread's four columns start at c0 (a
+        // multiple of 4, so a vector of four rows is all in or all out), in the 16 x 16 diagonal
+        // block that holds them (its stored zeros above the diagonal).
         float part[4] = {};
 #pragma unroll
-        for (int m = 0; m < 32; m++) {
-            if (m < c0) continue;
-            const float a = As[(32 + r) * LDA + m];
+        for (int m4 = 0; m4 < 32; m4 += 4) {
+            if (m4 < c0) continue;
+            const float4 a4 = tern_gdn_tc_f4(As + (32 + r) * LDA + m4);
 #pragma unroll
-            for (int u = 0; u < 4; u++) part[u] += a * Ts[m * LDA + c0 + u];
+            for (int j = 0; j < 4; j++) {
+                const float a = tern_gdn_tc_f4_at(a4, j);
+                const float4 t4 = tern_gdn_tc_f4(Ts + (m4 + j) * LDA + c0);
+                part[0] += a * t4.x;
+                part[1] += a * t4.y;
+                part[2] += a * t4.z;
+                part[3] += a * t4.w;
+            }
         }
-#pragma unroll
-        for (int u = 0; u < 4; u++) Ps[r * 33 + c0 + u] = part[u];
+        // A[:32][:32] is read by neither product (level 1's partials there are spent).
+        *reinterpret_cast<float4*>(As + r * LDA + c0) = make_float4(part[0], part[1], part[2], part[3]);
     }
     __syncthreads();
     {
         float t[4] = {};
 #pragma unroll
-        for (int m = 0; m < 32; m++) {
-            if (m > r) continue;
-            const float l = Ts[(32 + r) * LDA + 32 + m];
+        for (int m4 = 0; m4 < 32; m4 += 4) {
+            if (m4 > r) continue;
+            const float4 l4 = tern_gdn_tc_f4(Ts + (32 + r) * LDA + 32 + m4);
 #pragma unroll
-            for (int u = 0; u < 4; u++) t[u] += l * Ps[m * 33 + c0 + u];
+            for (int j = 0; j < 4; j++) {
+                if (m4 + j > r) continue;
+                const float l = tern_gdn_tc_f4_at(l4, j);
+                const float4 p4 = tern_gdn_tc_f4(As + (m4 + j) * LDA + c0);
+                t[0] += l * p4.x;
+                t[1] += l * p4.y;
+                t[2] += l * p4.z;
+                t[3] += l * p4.w;
+            }
         }
         // T[32:][:32] is read by neither product: written in place without a barrier before.
-#pragma unroll
-        for (int u = 0; u < 4; u++) Ts[(32 + r) * LDA + c0 + u] = -t[u];
+        *reinterpret_cast<float4*>(Ts + (32 + r) * LDA + c0) = make_float4(-t[0], -t[1], -t[2], -t[3]);
     }
     __syncthreads();
 }
@@ -505,7 +545,7 @@ __device__ __forceinline__ void tern_gdn_tc_inverse_blocks(const float* As, floa
 // memory where f32 rows take three), and f32 rows of k and q together in the wide layout.
 template <int DK, int DV, int NR, bool COMPACT, bool TILED, typename IN = float>
 __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
-    constexpr int C = tern_gdn_tc_c, LDA = C + 1, LDT = tern_gdn_tc_ldc;
+    constexpr int C = tern_gdn_tc_c, LDA = tern_gdn_tc_lda, LDT = tern_gdn_tc_ldc;
     constexpr bool ALL_TOGETHER = NR == 8 && sizeof(IN) == 2;
     constexpr bool KQ_TOGETHER = NR == 8 && !COMPACT && !ALL_TOGETHER;
     const int h = blockIdx.x, chunk = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -527,9 +567,8 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     double* const G = sm.G;          // [C] cumulative log-decay
     float* const Bt = sm.Bt;         // [C] beta
     float* const Ex = sm.Ex;         // [C] exp(G_r)
-    float* const As = sm.As;         // [C][C + 1] A (strictly lower)
-    float* const Ts = sm.Ts;         // [C][C + 1] T (lower)
-    float* const Ps = sm.Ps;         // partials of T's off-diagonal blocks
+    float* const As = sm.As;         // [C][LDA] A (strictly lower)
+    float* const Ts = sm.Ts;         // [C][LDA] T (lower)
     tern_gdn_bf16* const Kb = sm.Kb; // [C][DK + 8]
     tern_gdn_bf16* const Qb = sm.Qb; // [C][DK + 8]
     tern_gdn_bf16* const Vb = sm.Vb; // [C][DV + 8]
@@ -613,18 +652,23 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
                 const int r = m0 + g + 8 * hf;
+                // G[r] and beta_r read once for the row's 8 elements (the stores to A between
+                // them would otherwise make the compiler read them again).
+                const double g_r = G[r];
+                const float beta_r = Bt[r];
                 unsigned words[4];
 #pragma unroll
                 for (int n = 0; n < 4; n++) {
                     const int c = n0 + 8 * n + 2 * q;
-                    float dq[2];
+                    float dq[2], da[2];
 #pragma unroll
                     for (int e = 0; e < 2; e++) {
                         const int cc = c + e;
-                        const float decay = cc <= r && r < len ? expf((float)(G[r] - G[cc])) : 0.0f;
-                        As[r * LDA + cc] = cc < r ? Bt[r] * kk[n][2 * hf + e] * decay : 0.0f;
+                        const float decay = cc <= r && r < len ? expf((float)(g_r - G[cc])) : 0.0f;
+                        da[e] = cc < r ? beta_r * kk[n][2 * hf + e] * decay : 0.0f;
                         dq[e] = qk[n][2 * hf + e] * decay;
                     }
+                    *reinterpret_cast<float2*>(As + r * LDA + c) = make_float2(da[0], da[1]);
                     words[n] = tern_gdn_tc_pack(dq[0], dq[1]);
                     if constexpr (!TILED) *reinterpret_cast<unsigned*>(a.qk_s + ch * C * C + tern_gdn_tc_tile_at(r, c, C)) = words[n];
                 }
@@ -681,13 +725,17 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
             }
     }
     __syncthreads();
-    tern_gdn_tc_inverse_blocks<LDA>(As, Ts, Ps);
+    tern_gdn_tc_inverse_blocks<LDA>(As, Ts);
     if constexpr (TILED) {
         for (int idx = tid; idx < C * C / 2; idx += blockDim.x) {
             const int r = idx >> 5, c = 2 * (idx & 31);
-            const float t0 = c <= r ? Ts[r * LDA + c] : 0.0f, t1 = c + 1 <= r ? Ts[r * LDA + c + 1] : 0.0f;
-            *reinterpret_cast<unsigned*>(Tw + r * LDT + c) = tern_gdn_tc_pack(t0 * Bt[c] * Ex[c], t1 * Bt[c + 1] * Ex[c + 1]);
-            *reinterpret_cast<unsigned*>(Tu + r * LDT + c) = tern_gdn_tc_pack(t0 * Bt[c], t1 * Bt[c + 1]);
+            // Both of T's elements in one 8-byte read (an element above the diagonal, zero or
+            // never written, is replaced by zero, not multiplied).
+            const float2 tt = *reinterpret_cast<const float2*>(Ts + r * LDA + c);
+            const float2 bt = *reinterpret_cast<const float2*>(Bt + c), ex = *reinterpret_cast<const float2*>(Ex + c);
+            const float t0 = c <= r ? tt.x : 0.0f, t1 = c + 1 <= r ? tt.y : 0.0f;
+            *reinterpret_cast<unsigned*>(Tw + r * LDT + c) = tern_gdn_tc_pack(t0 * bt.x * ex.x, t1 * bt.y * ex.y);
+            *reinterpret_cast<unsigned*>(Tu + r * LDT + c) = tern_gdn_tc_pack(t0 * bt.x, t1 * bt.y);
         }
     } else {
         for (int idx = tid; idx < C * C; idx += blockDim.x) {

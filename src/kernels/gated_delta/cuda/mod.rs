@@ -669,17 +669,17 @@ pub const FAST_VARIANT_WG: FastVariant = FastVariant { warpgroup: true, ..FAST_V
 pub const FAST_VARIANT_MMA: FastVariant = FastVariant { tiled: true, ..fast(8, 3, true, true) };
 
 /// Bytes of `tern_gdn_tc_prepare_body`'s shared memory (`tern_gdn_tc_prep_smem` in
-/// chunked_tc.cu): G (f64), beta and e^G, then A, T, the partials of T's off-diagonal blocks
-/// (f32), k, q, v and the two scaled copies of T (bf16 rows padded by 8) apart (wide) or with Q
-/// under T and the partials, and the copies of T under A (compact).
+/// chunked_tc.cu): G (f64), beta and e^G, then A and T (f32 rows of 72, the partials of T's
+/// off-diagonal blocks inside A), k, q, v and the two scaled copies of T (bf16 rows padded by
+/// 8) apart (wide) or with Q under T and the copies of T under A (compact).
 fn tc_prepare_smem(d_k: usize, d_v: usize, compact: bool) -> usize {
     let scalars = 8 * CHUNK + 4 * 2 * CHUNK;
-    let (mat, parts) = (4 * CHUNK * (CHUNK + 1), 4 * 32 * 33);
+    let mat = 4 * CHUNK * (CHUNK + 8);
     let (k_rows, v_rows, t_copy) = (2 * CHUNK * (d_k + 8), 2 * CHUNK * (d_v + 8), 2 * CHUNK * 72);
     if compact {
-        scalars + k_rows + v_rows + k_rows.max(mat + parts) + mat.max(2 * t_copy)
+        scalars + k_rows + v_rows + k_rows.max(mat) + mat.max(2 * t_copy)
     } else {
-        scalars + 2 * mat + parts + 2 * k_rows + v_rows + 2 * t_copy
+        scalars + 2 * mat + 2 * k_rows + v_rows + 2 * t_copy
     }
 }
 
