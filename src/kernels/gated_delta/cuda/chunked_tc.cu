@@ -463,6 +463,17 @@ static_assert(tern_gdn_tc_prep_smem<64, 64, true>::BYTES == 56320, "compact layo
 // Four consecutive floats of a row of A or T (16-byte aligned: tern_gdn_tc_lda).
 __device__ __forceinline__ float4 tern_gdn_tc_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float tern_gdn_tc_f4_at(const float4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+// One term of four (two) sums, acc[u] += a x[u]: a fused multiply-add each, as the scalar form.
+__device__ __forceinline__ void tern_gdn_tc_axpy4(float (&acc)[4], float a, const float4& x) {
+    acc[0] += a * x.x;
+    acc[1] += a * x.y;
+    acc[2] += a * x.z;
+    acc[3] += a * x.w;
+}
+__device__ __forceinline__ void tern_gdn_tc_axpy2(float (&acc)[2], float a, const float2& x) {
+    acc[0] += a * x.x;
+    acc[1] += a * x.y;
+}
 
 // The blocks of T = (I + A)^-1 below its diagonal 16 x 16 blocks (already in Ts), in two levels
 // of the block-triangular inverse [[L0, 0], [B, L1]]^-1 = [[L0^-1, 0], [-L1^-1 B L0^-1, L1^-1]]:
@@ -498,12 +509,8 @@ __device__ __forceinline__ void tern_gdn_tc_inverse_blocks(float* As, float* Ts)
             for (int m4 = 0; m4 < 16; m4 += 4) {
                 const float4 a4 = tern_gdn_tc_f4(As + (o + 16 + p) * LDA + o + m4);
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const float a0 = tern_gdn_tc_f4_at(a4, j);
-                    const float2 t2 = *reinterpret_cast<const float2*>(Ts + (o + m4 + j) * LDA + o + c0);
-                    part[0] += a0 * t2.x;
-                    part[1] += a0 * t2.y;
-                }
+                for (int j = 0; j < 4; j++)
+                    tern_gdn_tc_axpy2(part, tern_gdn_tc_f4_at(a4, j), *reinterpret_cast<const float2*>(Ts + (o + m4 + j) * LDA + o + c0));
             }
             *reinterpret_cast<float2*>(part_at + p * LDA + c0) = make_float2(part[0], part[1]);
         }
@@ -517,10 +524,7 @@ __device__ __forceinline__ void tern_gdn_tc_inverse_blocks(float* As, float* Ts)
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     if (m4 + j > p) continue;
-                    const float l = tern_gdn_tc_f4_at(l4, j);
-                    const float2 p2 = *reinterpret_cast<const float2*>(part_at + (m4 + j) * LDA + c0);
-                    t[0] += l * p2.x;
-                    t[1] += l * p2.y;
+                    tern_gdn_tc_axpy2(t, tern_gdn_tc_f4_at(l4, j), *reinterpret_cast<const float2*>(part_at + (m4 + j) * LDA + c0));
                 }
             }
             *reinterpret_cast<float2*>(Ts + (o + 16 + p) * LDA + o + c0) = make_float2(-t[0], -t[1]);
@@ -538,14 +542,8 @@ __device__ __forceinline__ void tern_gdn_tc_inverse_blocks(float* As, float* Ts)
             if (m4 < c0) continue;
             const float4 a4 = tern_gdn_tc_f4(As + (32 + r) * LDA + m4);
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const float a = tern_gdn_tc_f4_at(a4, j);
-                const float4 t4 = tern_gdn_tc_f4(Ts + (m4 + j) * LDA + c0);
-                part[0] += a * t4.x;
-                part[1] += a * t4.y;
-                part[2] += a * t4.z;
-                part[3] += a * t4.w;
-            }
+            for (int j = 0; j < 4; j++)
+                tern_gdn_tc_axpy4(part, tern_gdn_tc_f4_at(a4, j), tern_gdn_tc_f4(Ts + (m4 + j) * LDA + c0));
         }
         // A[:32][:32] is read by neither product (level 1's partials there are spent).
         *reinterpret_cast<float4*>(As + r * LDA + c0) = make_float4(part[0], part[1], part[2], part[3]);
@@ -560,12 +558,7 @@ __device__ __forceinline__ void tern_gdn_tc_inverse_blocks(float* As, float* Ts)
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 if (m4 + j > r) continue;
-                const float l = tern_gdn_tc_f4_at(l4, j);
-                const float4 p4 = tern_gdn_tc_f4(As + (m4 + j) * LDA + c0);
-                t[0] += l * p4.x;
-                t[1] += l * p4.y;
-                t[2] += l * p4.z;
-                t[3] += l * p4.w;
+                tern_gdn_tc_axpy4(t, tern_gdn_tc_f4_at(l4, j), tern_gdn_tc_f4(As + (m4 + j) * LDA + c0));
             }
         }
         // T[32:][:32] is read by neither product: written in place without a barrier before.
