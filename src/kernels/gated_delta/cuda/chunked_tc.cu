@@ -297,55 +297,8 @@ __device__ __forceinline__ int tern_gdn_tc_out_at(int r, int c) {
 // WIDE_STORES, which then fit the compact layout's 80 registers at N = 128 (in one pass the
 // fragment addresses spill) and leave as 16-byte stores (tern_gdn_tc_quad_transpose). Each
 // accumulator sums over the same k in the same order either way: the same bits.
-//
-// With WIDE_STORES at N = 128 the warps share the triangle evenly instead: m-tile i of X takes
-// i + 1 k-steps, so rows 16 (w % 4).. gave warps 3 and 7 four times the products of warps 0
-// and 4, and each k-step's Y fragments went to four warps. There warp w takes the m-tiles
-// lo = w % 2 and hi = 3 - lo (five k-steps in all) for 32 columns, 32 (w / 2).., and each
-// k-step's Y fragments serve both of its m-tiles: the longest warp multiplies 20 times where
-// it multiplied 32, and the block loads 96 fragments of four 8 x 8 matrices where it loaded 120.
 template <int N, bool WIDE_STORES, bool SLICED>
 __device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y, tern_gdn_bf16* out) {
-    if constexpr (WIDE_STORES && N == 128) {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-        const int mt[2] = {warp & 1, 3 - (warp & 1)}, nb = 32 * (warp >> 1);
-        float acc[2][4][4];
-#pragma unroll
-        for (int t = 0; t < 2; t++)
-#pragma unroll
-            for (int n = 0; n < 4; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) acc[t][n][e] = 0.0f;
-        // Not unrolled: the scheduler would hoist the next k-step's loads into this one's
-        // registers (a spill at 80).
-#pragma unroll 1
-        for (int kt = 0; kt <= mt[1]; kt++) {
-            unsigned b[2][4];
-#pragma unroll
-            for (int np = 0; np < 2; np++) tern_gdn_tc_frag_b_kn(b[np], Y, N + 8, nb + 16 * np, 16 * kt);
-#pragma unroll
-            for (int t = 0; t < 2; t++) {
-                if (kt > mt[t]) continue;
-                unsigned a[4];
-                tern_gdn_tc_frag_a(a, X, tern_gdn_tc_ldc, 16 * mt[t], 16 * kt);
-#pragma unroll
-                for (int np = 0; np < 2; np++) {
-                    tern_gdn_tc_mma(acc[t][2 * np], a, b[np][0], b[np][1]);
-                    tern_gdn_tc_mma(acc[t][2 * np + 1], a, b[np][2], b[np][3]);
-                }
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < 2; t++)
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                unsigned w[4];
-#pragma unroll
-                for (int u = 0; u < 4; u++) w[u] = tern_gdn_tc_pack(acc[t][u][2 * hf], acc[t][u][2 * hf + 1]);
-                *reinterpret_cast<uint4*>(out + tern_gdn_tc_out_at<N, SLICED>(16 * mt[t] + g + 8 * hf, nb + 8 * q)) = tern_gdn_tc_quad_transpose(w);
-            }
-        return;
-    }
     constexpr int NT = N / 16;  // n8 tiles per warp
     constexpr int GROUP = WIDE_STORES ? 4 : NT;
     static_assert(NT % GROUP == 0 && GROUP % 2 == 0, "whole groups of n8 tile pairs");
