@@ -347,10 +347,12 @@ __device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y
 }
 
 // Row stride of the f32 64 x 64 arrays A and T (and of the inverse's partials, which lie in
-// A): a multiple of 4 floats, so that rows are read in 16-byte vectors (a warp's vector of one
-// row is one wavefront where four scalar loads were four), and 8 banks from one row to the
-// next, so that the eight rows of an mma accumulator's 8-byte stores fall on distinct banks in
-// each half warp and the substitution's two 16 x 16 blocks a warp read on different banks.
+// A): a multiple of 4 floats, so that rows are read in 16-byte vectors (one instruction where
+// there were four; the wavefronts stay as many, as a 16-byte shared access is served a quarter
+// warp at a time), and 8 banks from one row to the next, so that the eight rows of an mma
+// accumulator's 8-byte stores fall on distinct banks in each half warp and the substitution's
+// two 16 x 16 blocks a warp read on different banks (at 65 floats a row, under ncu on an H100,
+// A's stores took 2.7 times their ideal wavefronts and the pass 7% longer with bf16 rows).
 constexpr int tern_gdn_tc_lda = tern_gdn_tc_c + 8;
 
 // Where tern_gdn_tc_prepare_body keeps its arrays in shared memory. Wide: every array apart
