@@ -83,6 +83,8 @@ PTX = [
     ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "tern_host_ptx::ldmatrix_x4(true, {args})", 5),
     ("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "tern_host_ptx::ldmatrix_x4(false, {args})", 5),
     ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "tern_host_ptx::mma_m16n8k16_bf16({args})", 10),
+    ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "tern_host_ptx::mma_m16n8k8_tf32({args})", 10),
+    ("cvt.rna.tf32.f32", "tern_host_ptx::cvt_rna_tf32_f32({args})", 2),
     ("cvt.rn.bf16x2.f32", "tern_host_ptx::cvt_rn_bf16x2_f32({args})", 3),
     ("cvt.rn.bf16.f32", "tern_host_ptx::cvt_rn_bf16_f32({args})", 2),
     ("cvt.f32.f16", "tern_host_ptx::cvt_f32_f16({args})", 2),

@@ -1,16 +1,17 @@
 // Fast mode of the chunked prefill: the algebra of chunked.cu (CPU twin chunked.rs, oracle the
 // sequential scan), with every product on the tensor cores (mma.sync m16n8k16, bf16 operands,
-// f32 accumulation) and the state kept in f32 registers from chunk to chunk. Only the operands
-// are rounded: q/k/v after their L2 norm, the UT-transform matrices, the per-chunk Delta and the
-// copy of the state that the products read; every sum, G, the substitution and the carried
-// state stay f32 (G in f64).
+// f32 accumulation; the inverse's, m16n8k8 in 3xTF32) and the state kept in f32 registers from
+// chunk to chunk. Only the operands are rounded: q/k/v after their L2 norm, the UT-transform
+// matrices, the per-chunk Delta and the copy of the state that the products read; every sum, G,
+// T = (I + A)^-1 (to within 3xTF32's products) and the carried state stay f32 (G in f64).
 //
 // Two launches, as the f32 form, but the sequential one does only what depends on the state:
 //
 //  1. tern_gdn_tc_prepare_*: one block per (value head, chunk); the heads of a chunk are
 //     neighbours in the grid, so the second head of a key head finds q and k in L2. Builds
-//     KK^T and QK^T on tensor cores, A, T = (I + A)^-1 in f32 (16 x 16 diagonal blocks by
-//     substitution, then the blocks below them in two levels), W = T diag(beta e^G) K and
+//     KK^T and QK^T on tensor cores, A, T = (I + A)^-1 (16 x 16 diagonal blocks by f32
+//     substitution, then the blocks below them in two levels of tensor-core products in
+//     3xTF32, near f32), W = T diag(beta e^G) K and
 //     U = T diag(beta) V on tensor cores, and writes W, U, the decayed read-out weights and
 //     the decays (per value head) and the normalised bf16 q and k (per key head, by the first
 //     value head that reads it).
@@ -347,12 +348,14 @@ __device__ void tern_gdn_tc_apply(const tern_gdn_bf16* X, const tern_gdn_bf16* Y
 }
 
 // Row stride of the f32 64 x 64 arrays A and T (and of the inverse's partials, which lie in
-// A): a multiple of 4 floats, so that rows are read in 16-byte vectors (one instruction where
-// there were four; the wavefronts stay as many, as a 16-byte shared access is served a quarter
-// warp at a time), and 8 banks from one row to the next, so that the eight rows of an mma
-// accumulator's 8-byte stores fall on distinct banks in each half warp and the substitution's
-// two 16 x 16 blocks a warp read on different banks (at 65 floats a row, under ncu on an H100,
-// A's stores took 2.7 times their ideal wavefronts and the pass 7% longer with bf16 rows).
+// A): a multiple of 4 floats, so that rows are 16-byte aligned for ldmatrix (the tf32 A
+// fragments of tern_gdn_tc_inverse_blocks) and for 8-byte vector stores and reads, and 8 banks
+// from one row to the next, so that the eight rows of an mma accumulator's 8-byte stores fall on
+// distinct banks in each half warp, the tf32 B operand's 32 reads (four rows of eight) on 32
+// banks, and the substitution's two 16 x 16 blocks a warp reads on different banks (at 65
+// floats a row, under ncu on an H100, A's stores took 2.7 times their ideal wavefronts and the
+// pass 7% longer with bf16 rows). An ldmatrix of eight such rows meets itself twice a bank
+// (rows r and r + 4), the one conflict this stride leaves.
 constexpr int tern_gdn_tc_lda = tern_gdn_tc_c + 8;
 
 // Where tern_gdn_tc_prepare_body keeps its arrays in shared memory. Wide: every array apart
@@ -415,109 +418,124 @@ static_assert(tern_gdn_tc_prep_smem<128, 128, false>::BYTES == 108544, "wide lay
 static_assert(tern_gdn_tc_prep_smem<128, 128, true>::BYTES == 72704, "compact layout at 128 x 128: as mod.rs sizes it");
 static_assert(tern_gdn_tc_prep_smem<64, 64, true>::BYTES == 56320, "compact layout at 64 x 64: as mod.rs sizes it");
 
-// Four consecutive floats of a row of A or T (16-byte aligned: tern_gdn_tc_lda).
-__device__ __forceinline__ float4 tern_gdn_tc_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ float tern_gdn_tc_f4_at(const float4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
-// One term of four (two) sums, acc[u] += a x[u]: a fused multiply-add each, as the scalar form.
-__device__ __forceinline__ void tern_gdn_tc_axpy4(float (&acc)[4], float a, const float4& x) {
-    acc[0] += a * x.x;
-    acc[1] += a * x.y;
-    acc[2] += a * x.z;
-    acc[3] += a * x.w;
+// tf32 tensor-core products for T's off-diagonal blocks (mma.sync m16n8k8: A a0 (g, q), a1 (g + 8,
+// q), a2 (g, q + 4), a3 (g + 8, q + 4); B b0 (k q, n g), b1 (k q + 4, n g); C as m16n8k16's).
+// Each f32 operand is split into a tf32 head and the tf32 rounding of its remainder, and a
+// product takes the three terms that matter (head x head, head x tail, tail x head: 3xTF32), so
+// its error is near f32's (about 2^-21 of each term) where a single tf32 product's would be 2^-11.
+__device__ __forceinline__ unsigned tern_gdn_tc_tf32(float x) {
+    unsigned d;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(d) : "f"(x));
+    return d;
 }
-__device__ __forceinline__ void tern_gdn_tc_axpy2(float (&acc)[2], float a, const float2& x) {
-    acc[0] += a * x.x;
-    acc[1] += a * x.y;
+
+__device__ __forceinline__ void tern_gdn_tc_mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += a b in 3xTF32, the two small terms first (they would vanish added after the large one).
+__device__ __forceinline__ void tern_gdn_tc_mma_3xtf32(float (&c)[4], const float (&a)[4], float b0, float b1) {
+    unsigned ah[4], al[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        ah[i] = tern_gdn_tc_tf32(a[i]);
+        al[i] = tern_gdn_tc_tf32(a[i] - __uint_as_float(ah[i]));
+    }
+    const unsigned bh0 = tern_gdn_tc_tf32(b0), bh1 = tern_gdn_tc_tf32(b1);
+    const unsigned bl0 = tern_gdn_tc_tf32(b0 - __uint_as_float(bh0)), bl1 = tern_gdn_tc_tf32(b1 - __uint_as_float(bh1));
+    tern_gdn_tc_mma_tf32(c, al, bh0, bh1);
+    tern_gdn_tc_mma_tf32(c, ah, bl0, bl1);
+    tern_gdn_tc_mma_tf32(c, ah, bh0, bh1);
+}
+
+// The A fragment of the 16 x 8 block at (m0, k0) of a row-major f32 array (rows 16-byte
+// aligned): ldmatrix moves 16-byte rows, four floats, and hands lane l word l % 4 of row l / 4 of
+// each 8 x 4 piece, which is (g, q) of the pieces at rows m0, m0 + 8 and columns k0, k0 + 4.
+__device__ __forceinline__ void tern_gdn_tc_frag_a_f32(float (&a)[4], const float* x, int ld, int m0, int k0) {
+    const int lane = threadIdx.x & 31;
+    unsigned r[4];
+    tern_gdn_tc_ldm(r, reinterpret_cast<const tern_gdn_bf16*>(x + (m0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + k0 + (lane >> 4) * 4));
+#pragma unroll
+    for (int i = 0; i < 4; i++) a[i] = __uint_as_float(r[i]);
+}
+
+// c += (the 16 x 8 k-step at rows m0, columns k0 of row-major X) (the 8 x 8 k-step at rows k0,
+// columns n0 of row-major Y); Y's elements read one a lane (at a row stride of 8 banks, the
+// warp's 32 reads fall on 32 banks).
+__device__ __forceinline__ void tern_gdn_tc_kstep_f32(float (&c)[4], const float* x, const float* y, int ld, int m0, int k0, int n0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    float a[4];
+    tern_gdn_tc_frag_a_f32(a, x, ld, m0, k0);
+    tern_gdn_tc_mma_3xtf32(c, a, y[(k0 + q) * ld + n0 + g], y[(k0 + q + 4) * ld + n0 + g]);
+}
+
+// A warp's 16 x 8 accumulator tile to rows m0.., columns n0.. of a row-major f32 array, times s.
+__device__ __forceinline__ void tern_gdn_tc_store_f32(float* x, int ld, int m0, int n0, const float (&c)[4], float s) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    *reinterpret_cast<float2*>(x + (m0 + g) * ld + n0 + 2 * q) = make_float2(s * c[0], s * c[1]);
+    *reinterpret_cast<float2*>(x + (m0 + g + 8) * ld + n0 + 2 * q) = make_float2(s * c[2], s * c[3]);
 }
 
 // The blocks of T = (I + A)^-1 below its diagonal 16 x 16 blocks (already in Ts), in two levels
-// of the block-triangular inverse [[L0, 0], [B, L1]]^-1 = [[L0^-1, 0], [-L1^-1 B L0^-1, L1^-1]]:
-//  1. the 32 x 32 diagonal blocks' lower-left blocks side by side, T10 = -T11 (A10 T00) and
-//     T32 = -T33 (A32 T22), thread (b, p, c) of the 256 owning row p, columns 2c, 2c + 1 of
-//     block b (T10 or T32). Every thread takes a share: with the first 64 alone (8 elements
-//     each) this level held the block's other warps at its barriers, and the pass took 2.6%
-//     longer on an H100;
-//  2. the lower-left 32 x 32 block, -T[32:][32:] (A[32:][:32] T[:32][:32]), thread (r, c) owning
-//     row r, columns 4c .. 4c + 3.
-// The partials (the products in brackets) lie in A's first rows, which no later read needs:
-// level 1's [2][16][16] in A[:16][:32] (the substitution, done, read A's diagonal blocks; level
-// 1 reads A10 and A32, in other rows), level 2's [32][32] in A[:32][:32] (level 1 is done with
-// its partials and A10 at the barrier before; level 2 reads A[32:][:32]).
-// Serial depth 16 + 16 + 32 + 32 terms across four barriers, where T's block rows one after
-// another take 144 across six. Every element sums its terms in increasing order from zero, one
-// fused multiply-add a term, whether its factors come from scalar or vector reads (rows of A
-// and T four at a time, the partials' rows two or four at a time). T's stored zeros above a
-// diagonal 16 x 16 block's diagonal may be among them (a product with zero adds nothing to a
-// partial); the blocks above the 16 x 16 block diagonal, never written (other arrays live there
-// in the compact layout), may be read with a vector but are never used. The final products skip
-// the terms past a row's diagonal rather than add zeros (which could turn a -0 sum into +0).
+// of the block-triangular inverse [[L0, 0], [B, L1]]^-1 = [[L0^-1, 0], [-L1^-1 B L0^-1, L1^-1]],
+// on the tensor cores in 3xTF32 (where f32 multiply-adds, a thread an output, read A's and T's
+// rows through shared memory again for every 128 outputs: 35-40% of the pass's wavefronts under
+// ncu on an H100):
+//  1. the 32 x 32 diagonal blocks' lower-left blocks, T10 = -T11 (A10 T00) and T32 = -T33 (A32
+//     T22): warp (b, n) of the first four computes columns 8n.. of block b (T10 or T32);
+//  2. the lower-left 32 x 32 block, -T[32:][32:] (A[32:][:32] T[:32][:32]): warp n of the first
+//     four computes its columns 8n.., both 16-row tiles.
+// A warp's partial (the product in brackets) is its own columns, all rows: it goes through
+// shared memory from the accumulator layout to the B operand's, in A's first rows, which no later
+// read needs (level 1's [2][16][16] in A[:16][:32]: the substitution, done, read A's diagonal
+// blocks, and level 1 reads A10 and A32, in other rows; level 2's [32][32] in A[:32][:32]: level
+// 1 is done with its partials and A10 at the barrier before, and level 2 reads A[32:][:32]), so
+// only the warp's own lanes meet there. T's blocks above its 16 x 16 block diagonal were never
+// written (other arrays live there in the compact layout): the k-steps over them are skipped,
+// never multiplied. The diagonal blocks' stored zeros above their diagonals are multiplied.
 template <int LDA>
 __device__ __forceinline__ void tern_gdn_tc_inverse_blocks(float* As, float* Ts) {
-    static_assert(LDA % 4 == 0, "rows of A and T read as 16-byte vectors");
-    const int tid = threadIdx.x;
-    {
-        const int b = tid >> 7, p = (tid >> 3) & 15, c0 = 2 * (tid & 7), o = 32 * b;  // T[o + 16..][o..]
-        float* const part_at = As + 16 * b;                                           // [16][16], stride LDA
-        {
-            float part[2] = {};
+    static_assert(LDA % 4 == 0 && LDA % 32 == 8, "16-byte rows for ldmatrix; 8 banks a row for the B reads and the stores");
+    const int warp = threadIdx.x >> 5;
+    if (warp < 4) {
+        const int o = 32 * (warp >> 1), n0 = 8 * (warp & 1);  // T[o + 16..][o + n0..]
+        float* const part = As + 16 * (warp >> 1);           // [16][16], stride LDA
+        float p[4] = {}, t[4] = {};
 #pragma unroll
-            for (int m4 = 0; m4 < 16; m4 += 4) {
-                const float4 a4 = tern_gdn_tc_f4(As + (o + 16 + p) * LDA + o + m4);
+        for (int k0 = 0; k0 < 16; k0 += 8) tern_gdn_tc_kstep_f32(p, As + o * LDA + o, Ts + o * LDA + o, LDA, 16, k0, n0);
+        tern_gdn_tc_store_f32(part, LDA, 0, n0, p, 1.0f);
+        __syncwarp();
 #pragma unroll
-                for (int j = 0; j < 4; j++)
-                    tern_gdn_tc_axpy2(part, tern_gdn_tc_f4_at(a4, j), *reinterpret_cast<const float2*>(Ts + (o + m4 + j) * LDA + o + c0));
-            }
-            *reinterpret_cast<float2*>(part_at + p * LDA + c0) = make_float2(part[0], part[1]);
-        }
-        __syncthreads();
-        {
-            float t[2] = {};
-#pragma unroll
-            for (int m4 = 0; m4 < 16; m4 += 4) {
-                if (m4 > p) continue;
-                const float4 l4 = tern_gdn_tc_f4(Ts + (o + 16 + p) * LDA + o + 16 + m4);
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    if (m4 + j > p) continue;
-                    tern_gdn_tc_axpy2(t, tern_gdn_tc_f4_at(l4, j), *reinterpret_cast<const float2*>(part_at + (m4 + j) * LDA + c0));
-                }
-            }
-            *reinterpret_cast<float2*>(Ts + (o + 16 + p) * LDA + o + c0) = make_float2(-t[0], -t[1]);
-        }
-        __syncthreads();
-    }
-    const int r = tid >> 3, c0 = 4 * (tid & 7);
-    {
-        // Column c's terms start at row c of T[:32][:32]; a thread's four columns start at c0 (a
-        // multiple of 4, so a vector of four rows is all in or all out), in the 16 x 16 diagonal
-        // block that holds them (its stored zeros above the diagonal).
-        float part[4] = {};
-#pragma unroll
-        for (int m4 = 0; m4 < 32; m4 += 4) {
-            if (m4 < c0) continue;
-            const float4 a4 = tern_gdn_tc_f4(As + (32 + r) * LDA + m4);
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                tern_gdn_tc_axpy4(part, tern_gdn_tc_f4_at(a4, j), tern_gdn_tc_f4(Ts + (m4 + j) * LDA + c0));
-        }
-        // A[:32][:32] is read by neither product (level 1's partials there are spent).
-        *reinterpret_cast<float4*>(As + r * LDA + c0) = make_float4(part[0], part[1], part[2], part[3]);
+        for (int k0 = 0; k0 < 16; k0 += 8) tern_gdn_tc_kstep_f32(t, Ts + o * LDA + o + 16, part, LDA, 16, k0, n0);
+        tern_gdn_tc_store_f32(Ts + (o + 16) * LDA + o, LDA, 0, n0, t, -1.0f);
     }
     __syncthreads();
-    {
-        float t[4] = {};
+    if (warp < 4) {
+        const int n0 = 8 * warp;
+        float p[2][4] = {};
 #pragma unroll
-        for (int m4 = 0; m4 < 32; m4 += 4) {
-            if (m4 > r) continue;
-            const float4 l4 = tern_gdn_tc_f4(Ts + (32 + r) * LDA + 32 + m4);
+        for (int k0 = 0; k0 < 32; k0 += 8) {
+            if (k0 < (n0 & 16)) continue;  // T[:16][16:32]: above the block diagonal
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                if (m4 + j > r) continue;
-                tern_gdn_tc_axpy4(t, tern_gdn_tc_f4_at(l4, j), tern_gdn_tc_f4(As + (m4 + j) * LDA + c0));
-            }
+            for (int mt = 0; mt < 2; mt++) tern_gdn_tc_kstep_f32(p[mt], As, Ts, LDA, 32 + 16 * mt, k0, n0);
         }
-        // T[32:][:32] is read by neither product: written in place without a barrier before.
-        *reinterpret_cast<float4*>(Ts + (32 + r) * LDA + c0) = make_float4(-t[0], -t[1], -t[2], -t[3]);
+        // A[:32][:32] is read by neither product (level 1's partials there are spent).
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) tern_gdn_tc_store_f32(As, LDA, 16 * mt, n0, p[mt], 1.0f);
+        __syncwarp();
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            float t[4] = {};
+#pragma unroll
+            for (int k0 = 0; k0 < 32; k0 += 8) {
+                if (mt == 0 && k0 >= 16) continue;  // T[32:48][48:]: above the block diagonal
+                tern_gdn_tc_kstep_f32(t, Ts + 32, As, LDA, 32 + 16 * mt, k0, n0);
+            }
+            // T[32:][:32] is read by neither product: written without a barrier before.
+            tern_gdn_tc_store_f32(Ts, LDA, 32 + 16 * mt, n0, t, -1.0f);
+        }
     }
     __syncthreads();
 }
