@@ -35,6 +35,7 @@
 constexpr int tern_gdn_tc_c = 64;     // tokens per chunk
 constexpr int tern_gdn_tc_bv = 32;    // state rows (value columns) per state block
 constexpr int tern_gdn_tc_ldc = 72;   // padded row of a [64][64] bf16 tile
+constexpr int tern_gdn_tc_prep_threads = 256;  // a prepare block's (eight warps)
 
 typedef unsigned short tern_gdn_bf16;
 
@@ -739,23 +740,28 @@ __device__ void tern_gdn_tc_prepare_body(const tern_gdn_tc_prep_args& a) {
     }
     __syncthreads();
     tern_gdn_tc_inverse_blocks<LDA>(As, Ts);
+    // The block's threads step through the elements by a multiple of the row, so each
+    // thread's columns, and their beta and e^G, stay the same from row to row: read once (in the
+    // loop, the stores to Tw and Tu between would make the compiler read them again).
+    static_assert(tern_gdn_tc_prep_threads % C == 0, "a thread's columns stay fixed");
     if constexpr (TILED) {
-        for (int idx = tid; idx < C * C / 2; idx += blockDim.x) {
-            const int r = idx >> 5, c = 2 * (idx & 31);
+        const int c = 2 * (tid & 31);
+        const float2 bt = *reinterpret_cast<const float2*>(Bt + c), ex = *reinterpret_cast<const float2*>(Ex + c);
+        for (int r = tid >> 5; r < C; r += tern_gdn_tc_prep_threads / 32) {
             // Both of T's elements in one 8-byte read (an element above the diagonal, zero or
             // never written, is replaced by zero, not multiplied).
             const float2 tt = *reinterpret_cast<const float2*>(Ts + r * LDA + c);
-            const float2 bt = *reinterpret_cast<const float2*>(Bt + c), ex = *reinterpret_cast<const float2*>(Ex + c);
             const float t0 = c <= r ? tt.x : 0.0f, t1 = c + 1 <= r ? tt.y : 0.0f;
             *reinterpret_cast<unsigned*>(Tw + r * LDT + c) = tern_gdn_tc_pack(t0 * bt.x * ex.x, t1 * bt.y * ex.y);
             *reinterpret_cast<unsigned*>(Tu + r * LDT + c) = tern_gdn_tc_pack(t0 * bt.x, t1 * bt.y);
         }
     } else {
-        for (int idx = tid; idx < C * C; idx += blockDim.x) {
-            const int r = idx >> 6, c = idx & 63;
+        const int c = tid & 63;
+        const float bt = Bt[c], ex = Ex[c];
+        for (int r = tid >> 6; r < C; r += tern_gdn_tc_prep_threads / C) {
             const float t = c <= r ? Ts[r * LDA + c] : 0.0f;
-            Tw[r * LDT + c] = tern_gdn_tc_bf16(t * Bt[c] * Ex[c]);
-            Tu[r * LDT + c] = tern_gdn_tc_bf16(t * Bt[c]);
+            Tw[r * LDT + c] = tern_gdn_tc_bf16(t * bt * ex);
+            Tu[r * LDT + c] = tern_gdn_tc_bf16(t * bt);
         }
     }
     __syncthreads();
@@ -1548,16 +1554,16 @@ __device__ void tern_gdn_tc_state_t_body(const tern_gdn_tc_state_args& a) {
 // multiprocessor), _r{NR}c in the compact one (three: <= 80 registers, 72 KB at 128 x 128),
 // _r8ct the compact one TILED.
 #define TERN_GDN_TC_PREPARE(DK, DV, NR)                                                                              \
-    extern "C" __global__ void __launch_bounds__(256) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r##NR(tern_gdn_tc_prep_args a) { \
+    extern "C" __global__ void __launch_bounds__(tern_gdn_tc_prep_threads) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r##NR(tern_gdn_tc_prep_args a) { \
         tern_await_prior_kernel();                                                                                     \
         tern_gdn_tc_prepare_body<DK, DV, NR, false, false>(a);                                                         \
     }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256, 3) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r##NR##c(tern_gdn_tc_prep_args a) { \
+    extern "C" __global__ void __launch_bounds__(tern_gdn_tc_prep_threads, 3) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r##NR##c(tern_gdn_tc_prep_args a) { \
         tern_await_prior_kernel();                                                                                     \
         tern_gdn_tc_prepare_body<DK, DV, NR, true, false>(a);                                                          \
     }
 #define TERN_GDN_TC_PREPARE_TILED(DK, DV)                                                                            \
-    extern "C" __global__ void __launch_bounds__(256, 3) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r8ct(tern_gdn_tc_prep_args a) { \
+    extern "C" __global__ void __launch_bounds__(tern_gdn_tc_prep_threads, 3) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r8ct(tern_gdn_tc_prep_args a) { \
         tern_await_prior_kernel();                                                                                     \
         tern_gdn_tc_prepare_body<DK, DV, 8, true, true>(a);                                                            \
     }
@@ -1575,7 +1581,7 @@ TERN_GDN_TC_PREPARE_TILED(128, 64)
 TERN_GDN_TC_PREPARE_TILED(128, 128)
 // The default form (compact, TILED) reading bf16 q, k, v rows: _r8ctb.
 #define TERN_GDN_TC_PREPARE_BF16_IN(DK, DV)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, 3) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r8ctb(tern_gdn_tc_prep_args a) { \
+    extern "C" __global__ void __launch_bounds__(tern_gdn_tc_prep_threads, 3) tern_gdn_tc_prepare_dk##DK##_dv##DV##_r8ctb(tern_gdn_tc_prep_args a) { \
         tern_await_prior_kernel();                                                                                     \
         tern_gdn_tc_prepare_body<DK, DV, 8, true, true, tern_gdn_bf16>(a);                                             \
     }
