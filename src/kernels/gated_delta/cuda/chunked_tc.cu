@@ -462,21 +462,29 @@ __device__ __forceinline__ void tern_gdn_tc_frag_a_f32(float (&a)[4], const floa
     for (int i = 0; i < 4; i++) a[i] = __uint_as_float(r[i]);
 }
 
-// c += (the 16 x 8 k-step at rows m0, columns k0 of row-major X) (the 8 x 8 k-step at rows k0,
-// columns n0 of row-major Y); Y's elements read one a lane (at a row stride of 8 banks, the
-// warp's 32 reads fall on 32 banks).
-__device__ __forceinline__ void tern_gdn_tc_kstep_f32(float (&c)[4], const float* x, const float* y, int ld, int m0, int k0, int n0) {
+// c[j] += (the 16 x 8 k-step at rows m0, columns k0 of row-major X) (the 8 x 8 k-step at rows
+// k0, columns n0 + 8j of row-major Y), j < NT: X's fragment loaded once for the NT tiles (an
+// ldmatrix of eight rows 8 banks apart meets itself twice a bank: the dearer operand), Y's
+// elements one a lane (at a row stride of 8 banks, the warp's 32 reads fall on 32 banks).
+template <int NT>
+__device__ __forceinline__ void tern_gdn_tc_kstep_f32(float (&c)[NT][4], const float* x, const float* y, int ld, int m0, int k0, int n0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     float a[4];
     tern_gdn_tc_frag_a_f32(a, x, ld, m0, k0);
-    tern_gdn_tc_mma_3xtf32(c, a, y[(k0 + q) * ld + n0 + g], y[(k0 + q + 4) * ld + n0 + g]);
+#pragma unroll
+    for (int j = 0; j < NT; j++) tern_gdn_tc_mma_3xtf32(c[j], a, y[(k0 + q) * ld + n0 + 8 * j + g], y[(k0 + q + 4) * ld + n0 + 8 * j + g]);
 }
 
-// A warp's 16 x 8 accumulator tile to rows m0.., columns n0.. of a row-major f32 array, times s.
-__device__ __forceinline__ void tern_gdn_tc_store_f32(float* x, int ld, int m0, int n0, const float (&c)[4], float s) {
+// A warp's 16 x 8 NT accumulator tiles to rows m0.., columns n0.. of a row-major f32 array,
+// times s.
+template <int NT>
+__device__ __forceinline__ void tern_gdn_tc_store_f32(float* x, int ld, int m0, int n0, const float (&c)[NT][4], float s) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    *reinterpret_cast<float2*>(x + (m0 + g) * ld + n0 + 2 * q) = make_float2(s * c[0], s * c[1]);
-    *reinterpret_cast<float2*>(x + (m0 + g + 8) * ld + n0 + 2 * q) = make_float2(s * c[2], s * c[3]);
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        *reinterpret_cast<float2*>(x + (m0 + g) * ld + n0 + 8 * j + 2 * q) = make_float2(s * c[j][0], s * c[j][1]);
+        *reinterpret_cast<float2*>(x + (m0 + g + 8) * ld + n0 + 8 * j + 2 * q) = make_float2(s * c[j][2], s * c[j][3]);
+    }
 }
 
 // The blocks of T = (I + A)^-1 below its diagonal 16 x 16 blocks (already in Ts), in two levels
@@ -485,58 +493,56 @@ __device__ __forceinline__ void tern_gdn_tc_store_f32(float* x, int ld, int m0, 
 // rows through shared memory again for every 128 outputs: 35-40% of the pass's wavefronts under
 // ncu on an H100):
 //  1. the 32 x 32 diagonal blocks' lower-left blocks, T10 = -T11 (A10 T00) and T32 = -T33 (A32
-//     T22): warp (b, n) of the first four computes columns 8n.. of block b (T10 or T32);
-//  2. the lower-left 32 x 32 block, -T[32:][32:] (A[32:][:32] T[:32][:32]): warp n of the first
-//     four computes its columns 8n.., both 16-row tiles.
-// A warp's partial (the product in brackets) is its own columns, all rows: it goes through
-// shared memory from the accumulator layout to the B operand's, in A's first rows, which no later
-// read needs (level 1's [2][16][16] in A[:16][:32]: the substitution, done, read A's diagonal
-// blocks, and level 1 reads A10 and A32, in other rows; level 2's [32][32] in A[:32][:32]: level
-// 1 is done with its partials and A10 at the barrier before, and level 2 reads A[32:][:32]), so
-// only the warp's own lanes meet there. T's blocks above its 16 x 16 block diagonal were never
-// written (other arrays live there in the compact layout): the k-steps over them are skipped,
-// never multiplied. The diagonal blocks' stored zeros above their diagonals are multiplied.
+//     T22): warp b of the first two computes block b (T10 or T32), its partial (the product in
+//     brackets) staying with the warp;
+//  2. the lower-left 32 x 32 block, -T[32:][32:] (A[32:][:32] T[:32][:32]): warp (m, n) of the
+//     first four computes rows 16m.., columns 16n.. of the partial, then of the block, which
+//     takes the partial's columns 16n.. from both row halves: the four meet at a barrier of
+//     their own (bar.sync 1) between.
+// Each warp takes whole 16-row A fragments across 16 columns (two n8 tiles): the fragment, the
+// dearer operand, is loaded once for both. The partials go through shared memory from the
+// accumulator layout to the B operand's, in A's first rows, which no later read needs (level
+// 1's [2][16][16] in A[:16][:32]: the substitution, done, read A's diagonal blocks, and level 1
+// reads A10 and A32, in other rows; level 2's [32][32] in A[:32][:32]: level 1 is done with its
+// partials and A10 at the barrier before, and level 2 reads A[32:][:32]). T's blocks above its
+// 16 x 16 block diagonal were never written (other arrays live there in the compact layout):
+// the k-steps over them are skipped, never multiplied. The diagonal blocks' stored zeros above
+// their diagonals are multiplied.
 template <int LDA>
 __device__ __forceinline__ void tern_gdn_tc_inverse_blocks(float* As, float* Ts) {
     static_assert(LDA % 4 == 0 && LDA % 32 == 8, "16-byte rows for ldmatrix; 8 banks a row for the B reads and the stores");
     const int warp = threadIdx.x >> 5;
-    if (warp < 4) {
-        const int o = 32 * (warp >> 1), n0 = 8 * (warp & 1);  // T[o + 16..][o + n0..]
-        float* const part = As + 16 * (warp >> 1);           // [16][16], stride LDA
-        float p[4] = {}, t[4] = {};
+    if (warp < 2) {
+        const int o = 32 * warp;         // T[o + 16..][o..]
+        float* const part = As + 16 * warp;  // [16][16], stride LDA
+        float p[2][4] = {}, t[2][4] = {};
 #pragma unroll
-        for (int k0 = 0; k0 < 16; k0 += 8) tern_gdn_tc_kstep_f32(p, As + o * LDA + o, Ts + o * LDA + o, LDA, 16, k0, n0);
-        tern_gdn_tc_store_f32(part, LDA, 0, n0, p, 1.0f);
+        for (int k0 = 0; k0 < 16; k0 += 8) tern_gdn_tc_kstep_f32(p, As + o * LDA + o, Ts + o * LDA + o, LDA, 16, k0, 0);
+        tern_gdn_tc_store_f32(part, LDA, 0, 0, p, 1.0f);
         __syncwarp();
 #pragma unroll
-        for (int k0 = 0; k0 < 16; k0 += 8) tern_gdn_tc_kstep_f32(t, Ts + o * LDA + o + 16, part, LDA, 16, k0, n0);
-        tern_gdn_tc_store_f32(Ts + (o + 16) * LDA + o, LDA, 0, n0, t, -1.0f);
+        for (int k0 = 0; k0 < 16; k0 += 8) tern_gdn_tc_kstep_f32(t, Ts + o * LDA + o + 16, part, LDA, 16, k0, 0);
+        tern_gdn_tc_store_f32(Ts + (o + 16) * LDA + o, LDA, 0, 0, t, -1.0f);
     }
     __syncthreads();
     if (warp < 4) {
-        const int n0 = 8 * warp;
-        float p[2][4] = {};
+        const int m0 = 16 * (warp & 1), n0 = 16 * (warp >> 1);
+        float p[2][4] = {}, t[2][4] = {};
 #pragma unroll
         for (int k0 = 0; k0 < 32; k0 += 8) {
-            if (k0 < (n0 & 16)) continue;  // T[:16][16:32]: above the block diagonal
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++) tern_gdn_tc_kstep_f32(p[mt], As, Ts, LDA, 32 + 16 * mt, k0, n0);
+            if (k0 < n0) continue;  // T[:16][16:32]: above the block diagonal
+            tern_gdn_tc_kstep_f32(p, As, Ts, LDA, 32 + m0, k0, n0);
         }
         // A[:32][:32] is read by neither product (level 1's partials there are spent).
+        tern_gdn_tc_store_f32(As, LDA, m0, n0, p, 1.0f);
+        asm volatile("bar.sync %0, %1;" ::"r"(1), "r"(128) : "memory");
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++) tern_gdn_tc_store_f32(As, LDA, 16 * mt, n0, p[mt], 1.0f);
-        __syncwarp();
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            float t[4] = {};
-#pragma unroll
-            for (int k0 = 0; k0 < 32; k0 += 8) {
-                if (mt == 0 && k0 >= 16) continue;  // T[32:48][48:]: above the block diagonal
-                tern_gdn_tc_kstep_f32(t, Ts + 32, As, LDA, 32 + 16 * mt, k0, n0);
-            }
-            // T[32:][:32] is read by neither product: written without a barrier before.
-            tern_gdn_tc_store_f32(Ts, LDA, 32 + 16 * mt, n0, t, -1.0f);
+        for (int k0 = 0; k0 < 32; k0 += 8) {
+            if (m0 == 0 && k0 >= 16) continue;  // T[32:48][48:]: above the block diagonal
+            tern_gdn_tc_kstep_f32(t, Ts + 32, As, LDA, 32 + m0, k0, n0);
         }
+        // T[32:][:32] is read by neither product: written without a barrier before.
+        tern_gdn_tc_store_f32(Ts, LDA, 32 + m0, n0, t, -1.0f);
     }
     __syncthreads();
 }
