@@ -650,69 +650,66 @@ inline float mma_a_element(const uint32_t (*lanes)[R], int row, int k) {
     return f32_of_bf16(k % 2 ? reg >> 16 : reg & 0xffff);
 }
 
+// Each lane's four outputs of an m16n8 product (C's layout, c0..1 = (g, 2t..2t+1), c2..3 = (g +
+// 8, 2t..), the same for both shapes) from the operands' elements A(row, k) and B(k, n), k < K,
+// and the accumulators' bits after the six operand registers.
+template <int K, class FA, class FB>
+inline void mma_m16n8_outputs(WarpSlot& w, FA A, FB B) {
+    for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, t = lane % 4;
+        for (int i = 0; i < 4; ++i) {
+            const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i % 2);
+            double s = 0.0;
+            for (int k = 0; k < K; ++k) s += A(row, k) * B(k, col);
+            const float c = f32_of_bits(w.in[lane][6 + i]);
+            w.out[lane][i] = bits_of_f32((float)(s + (double)c));
+        }
+    }
+}
+
 inline void mma_all(WarpSlot& w) {
     auto A = [&](int row, int k) { return (double)mma_a_element(w.in, row, k); };
     auto B = [&](int k, int n) {
         const uint32_t reg = w.in[n * 4 + (k % 8) / 2][4 + (k >= 8 ? 1 : 0)];
         return (double)f32_of_bf16(k % 2 ? reg >> 16 : reg & 0xffff);
     };
-    for (int lane = 0; lane < 32; ++lane) {
-        const int g = lane / 4, t = lane % 4;
-        for (int i = 0; i < 4; ++i) {
-            const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i % 2);
-            double s = 0.0;
-            for (int k = 0; k < 16; ++k) s += A(row, k) * B(k, col);
-            const float c = f32_of_bits(w.in[lane][6 + i]);
-            w.out[lane][i] = bits_of_f32((float)(s + (double)c));
-        }
-    }
-}
-
-template <class C, class I>
-inline void mma_m16n8k16_bf16(C* d0, C* d1, C* d2, C* d3, I a0, I a1, I a2, I a3, I b0, I b1) {
-    const uint32_t in[10] = {(uint32_t)a0, (uint32_t)a1, (uint32_t)a2, (uint32_t)a3, (uint32_t)b0, (uint32_t)b1,
-                             bits_of_f32(*d0), bits_of_f32(*d1), bits_of_f32(*d2), bits_of_f32(*d3)};
-    const int lane = lane_id();
-    WarpSlot& w = arrive(0xffffffffu, kMma, 0, in, 10, mma_all);
-    *d0 = f32_of_bits(w.out[lane][0]);
-    *d1 = f32_of_bits(w.out[lane][1]);
-    *d2 = f32_of_bits(w.out[lane][2]);
-    *d3 = f32_of_bits(w.out[lane][3]);
-    leave(w);
+    mma_m16n8_outputs<16>(w, A, B);
 }
 
 // mma.sync m16n8k8 row.col f32 += tf32 · tf32 (g = lane / 4, t = lane % 4): A a0 = (g, t), a1 =
 // (g + 8, t), a2 = (g, t + 4), a3 = (g + 8, t + 4); B b0 = (k t, n g), b1 = (k t + 4, n g); C as
-// m16n8k16's. Lane inputs: a0..a3, b0, b1, then the accumulators' bits. An operand is read as
-// tf32, its 13 low mantissa bits dropped (tern rounds operands with cvt.rna.tf32.f32 first, so
-// none are there to drop); the 8 products are exact in double, their sum and c round once.
+// m16n8k16's. An operand is read as tf32, its 13 low mantissa bits dropped (tern rounds
+// operands with cvt.rna.tf32.f32 first, so none are there to drop); the 8 products are exact in
+// double, their sum and c round once.
 inline void mma_tf32_all(WarpSlot& w) {
     auto tf32 = [](uint32_t u) { return (double)f32_of_bits(u & 0xffffe000u); };
     auto A = [&](int row, int k) { return tf32(w.in[(row % 8) * 4 + k % 4][(row >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]); };
     auto B = [&](int k, int n) { return tf32(w.in[n * 4 + k % 4][4 + (k >= 4 ? 1 : 0)]); };
-    for (int lane = 0; lane < 32; ++lane) {
-        const int g = lane / 4, t = lane % 4;
-        for (int i = 0; i < 4; ++i) {
-            const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i % 2);
-            double s = 0.0;
-            for (int k = 0; k < 8; ++k) s += A(row, k) * B(k, col);
-            const float c = f32_of_bits(w.in[lane][6 + i]);
-            w.out[lane][i] = bits_of_f32((float)(s + (double)c));
-        }
-    }
+    mma_m16n8_outputs<8>(w, A, B);
 }
 
+// One m16n8 product of the warp. Lane inputs: a0..a3, b0, b1, then the accumulators' bits.
 template <class C, class I>
-inline void mma_m16n8k8_tf32(C* d0, C* d1, C* d2, C* d3, I a0, I a1, I a2, I a3, I b0, I b1) {
+inline void mma_m16n8(int kind, void (*complete)(WarpSlot&), C* d0, C* d1, C* d2, C* d3, I a0, I a1, I a2, I a3, I b0, I b1) {
     const uint32_t in[10] = {(uint32_t)a0, (uint32_t)a1, (uint32_t)a2, (uint32_t)a3, (uint32_t)b0, (uint32_t)b1,
                              bits_of_f32(*d0), bits_of_f32(*d1), bits_of_f32(*d2), bits_of_f32(*d3)};
     const int lane = lane_id();
-    WarpSlot& w = arrive(0xffffffffu, kMmaTf32, 0, in, 10, mma_tf32_all);
+    WarpSlot& w = arrive(0xffffffffu, kind, 0, in, 10, complete);
     *d0 = f32_of_bits(w.out[lane][0]);
     *d1 = f32_of_bits(w.out[lane][1]);
     *d2 = f32_of_bits(w.out[lane][2]);
     *d3 = f32_of_bits(w.out[lane][3]);
     leave(w);
+}
+
+template <class C, class I>
+inline void mma_m16n8k16_bf16(C* d0, C* d1, C* d2, C* d3, I a0, I a1, I a2, I a3, I b0, I b1) {
+    mma_m16n8(kMma, mma_all, d0, d1, d2, d3, a0, a1, a2, a3, b0, b1);
+}
+
+template <class C, class I>
+inline void mma_m16n8k8_tf32(C* d0, C* d1, C* d2, C* d3, I a0, I a1, I a2, I a3, I b0, I b1) {
+    mma_m16n8(kMmaTf32, mma_tf32_all, d0, d1, d2, d3, a0, a1, a2, a3, b0, b1);
 }
 
 // f32 -> tf32 (10 mantissa bits) as f32 bits, to nearest with ties away from zero: half the
