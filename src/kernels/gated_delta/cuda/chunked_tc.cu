@@ -489,9 +489,10 @@ __device__ __forceinline__ void tern_gdn_tc_store_f32(float* x, int ld, int m0, 
 
 // The blocks of T = (I + A)^-1 below its diagonal 16 x 16 blocks (already in Ts), in two levels
 // of the block-triangular inverse [[L0, 0], [B, L1]]^-1 = [[L0^-1, 0], [-L1^-1 B L0^-1, L1^-1]],
-// on the tensor cores in 3xTF32 (where f32 multiply-adds, a thread an output, read A's and T's
-// rows through shared memory again for every 128 outputs: 35-40% of the pass's wavefronts under
-// ncu on an H100):
+// on the tensor cores in 3xTF32. The f32 form before it, one multiply-add a thread an output,
+// read A's and T's rows through shared memory again for every 128 outputs: 35-40% of the pass's
+// wavefronts under ncu on an H100. This form took the pass 3-4% shorter there at 32k tokens
+// (BENCHMARKS.md, thirty-seventh session), with the same errors to three digits.
 //  1. the 32 x 32 diagonal blocks' lower-left blocks, T10 = -T11 (A10 T00) and T32 = -T33 (A32
 //     T22): warp b of the first two computes block b (T10 or T32), its partial (the product in
 //     brackets) staying with the warp;
